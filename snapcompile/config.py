@@ -1,0 +1,120 @@
+"""Frozen configuration records, validated at construction with user-readable errors."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from snapcompile.errors import SnapcompileError
+
+POLICIES = ("dense", "streamingllm", "snapstream")
+POOLINGS = ("max", "avg")
+SCOPES = ("head", "layer")
+
+
+@dataclass(frozen=True)
+class ExportConfig:
+    """Static shapes of the exported graphs.
+
+    slots: N, decode batch slots. max_context: L, positions a sequence may use (prompt +
+    generated). chunk: C, prefill chunk length (a prompt is processed C tokens at a time).
+    """
+
+    slots: int = 4
+    max_context: int = 2048
+    chunk: int = 256
+    dtype: str = "float32"
+
+    def __post_init__(self):
+        if self.slots < 1:
+            raise SnapcompileError(f"--slots must be >= 1, got {self.slots}")
+        if self.chunk < 1:
+            raise SnapcompileError(f"--chunk must be >= 1, got {self.chunk}")
+        if self.max_context < 2:
+            raise SnapcompileError(f"--max-context must be >= 2, got {self.max_context}")
+        if self.chunk > self.max_context:
+            raise SnapcompileError(
+                f"--chunk ({self.chunk}) cannot exceed --max-context ({self.max_context})")
+        if self.dtype != "float32":
+            raise SnapcompileError(f"dtype {self.dtype!r} is not supported yet; use float32")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    """The SnapStream cache policy (see DESIGN.md, "The cache policy").
+
+    budget: B, KV slots per sequence. sinks: S. window: W, observation window (last W prompt
+    queries). kernel: K, pooling width (odd). pooling: "max" | "avg". prompt_share: P, slots
+    reserved for the compressed prompt; None means B minus a ring of at least B/4.
+    scope: "head" (each KV head selects its own positions) or "layer" (one set per layer).
+    For policy "dense" the budget is ignored (the cache holds max_context positions).
+    """
+
+    policy: str = "snapstream"
+    budget: int = 512
+    sinks: int = 4
+    window: int = 32
+    kernel: int = 15
+    pooling: str = "max"
+    prompt_share: int | None = None
+    scope: str = "head"
+    resolved_prompt_share: int = field(init=False, default=0)
+
+    def __post_init__(self):
+        if self.policy not in POLICIES:
+            raise SnapcompileError(f"unknown policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
+        if self.pooling not in POOLINGS:
+            raise SnapcompileError(f"unknown pooling {self.pooling!r}; choose max or avg")
+        if self.scope not in SCOPES:
+            raise SnapcompileError(f"unknown selection scope {self.scope!r}; choose head or layer")
+        if self.policy == "dense":
+            object.__setattr__(self, "resolved_prompt_share", 0)
+            return
+        self._validate_budget()
+
+    def _validate_budget(self):
+        b, s, w = self.budget, self.sinks, self.window
+        if s < 0 or w < 1:
+            raise SnapcompileError(f"sinks must be >= 0 and window >= 1 (got sinks={s}, window={w})")
+        if self.kernel < 1 or self.kernel % 2 == 0:
+            raise SnapcompileError(f"--kernel must be a positive odd number, got {self.kernel}")
+        if b <= s + w:
+            raise SnapcompileError(
+                f"budget {b} must exceed sinks + window = {s + w} (nothing would be left to select)")
+        share = self.prompt_share if self.prompt_share is not None else b - max(1, -(-b // 4))
+        if self.policy == "streamingllm":
+            lowest = s + 1
+        else:
+            lowest = s + w + 1
+        if not lowest <= share < b:
+            raise SnapcompileError(
+                f"prompt share {share} must be in [{lowest}, {b - 1}] for budget {b} "
+                f"(sinks {s}, window {w}) so that at least one slot is selected and one is left for the ring")
+        object.__setattr__(self, "resolved_prompt_share", share)
+
+    @property
+    def compressed(self) -> bool:
+        return self.policy != "dense"
+
+    def check_against(self, export: ExportConfig) -> None:
+        """Reject combinations that the static graphs cannot serve."""
+        if not self.compressed:
+            return
+        if self.budget > export.max_context:
+            raise SnapcompileError(
+                f"budget {self.budget} exceeds --max-context {export.max_context}; use policy dense instead")
+        if self.policy == "snapstream" and self.window > export.chunk:
+            raise SnapcompileError(
+                f"window {self.window} is longer than the prefill chunk {export.chunk}: "
+                "the observation window must fit in one chunk")
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["prompt_share"] = self.resolved_prompt_share if self.compressed else None
+        d.pop("resolved_prompt_share")
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "PolicyConfig":
+        return cls(**d)

@@ -1,0 +1,66 @@
+"""Where each token of a sequence lives in its fixed-size cache slot (no tensors here).
+
+A slot holds `capacity` cache rows. The prompt's kept tokens occupy rows [0, kept) in position
+order; decode tokens follow. For the dense policy capacity is max_context and nothing wraps;
+for compressed policies capacity is the budget B and rows [kept, B) form a ring in which a new
+token overwrites the oldest generated one.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class DecodeStep:
+    """Per-slot decode-graph inputs for one step.
+
+    position: original position of the token fed this step (its RoPE position).
+    write_index: cache row its K/V is written to.
+    cache_len: rows [0, cache_len) hold valid K/V before this step's write; the row at
+    write_index is excluded from attention (it is being overwritten), the new token attends to
+    itself through the graph's "new token" branch.
+    """
+
+    position: int
+    write_index: int
+    cache_len: int
+
+
+@dataclass(frozen=True)
+class SlotLayout:
+    """Cache layout of one sequence: prompt_len T tokens, of which `kept` sit in the slot."""
+
+    prompt_len: int
+    kept: int
+    capacity: int
+    ring: bool
+
+    @classmethod
+    def for_prompt(cls, prompt_len: int, capacity: int, prompt_share: int | None) -> "SlotLayout":
+        """prompt_share None = dense (keep everything, no ring)."""
+        if prompt_share is None:
+            return cls(prompt_len, prompt_len, capacity, ring=False)
+        return cls(prompt_len, min(prompt_len, prompt_share), capacity, ring=True)
+
+    @property
+    def compressed(self) -> bool:
+        return self.kept < self.prompt_len
+
+    @property
+    def ring_size(self) -> int:
+        return self.capacity - self.kept
+
+    def step(self, generated: int) -> DecodeStep:
+        """Inputs for feeding the `generated`-th decode token (0-based: the first token sampled
+        from the prefill logits is fed with generated=0)."""
+        position = self.prompt_len + generated
+        if not self.ring:
+            if position >= self.capacity:
+                raise IndexError(f"position {position} exceeds the cache capacity {self.capacity}")
+            return DecodeStep(position, position, position)
+        write = self.kept + generated % self.ring_size
+        return DecodeStep(position, write, min(self.kept + generated, self.capacity))
+
+    def can_feed(self, generated: int) -> bool:
+        """Whether decode token number `generated` still fits (always true for a ring)."""
+        return self.ring or self.prompt_len + generated < self.capacity

@@ -1,0 +1,84 @@
+"""Reference SnapStream prompt selection in PyTorch (the oracle every backend is checked against).
+
+Shapes use H query heads, Hkv KV heads (G = H / Hkv), W window, T prompt length, D head dim.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from snapcompile.config import PolicyConfig
+
+
+@dataclass(frozen=True)
+class Selection:
+    """Kept prompt positions of one layer.
+
+    indices: [Hkv, P] int64, ascending per head. scores: [Hkv, T] float32 pooled scores of the
+    candidates (sinks, window and positions >= T hold -inf); None for streamingllm.
+    """
+
+    indices: torch.Tensor
+    scores: torch.Tensor | None
+
+
+def window_scores(window_query: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
+    """Attention the last W prompt queries pay to each prefix position.
+
+    window_query: [H, W, D] post-RoPE queries of positions T-W..T-1; keys: [Hkv, T, D] post-RoPE.
+    Returns [Hkv, T-W]: softmax probabilities (causal inside the window) averaged over the W
+    queries and over the G query heads of each KV head.
+    """
+    heads, window, _ = window_query.shape
+    kv_heads, length, _ = keys.shape
+    group = heads // kv_heads
+    q = window_query.reshape(kv_heads, group * window, -1)           # [Hkv, G*W, D]
+    logits = torch.matmul(q, keys.transpose(1, 2)) * scale             # [Hkv, G*W, T]
+    query_pos = (length - window) + torch.arange(group * window) % window
+    visible = torch.arange(length)[None, :] <= query_pos[:, None]      # [G*W, T]
+    logits = logits.masked_fill(~visible, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    return probs.mean(dim=1)[:, : length - window]
+
+
+def pool_scores(scores: torch.Tensor, kernel: int, kind: str) -> torch.Tensor:
+    """Stride-1 "same" pooling along the last axis of [R, n] scores.
+
+    max pads with -inf; avg is the sum of the K neighbours / K with zero padding counted.
+    """
+    pad = kernel // 2
+    x = scores[:, None, :]
+    if kind == "max":
+        return torch.nn.functional.max_pool1d(x, kernel, stride=1, padding=pad)[:, 0]
+    return torch.nn.functional.avg_pool1d(x, kernel, stride=1, padding=pad, count_include_pad=True)[:, 0]
+
+
+def top_positions(candidate_scores: torch.Tensor, count: int) -> torch.Tensor:
+    """Indices of the `count` largest scores per row; ties go to the lower index (ONNX TopK)."""
+    order = torch.sort(candidate_scores, dim=-1, descending=True, stable=True).indices
+    return order[:, :count]
+
+
+def snapkv_select(window_query: torch.Tensor, keys: torch.Tensor, cfg: PolicyConfig,
+                  scale: float) -> Selection:
+    """SnapKV selection of one layer for a prompt of T > P tokens (DESIGN.md, "Prefill")."""
+    kv_heads, length, _ = keys.shape
+    share, sinks, window = cfg.resolved_prompt_share, cfg.sinks, cfg.window
+    prefix = pool_scores(window_scores(window_query, keys, scale), cfg.kernel, cfg.pooling)
+    if cfg.scope == "layer":
+        prefix = prefix.sum(dim=0, keepdim=True)                       # [1, T-W]
+    scores = torch.full((prefix.shape[0], length), float("-inf"))
+    scores[:, sinks: length - window] = prefix[:, sinks:]
+    chosen = top_positions(scores, share - sinks - window)
+    fixed = torch.cat([torch.arange(sinks), torch.arange(length - window, length)])
+    fixed = fixed.expand(prefix.shape[0], -1)
+    indices = torch.sort(torch.cat([fixed, chosen], dim=1), dim=1).values
+    return Selection(indices.expand(kv_heads, -1).contiguous(), scores.expand(kv_heads, -1).contiguous())
+
+
+def streaming_select(length: int, kv_heads: int, cfg: PolicyConfig) -> Selection:
+    """StreamingLLM: the first S positions and the most recent P - S."""
+    share, sinks = cfg.resolved_prompt_share, cfg.sinks
+    kept = torch.cat([torch.arange(sinks), torch.arange(length - (share - sinks), length)])
+    return Selection(kept.expand(kv_heads, -1).contiguous(), None)
