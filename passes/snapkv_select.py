@@ -1,0 +1,87 @@
+"""The SnapKV selection graph, standard ONNX ops only (DESIGN.md, "Prefill").
+
+Inputs: prompt_len [1] int64 (T > P); per layer window_query.{i} [1, H, W, D],
+key.{i}, value.{i} [1, Hkv, L, D] (the prefilled dense cache, rows >= T ignored).
+Outputs per layer: selected_key.{i}, selected_value.{i} [1, Hkv, P, D] and
+selected_index.{i} [1, Hkv, P] int64, positions ascending.
+"""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+
+from snapcompile.attention_graph import MASK_MIN, additive_mask
+from snapcompile.config import PolicyConfig
+from snapcompile.models.spec import ModelSpec
+from snapcompile.onnx_builder import GraphBuilder
+
+
+class SelectionWriter:
+    def __init__(self, spec: ModelSpec, policy: PolicyConfig, max_context: int):
+        self.spec, self.policy, self.length = spec, policy, max_context
+
+    def build(self) -> onnx.ModelProto:
+        s, p, L = self.spec, self.policy, self.length
+        b = GraphBuilder("select")
+        prompt_len = b.input("prompt_len", np.int64, [1])
+        positions = b.const(np.arange(L))
+        window_start = b.op("Sub", prompt_len, b.const([p.window]))
+        prefix = b.op("Less", positions, window_start)                                    # [L]
+        fixed = b.op("Or", b.op("Less", positions, b.const([p.sinks])),
+                     b.op("And", b.op("Not", prefix), b.op("Less", positions, prompt_len)))
+        candidate = b.op("And", prefix, b.op("GreaterOrEqual", positions, b.const([p.sinks])))
+        for i in range(s.num_layers):
+            q = b.input(f"window_query.{i}", np.float32, [1, s.num_heads, p.window, s.head_dim])
+            k = b.input(f"key.{i}", np.float32, [1, s.num_kv_heads, L, s.head_dim])
+            v = b.input(f"value.{i}", np.float32, [1, s.num_kv_heads, L, s.head_dim])
+            scores = self._window_scores(b, q, k, window_start)
+            index = self._select(b, scores, prefix, candidate, fixed)
+            self._gather_outputs(b, i, k, v, index)
+        return b.model()
+
+    def _window_scores(self, b: GraphBuilder, q: str, k: str, window_start: str) -> str:
+        """[1, Hkv or 1, L] mean window attention per position (summed over heads for layer scope)."""
+        s, p, L = self.spec, self.policy, self.length
+        rows = s.group_size * p.window
+        q = b.op("Reshape", q, b.const([1, s.num_kv_heads, rows, s.head_dim]))
+        logits = b.op("Mul", b.op("MatMul", q, b.op("Transpose", k, perm=[0, 1, 3, 2])),
+                      b.const(s.head_dim ** -0.5, np.float32))                            # [1,Hkv,G*W,L]
+        query_pos = b.op("Add", b.const((np.arange(rows) % p.window)[:, None]), window_start)
+        visible = b.op("LessOrEqual", b.const(np.arange(L)[None, :]), query_pos)           # [G*W, L]
+        probs = b.op("Softmax", b.op("Add", logits, additive_mask(b, visible)), axis=-1)
+        score = b.op("ReduceMean", probs, b.const([2]), keepdims=0)                       # [1,Hkv,L]
+        if p.scope == "layer":
+            score = b.op("ReduceSum", score, b.const([1]), keepdims=1)                    # [1,1,L]
+        return score
+
+    def _select(self, b: GraphBuilder, score: str, prefix: str, candidate: str, fixed: str) -> str:
+        """Pool, pick the top P-S-W candidates, add sinks and window; [1, R, P] ascending."""
+        p, L = self.policy, self.length
+        pad = p.kernel // 2
+        if p.pooling == "max":
+            pooled = b.op("MaxPool", b.op("Where", prefix, score, b.const(MASK_MIN, np.float32)),
+                          kernel_shape=[p.kernel], pads=[pad, pad], strides=[1])
+        else:
+            pooled = b.op("AveragePool", b.op("Where", prefix, score, b.const(0.0, np.float32)),
+                          kernel_shape=[p.kernel], pads=[pad, pad], strides=[1], count_include_pad=1)
+        ranked = b.op("Where", candidate, pooled, b.const(MASK_MIN, np.float32))
+        need = p.resolved_prompt_share - p.sinks - p.window
+        _, top = b.op("TopK", ranked, b.const([need]), outputs=2, axis=-1, largest=1, sorted=1)
+        chosen = b.op("ScatterElements", b.op("Mul", ranked, b.const(0.0, np.float32)), top,
+                      b.op("Add", b.op("Cast", top, to=1), b.const(1.0, np.float32)), axis=-1)
+        keep = b.op("Or", b.op("Greater", chosen, b.const(0.0, np.float32)), fixed)
+        order_key = b.op("Where", keep, b.const((L - np.arange(L)).astype(np.float32), np.float32),
+                         b.const(-1.0, np.float32))
+        _, index = b.op("TopK", order_key, b.const([p.resolved_prompt_share]), outputs=2, axis=-1,
+                        largest=1, sorted=1)
+        return index
+
+    def _gather_outputs(self, b: GraphBuilder, i: int, k: str, v: str, index: str) -> None:
+        s, share = self.spec, self.policy.resolved_prompt_share
+        index = b.op("Expand", index, b.const([1, s.num_kv_heads, share]))               # [1,Hkv,P]
+        wide = b.op("Expand", b.op("Unsqueeze", index, b.const([-1])),
+                    b.const([1, s.num_kv_heads, share, s.head_dim]))
+        shape = [1, s.num_kv_heads, share, s.head_dim]
+        b.output(b.op("GatherElements", k, wide, axis=2), f"selected_key.{i}", np.float32, shape)
+        b.output(b.op("GatherElements", v, wide, axis=2), f"selected_value.{i}", np.float32, shape)
+        b.output(index, f"selected_index.{i}", np.int64, [1, s.num_kv_heads, share])

@@ -1,0 +1,146 @@
+"""The PyTorch oracle: the eager Hugging Face model with the cache policy applied in PyTorch.
+
+Attention is swapped for `_policy_attention` through transformers' AttentionInterface; every
+other operation (embeddings, RoPE, norms, MLP, head) is the HF model's own. Each attention
+module gets a `_LayerCache` holding that layer's fixed-capacity cache for one sequence.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+from snapcompile.config import PolicyConfig
+from snapcompile.layout import SlotLayout
+from snapcompile.policy import Selection, snapkv_select, streaming_select
+
+ATTENTION_NAME = "snapcompile_reference"
+
+
+class _LayerCache:
+    """One layer's cache for one sequence: K/V [Hkv, capacity, D] laid out as in the runner."""
+
+    def __init__(self, policy: PolicyConfig, capacity: int, forced: torch.Tensor | None):
+        self.policy, self.capacity, self.forced = policy, capacity, forced
+        self.keys = self.values = None
+        self.layout: SlotLayout | None = None
+        self.selection: Selection | None = None
+        self.generated = 0
+
+    def prefill(self, query, key, value, scale):
+        """query [1, H, T, D], key/value [1, Hkv, T, D]; returns dense causal attention [1, H, T, D]."""
+        length = key.shape[2]
+        out = _attend(query, key, value, scale, torch.ones(length, length).tril().bool())
+        share = self.policy.resolved_prompt_share if self.policy.compressed else None
+        self.layout = SlotLayout.for_prompt(length, self.capacity, share)
+        kept = self._kept_positions(query[0], key[0], scale)                   # [Hkv, kept]
+        hkv, _, d = key[0].shape
+        self.keys = torch.zeros(hkv, self.capacity, d)
+        self.values = torch.zeros(hkv, self.capacity, d)
+        index = kept[:, :, None].expand(-1, -1, d)
+        self.keys[:, : self.layout.kept] = torch.gather(key[0], 1, index)
+        self.values[:, : self.layout.kept] = torch.gather(value[0], 1, index)
+        return out
+
+    def _kept_positions(self, query, key, scale) -> torch.Tensor:
+        hkv, length, _ = key.shape
+        if not self.layout.compressed:
+            return torch.arange(length).expand(hkv, -1)
+        if self.forced is not None:
+            self.selection = Selection(self.forced, None)
+        elif self.policy.policy == "streamingllm":
+            self.selection = streaming_select(length, hkv, self.policy)
+        else:
+            window = query[:, length - self.policy.window:]
+            self.selection = snapkv_select(window, key, self.policy, scale)
+        return self.selection.indices
+
+    def decode(self, query, key, value, scale):
+        """query [1, H, 1, D], key/value [1, Hkv, 1, D]: write into the ring, then attend."""
+        step = self.layout.step(self.generated)
+        self.generated += 1
+        self.keys[:, step.write_index] = key[0, :, 0]
+        self.values[:, step.write_index] = value[0, :, 0]
+        rows = torch.arange(self.capacity)
+        visible = (rows < step.cache_len) | (rows == step.write_index)
+        return _attend(query, self.keys[None], self.values[None], scale, visible[None, :])
+
+
+def _attend(query, key, value, scale, visible):
+    """GQA attention: query [1, H, Q, D], key/value [1, Hkv, K, D], visible [Q, K] bool."""
+    group = query.shape[1] // key.shape[1]
+    key = key.repeat_interleave(group, dim=1)
+    value = value.repeat_interleave(group, dim=1)
+    scores = torch.matmul(query, key.transpose(-1, -2)) * scale
+    scores = scores.masked_fill(~visible, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1), value)
+
+
+def _policy_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    cache: _LayerCache = module._snapcompile_cache
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if cache.layout is None:
+        out = cache.prefill(query, key, value, scale)
+    else:
+        out = cache.decode(query, key, value, scale)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+    AttentionInterface.register(ATTENTION_NAME, _policy_attention)
+    with contextlib.suppress(ImportError):
+        from transformers.masking_utils import AttentionMaskInterface
+        AttentionMaskInterface.register(ATTENTION_NAME, lambda *args, **kwargs: None)
+
+
+@dataclass
+class ReferenceStep:
+    logits: torch.Tensor          # [V] float32
+
+
+class ReferenceSequence:
+    """Runs one sequence through the HF model under `policy` (batch 1, no HF cache).
+
+    capacity: cache rows (the budget for compressed policies; for dense, enough for the run).
+    forced_selection: optional per-layer [Hkv, P] positions that replace the policy's own
+    selection (validate uses it to continue past a reported near-tie with the backend's choice).
+    """
+
+    def __init__(self, model, policy: PolicyConfig, capacity: int,
+                 forced_selection: list[torch.Tensor] | None = None):
+        _register()
+        self.model = model
+        layers = model.model.layers
+        self.caches = [_LayerCache(policy, capacity, forced_selection[i] if forced_selection else None)
+                       for i in range(len(layers))]
+        self.position = 0
+
+    @contextlib.contextmanager
+    def _installed(self):
+        attn_modules = [layer.self_attn for layer in self.model.model.layers]
+        previous = self.model.config._attn_implementation
+        for module, cache in zip(attn_modules, self.caches):
+            module._snapcompile_cache = cache
+        self.model.config._attn_implementation = ATTENTION_NAME
+        try:
+            yield
+        finally:
+            self.model.config._attn_implementation = previous
+            for module in attn_modules:
+                del module._snapcompile_cache
+
+    @torch.no_grad()
+    def feed(self, token_ids: list[int]) -> torch.Tensor:
+        """Feed the prompt (first call) or one decode token; returns the last token's logits [V]."""
+        ids = torch.tensor([token_ids])
+        positions = torch.arange(self.position, self.position + len(token_ids))[None]
+        with self._installed():
+            out = self.model(input_ids=ids, position_ids=positions, use_cache=False,
+                             logits_to_keep=1)
+        self.position += len(token_ids)
+        return out.logits[0, -1].float()
+
+    def selections(self) -> list[Selection | None]:
+        return [cache.selection for cache in self.caches]
