@@ -36,6 +36,7 @@ class LoadedModel:
     tokenizer: object      # transformers tokenizer
     spec: ModelSpec
     chat: bool             # whether prompts get the chat template by default
+    source: str = ""       # how to load it again: a built-in name or an absolute path
 
 
 def cache_root() -> Path:
@@ -46,10 +47,16 @@ def cache_root() -> Path:
 def load_model(source: str) -> LoadedModel:
     """Load `source`: a built-in name, a folder with config.json + *.safetensors, or a .gguf file."""
     if source in TINY_CONFIGS:
-        return _load_tiny(source)
-    if source == SMOLLM2_NAME:
-        return _load_from_folder(_smollm2_folder(), name=SMOLLM2_NAME)
-    path = Path(source)
+        loaded = _load_tiny(source)
+    elif source == SMOLLM2_NAME:
+        loaded = _load_from_folder(_smollm2_folder(), name=SMOLLM2_NAME)
+    else:
+        loaded = _load_path(Path(source))
+    loaded.source = source if source in BUILTIN_MODELS else str(Path(source).resolve())
+    return loaded
+
+
+def _load_path(path: Path) -> LoadedModel:
     if path.suffix == ".gguf":
         if not path.is_file():
             raise SnapcompileError(f"GGUF file not found: {path}")
@@ -57,7 +64,7 @@ def load_model(source: str) -> LoadedModel:
     if path.is_dir():
         return _load_from_folder(path, name=path.name)
     raise SnapcompileError(
-        f"model {source!r} is neither a built-in name ({', '.join(BUILTIN_MODELS)}), "
+        f"model {str(path)!r} is neither a built-in name ({', '.join(BUILTIN_MODELS)}), "
         "a folder with config.json and safetensors weights, nor a .gguf file")
 
 

@@ -7,6 +7,7 @@ the wrong manifest (a different budget, a different model) before it runs anythi
 from __future__ import annotations
 
 import json
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,6 +38,7 @@ class Manifest:
     eos_token_ids: list[int] = field(default_factory=list)
     passes: list[dict] = field(default_factory=list)
     lowering: str = "standard"
+    source: str = ""          # what `export` loaded: a built-in name or an absolute path
 
     def fingerprint(self) -> str:
         """What every graph of the artifact must agree on (stored in each graph's metadata)."""
@@ -60,7 +62,7 @@ class Manifest:
         import torch
         import transformers
         return {"format_version": FORMAT_VERSION, "snapcompile_version": __version__,
-                "model": {"name": self.model_name, **self.spec.to_dict()},
+                "model": {"name": self.model_name, "source": self.source, **self.spec.to_dict()},
                 "export": self.export.to_dict(), "policy": self.policy.to_dict(),
                 "lowering": self.lowering, "chat": self.chat, "eos_token_ids": self.eos_token_ids,
                 "graphs": self.graphs, "weights": WEIGHTS, "passes": self.passes,
@@ -72,10 +74,11 @@ class Manifest:
     def from_dict(cls, d: dict) -> "Manifest":
         model = dict(d["model"])
         name = model.pop("name")
+        source = model.pop("source", name)
         return cls(model_name=name, spec=ModelSpec(**model), export=ExportConfig(**d["export"]),
                    policy=PolicyConfig.from_dict(d["policy"]), graphs=d["graphs"], chat=d["chat"],
                    eos_token_ids=d["eos_token_ids"], passes=d.get("passes", []),
-                   lowering=d.get("lowering", "standard"))
+                   lowering=d.get("lowering", "standard"), source=source)
 
 
 def read_manifest(folder: Path) -> Manifest:
@@ -116,17 +119,18 @@ def save_graphs(folder: Path, graphs: dict[str, onnx.ModelProto], manifest: Mani
     """Write graphs (their large initializers into one shared weights.bin) and the manifest.
 
     weights_source: an existing weights.bin the graphs already reference (passes re-save graphs
-    loaded without their data); it is hard-linked or copied instead of rewritten.
+    loaded without their data); it is copied instead of rewritten.
     """
     folder = Path(folder)
     if weights_source is None:
         _externalize_shared(graphs.values(), folder / WEIGHTS)
     else:
-        _link_or_copy(weights_source, folder / WEIGHTS)
+        shutil.copyfile(weights_source, folder / WEIGHTS)  # onnx.checker rejects hard links
     fingerprint = manifest.fingerprint()
     for name, model in graphs.items():
         _set_metadata(model, METADATA_KEY, fingerprint)
         onnx.save_model(model, str(folder / f"{name}.onnx"))
+        onnx.checker.check_model(str(folder / f"{name}.onnx"))
         manifest.graphs[name] = {"file": f"{name}.onnx", **graph_io(model)}
     write_json_atomic(folder / MANIFEST, manifest.to_dict())
 
@@ -184,12 +188,3 @@ def _externalize_shared(models, weights_path: Path) -> None:
                 external_data_helper.set_external_data(tensor, WEIGHTS, offset=offset, length=length)
                 tensor.data_location = TensorProto.EXTERNAL
                 tensor.ClearField("raw_data")
-
-
-def _link_or_copy(source: Path, target: Path) -> None:
-    import os
-    import shutil
-    try:
-        os.link(source, target)
-    except OSError:
-        shutil.copyfile(source, target)

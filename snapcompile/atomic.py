@@ -22,6 +22,7 @@ def atomic_directory(target: Path, force: bool = False):
         raise SnapcompileError(f"output {target} already exists (use --force to replace it)")
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    os.chmod(staging, 0o755)  # mkdtemp makes it private; the artifact is an ordinary folder
     try:
         yield staging
         if target.exists():
@@ -38,13 +39,18 @@ def atomic_directory(target: Path, force: bool = False):
 
 def write_json_atomic(path: Path, payload) -> None:
     """Write JSON to `path` via a temporary file and a rename."""
+    write_text_atomic(path, json.dumps(payload, indent=2) + "\n")
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write text to `path` via a temporary file and a rename."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
         with os.fdopen(fd, "w") as handle:
-            json.dump(payload, handle, indent=2, sort_keys=False)
-            handle.write("\n")
+            handle.write(text)
+        os.chmod(tmp, 0o644)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):

@@ -58,7 +58,7 @@ def eos_ids(tokenizer) -> list[int]:
 
 def new_manifest(loaded: LoadedModel, export: ExportConfig, policy: PolicyConfig) -> Manifest:
     return Manifest(model_name=loaded.name, spec=loaded.spec, export=export, policy=policy,
-                    chat=loaded.chat, eos_token_ids=eos_ids(loaded.tokenizer))
+                    chat=loaded.chat, eos_token_ids=eos_ids(loaded.tokenizer), source=loaded.source)
 
 
 def export_model(loaded: LoadedModel, export: ExportConfig, out_dir: Path, force: bool = False,

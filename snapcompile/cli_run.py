@@ -1,0 +1,174 @@
+"""`snapcompile run` and `snapcompile validate`."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from snapcompile.errors import ParityError, SnapcompileError
+
+
+def _load_prompt_records(prompt: tuple[str, ...], prompts_file: Path | None, demo: bool) -> list[dict]:
+    from snapcompile.prompts import demo_prompts, read_prompts_file
+    sources = sum([bool(prompt), prompts_file is not None, demo])
+    if sources != 1:
+        raise SnapcompileError("give exactly one of --prompt (repeatable), --prompts FILE.jsonl or --demo")
+    if prompts_file is not None:
+        return read_prompts_file(prompts_file)
+    texts = demo_prompts() if demo else list(prompt)
+    return [{"prompt": text} for text in texts]
+
+
+def _percentile(values: list[float], q: float) -> float | None:
+    import numpy as np
+    return float(np.percentile(values, q)) if values else None
+
+
+@click.command()
+@click.argument("artifact", type=click.Path(path_type=Path))
+@click.option("--prompt", multiple=True, help="Prompt text (repeat for several).")
+@click.option("--prompts", "prompts_file", type=click.Path(path_type=Path),
+              help='JSONL file: {"prompt": ..., optional "id", "max_new_tokens", "stop", "temperature", "top_k", "top_p", "seed"}.')
+@click.option("--demo", is_flag=True, help="Run the built-in demo prompts (two questions and a pass-key prompt).")
+@click.option("--max-new-tokens", default=64, show_default=True)
+@click.option("--temperature", default=0.0, show_default=True, help="0 = greedy.")
+@click.option("--top-k", default=0, show_default=True, help="0 = off.")
+@click.option("--top-p", default=1.0, show_default=True)
+@click.option("--seed", type=int, default=None, help="Sampling seed (per request: seed + request index).")
+@click.option("--stop", multiple=True, help="Stop string (repeatable).")
+@click.option("--raw", is_flag=True, help="Do not apply the chat template of instruct models.")
+@click.option("--provider", type=click.Choice(["cpu", "cuda", "tensorrt"]), default="cpu", show_default=True,
+              help="ONNX Runtime execution provider.")
+@click.option("--prefill-tokens-per-step", type=int, default=None,
+              help="Prompt tokens prefilled between two decode steps (default: one chunk).")
+@click.option("-o", "--output", type=click.Path(path_type=Path), help="Write results as JSONL.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object (results and summary).")
+def run(artifact, prompt, prompts_file, demo, max_new_tokens, temperature, top_k, top_p, seed, stop, raw,
+        provider, prefill_tokens_per_step, output, as_json):
+    """Generate for prompts with continuous batching over the artifact's static slots."""
+    from tqdm import tqdm
+
+    from snapcompile.engine.engine import Engine
+    from snapcompile.engine.request import Request, SamplingParams
+    from snapcompile.prompts import encode
+    records = _load_prompt_records(prompt, prompts_file, demo)
+    engine = Engine.from_artifact(artifact, provider=provider, prefill_tokens_per_step=prefill_tokens_per_step)
+    chat = engine.backend.manifest.chat and not raw
+    requests = []
+    for index, record in enumerate(records):
+        sampling = SamplingParams(
+            temperature=float(record.get("temperature", temperature)), top_k=int(record.get("top_k", top_k)),
+            top_p=float(record.get("top_p", top_p)),
+            seed=record.get("seed", None if seed is None else seed + index))
+        requests.append(Request(encode(engine.tokenizer, record["prompt"], chat),
+                                max_new_tokens=int(record.get("max_new_tokens", max_new_tokens)),
+                                stop=tuple(record.get("stop", stop)), sampling=sampling,
+                                request_id=str(record.get("id", f"{index}"))))
+    start = engine.clock()
+    with tqdm(total=len(requests), desc="requests", unit="req", file=sys.stderr,
+              disable=not sys.stderr.isatty() and as_json) as bar:
+        for event in engine.stream(requests):
+            if event.finished:
+                bar.update(1)
+    elapsed = engine.clock() - start
+    results = [engine.result(r.request_id) for r in requests]
+    summary = _summary(engine, results, elapsed)
+    rows = [{"id": r.request_id, "prompt": rec["prompt"], "text": r.text, "finish_reason": r.finish_reason,
+             "error": r.error, "prompt_tokens": r.prompt_tokens, "output_tokens": len(r.output_ids),
+             "ttft_s": r.ttft_s} for r, rec in zip(results, records)]
+    if output:
+        from snapcompile.atomic import write_text_atomic
+        write_text_atomic(output, "".join(json.dumps(row) + "\n" for row in rows))
+    if as_json:
+        click.echo(json.dumps({"results": rows, "summary": summary}))
+        return
+    if not output:
+        for row in rows:
+            shown = row["text"] if row["error"] is None else f"[error] {row['error']}"
+            click.echo(f"--- {row['id']} ({row['prompt_tokens']} prompt tokens, {row['finish_reason']})\n{shown}")
+    click.echo(_format_summary(summary), err=bool(output) is False)
+
+
+def _summary(engine, results, elapsed: float) -> dict:
+    tokens = sum(len(r.output_ids) for r in results)
+    ttfts = [r.ttft_s for r in results if r.ttft_s is not None]
+    steps = engine.decode_step_seconds
+    return {"requests": len(results), "errors": sum(r.error is not None for r in results),
+            "output_tokens": tokens, "seconds": elapsed, "tokens_per_s": tokens / elapsed if elapsed else None,
+            "ttft_p50_s": _percentile(ttfts, 50), "ttft_p95_s": _percentile(ttfts, 95),
+            "step_p50_ms": _ms(_percentile(steps, 50)), "step_p95_ms": _ms(_percentile(steps, 95)),
+            "decode_steps": len(steps), "kv_bytes": engine.kv_bytes_in_use(),
+            "slots": engine.backend.slots, "policy": engine.backend.manifest.policy.policy}
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1000
+
+
+def _format_summary(s: dict) -> str:
+    fmt = lambda v, unit="": "n/a" if v is None else f"{v:.3g}{unit}"  # noqa: E731
+    return (f"{s['requests']} requests ({s['errors']} errors), {s['output_tokens']} tokens in {s['seconds']:.2f} s "
+            f"= {fmt(s['tokens_per_s'])} tok/s | TTFT p50 {fmt(s['ttft_p50_s'], ' s')} p95 {fmt(s['ttft_p95_s'], ' s')}"
+            f" | step p50 {fmt(s['step_p50_ms'], ' ms')} p95 {fmt(s['step_p95_ms'], ' ms')}"
+            f" | KV {s['kv_bytes'] / 2**20:.1f} MiB ({s['slots']} slots, {s['policy']})")
+
+
+@click.command()
+@click.argument("artifact", type=click.Path(path_type=Path))
+@click.option("--prompt", multiple=True, help="Prompt text (repeat for several).")
+@click.option("--prompts", "prompts_file", type=click.Path(path_type=Path), help="JSONL prompts file.")
+@click.option("--demo", is_flag=True, help="Use the built-in demo prompts.")
+@click.option("--steps", default=32, show_default=True, help="Decode steps compared after the prefill step.")
+@click.option("--raw", is_flag=True, help="Do not apply the chat template.")
+@click.option("--tolerance", default=1e-3, show_default=True,
+              help="Fail when max |logit difference| exceeds this.")
+@click.option("--min-agreement", default=1.0, show_default=True,
+              help="Fail when greedy-token agreement (0..1) is below this.")
+@click.option("--tie-gap", default=1e-6, show_default=True,
+              help="Selection differences whose score gap is below this are reported as near-ties, not failures.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def validate(artifact, prompt, prompts_file, demo, steps, raw, tolerance, min_agreement, tie_gap, as_json):
+    """Compare the artifact step by step with the PyTorch oracle (same cache policy).
+
+    Both run teacher-forced on the oracle's greedy tokens. Exit 1 when max |logit diff| >
+    --tolerance, greedy agreement < --min-agreement, or selected positions differ beyond
+    near-ties. With no prompts given, the demo prompts are used.
+    """
+    from transformers import AutoTokenizer
+
+    from snapcompile.artifact import read_manifest
+    from snapcompile.models import load_model
+    from snapcompile.prompts import encode
+    from snapcompile.validate import Validator, summarize
+    if not (prompt or prompts_file or demo):
+        demo = True
+    records = _load_prompt_records(prompt, prompts_file, demo)
+    manifest = read_manifest(artifact)
+    tokenizer = AutoTokenizer.from_pretrained(str(artifact))
+    prompts = [encode(tokenizer, r["prompt"], manifest.chat and not raw) for r in records]
+    limit = manifest.export.max_context - (0 if manifest.policy.compressed else steps + 1)
+    too_long = [len(p) for p in prompts if len(p) > limit]
+    if too_long:
+        raise SnapcompileError(f"a prompt of {too_long[0]} tokens leaves no room for {steps} steps within "
+                               f"--max-context {manifest.export.max_context}")
+    validator = Validator(artifact, load_model(manifest.source or manifest.model_name).model, tie_gap=tie_gap)
+    from tqdm import tqdm
+    with tqdm(total=len(prompts), desc="validate", unit="prompt", file=sys.stderr, disable=as_json) as bar:
+        reports = validator.run(prompts, steps, progress=bar.update)
+    summary = summarize(reports, steps)
+    summary.update(tolerance=tolerance, min_agreement=min_agreement)
+    summary["passed"] = (summary["max_abs_logit_diff"] <= tolerance and summary["greedy_agreement"] >= min_agreement
+                         and not summary["selection_mismatches"])
+    if as_json:
+        click.echo(json.dumps(summary))
+    else:
+        click.echo(f"prompts {summary['prompt_tokens']} tokens, {steps} steps: max |logit diff| "
+                   f"{summary['max_abs_logit_diff']:.3g}, greedy agreement {summary['greedy_agreement']:.3f}, "
+                   f"near-ties {len(summary['near_ties'])}, selection mismatches {len(summary['selection_mismatches'])}")
+        for tie in summary["near_ties"]:
+            click.echo(f"  near-tie: prompt {tie['prompt']} layer {tie['layer']} head {tie['head']} "
+                       f"gap {tie['score_gap']:.2e}")
+    if not summary["passed"]:
+        raise ParityError("parity check failed (see figures above)")

@@ -1,0 +1,163 @@
+"""Continuous batching over the static decode graph.
+
+`Engine.step()` admits waiting requests into free slots, advances the current prefill by up to
+`prefill_tokens_per_step` prompt tokens (whole chunks), then runs one decode step for every
+sequence that is decoding. A finished sequence frees its slot in the same step.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import numpy as np
+
+from snapcompile.engine.request import Request, Sequence
+from snapcompile.engine.sampling import sample
+from snapcompile.engine.scheduler import Scheduler
+from snapcompile.errors import SnapcompileError
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    request_id: str
+    token_id: int | None     # None for an error or a finish without a new token
+    text: str                # text added by this token (after stop-string trimming)
+    finished: bool
+    finish_reason: str | None = None
+
+
+@dataclass(frozen=True)
+class Result:
+    request_id: str
+    prompt_tokens: int
+    output_ids: list[int]
+    text: str
+    finish_reason: str
+    error: str | None
+    ttft_s: float | None
+    latency_s: float
+
+
+class Engine:
+    """Serves requests on a backend (see snapcompile.runtime.ort_backend.OrtBackend)."""
+
+    def __init__(self, backend, tokenizer, eos_ids: Iterable[int], prefill_tokens_per_step: int | None = None,
+                 clock=time.perf_counter):
+        self.backend, self.tokenizer, self.eos_ids = backend, tokenizer, set(eos_ids)
+        self.clock = clock
+        budget = prefill_tokens_per_step or backend.chunk
+        self.scheduler = Scheduler(backend.slots, max(budget, 1))
+        self.sequences: dict[str, Sequence] = {}
+        self._rngs: dict[str, np.random.Generator] = {}
+        self.decode_step_seconds: list[float] = []
+
+    @classmethod
+    def from_artifact(cls, folder, provider: str = "cpu", threads: int | None = None,
+                      prefill_tokens_per_step: int | None = None) -> "Engine":
+        from transformers import AutoTokenizer
+
+        from snapcompile.runtime.ort_backend import OrtBackend
+        backend = OrtBackend(folder, provider=provider, threads=threads)
+        tokenizer = AutoTokenizer.from_pretrained(str(folder))
+        return cls(backend, tokenizer, backend.manifest.eos_token_ids, prefill_tokens_per_step)
+
+    # ------------------------------------------------------------------ API
+    def submit(self, request: Request) -> Sequence:
+        if request.request_id in self.sequences:
+            raise SnapcompileError(f"duplicate request id {request.request_id!r}")
+        seq = Sequence(request, submitted_at=self.clock())
+        self.sequences[request.request_id] = seq
+        self._rngs[request.request_id] = np.random.default_rng(request.sampling.seed)
+        self.scheduler.add(seq)
+        return seq
+
+    def stream(self, requests: Iterable[Request] = ()) -> Iterator[TokenEvent]:
+        """Submit `requests`, then yield token events until every submitted request finished."""
+        for request in requests:
+            self.submit(request)
+        while not self.scheduler.idle:
+            yield from self.step()
+
+    def generate(self, requests: Iterable[Request]) -> list[Result]:
+        requests = list(requests)
+        for _ in self.stream(requests):
+            pass
+        return [self.result(r.request_id) for r in requests]
+
+    def result(self, request_id: str) -> Result:
+        seq = self.sequences[request_id]
+        if not seq.finished:
+            raise ValueError(f"{request_id} has not finished")
+        ttft = seq.first_token_at - seq.submitted_at if seq.first_token_at is not None else None
+        return Result(request_id, len(seq.request.prompt_ids), list(seq.output_ids), seq.text,
+                      seq.finish_reason, seq.error, ttft, seq.finished_at - seq.submitted_at)
+
+    def kv_bytes_in_use(self) -> int:
+        return self.backend.kv_bytes_in_use()
+
+    # ------------------------------------------------------------------ step
+    def step(self) -> list[TokenEvent]:
+        events: list[TokenEvent] = []
+        for seq in self.scheduler.admit():
+            seq.prefill = self.backend.prefill_chunks(seq.slot, seq.request.prompt_ids)
+        self._advance_prefill(events)
+        if self.scheduler.decoding:
+            self._decode(events)
+        return events
+
+    def _advance_prefill(self, events: list[TokenEvent]) -> None:
+        budget = self.scheduler.prefill_tokens_per_step
+        while budget > 0 and (seq := self.scheduler.prefill_turn()) is not None:
+            try:
+                budget -= next(seq.prefill)
+            except StopIteration as done:
+                seq.prefill, seq.layout = None, done.value.layout
+                self.scheduler.prefill_done(seq)
+                events.append(self._emit(seq, done.value.logits))
+            except SnapcompileError as err:   # this request cannot be served; the others go on
+                seq.prefill = None
+                self._finish(seq, "error", error=str(err))
+                events.append(TokenEvent(seq.request.request_id, None, "", True, "error"))
+
+    def _decode(self, events: list[TokenEvent]) -> None:
+        running = dict(self.scheduler.decoding)
+        tokens = {slot: seq.output_ids[-1] for slot, seq in running.items()}
+        steps = {slot: seq.layout.step(len(seq.output_ids) - 1) for slot, seq in running.items()}
+        start = self.clock()
+        logits = self.backend.decode(tokens, steps)
+        self.decode_step_seconds.append(self.clock() - start)
+        for slot, seq in running.items():
+            events.append(self._emit(seq, logits[slot]))
+
+    def _emit(self, seq: Sequence, logits: np.ndarray) -> TokenEvent:
+        request = seq.request
+        token = sample(logits, request.sampling, self._rngs[request.request_id])
+        if seq.first_token_at is None:
+            seq.first_token_at = self.clock()
+        seq.output_ids.append(token)
+        if token in self.eos_ids:
+            self._finish(seq, "eos")
+            return TokenEvent(request.request_id, token, "", True, "eos")
+        previous = seq.text
+        seq.text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=True)
+        reason = self._stop_reason(seq)
+        if reason:
+            self._finish(seq, reason)
+        return TokenEvent(request.request_id, token, seq.text[len(previous):], seq.finished, seq.finish_reason)
+
+    def _stop_reason(self, seq: Sequence) -> str | None:
+        hits = [seq.text.find(s, max(0, len(seq.text) - 64 - len(s))) for s in seq.request.stop]
+        hits = [h for h in hits if h >= 0]
+        if hits:
+            seq.text = seq.text[: min(hits)]
+            return "stop"
+        if len(seq.output_ids) >= seq.request.max_new_tokens:
+            return "length"
+        if not seq.layout.can_feed(len(seq.output_ids) - 1):
+            return "context"
+        return None
+
+    def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
+        seq.finish(reason, self.clock(), error)
+        self.scheduler.release(seq)

@@ -1,0 +1,75 @@
+"""Request and per-sequence state (no tensors)."""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from enum import Enum
+
+from snapcompile.errors import SnapcompileError
+
+_ids = itertools.count()
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """temperature 0 = greedy. top_k 0 and top_p 1.0 disable those filters. seed: per request."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise SnapcompileError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise SnapcompileError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise SnapcompileError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+@dataclass
+class Request:
+    prompt_ids: list[int]
+    max_new_tokens: int = 64
+    stop: tuple[str, ...] = ()
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    request_id: str = ""
+
+    def __post_init__(self):
+        if not self.request_id:
+            self.request_id = f"req-{next(_ids)}"
+        if self.max_new_tokens < 1:
+            raise SnapcompileError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+
+class Status(Enum):
+    WAITING = "waiting"
+    PREFILLING = "prefilling"
+    DECODING = "decoding"
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    """A request's progress. finish_reason: "eos" | "length" | "stop" | "context" | "error"."""
+
+    request: Request
+    status: Status = Status.WAITING
+    slot: int | None = None
+    output_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    error: str | None = None
+    submitted_at: float = 0.0
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    layout: object = None          # SlotLayout once prefilled
+    prefill: object = None         # the backend's prefill generator while PREFILLING
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def finish(self, reason: str, now: float, error: str | None = None) -> None:
+        self.status, self.finish_reason, self.error, self.finished_at = Status.FINISHED, reason, error, now

@@ -1,0 +1,142 @@
+"""Parity of an artifact against the PyTorch oracle (the HF model with the same cache policy).
+
+Both sides are teacher-forced with the oracle's greedy tokens, so logits stay comparable step
+by step. For compressed artifacts the selected prompt positions are compared too; a position
+set that differs only by near-tied scores (gap below `tie_gap`) is reported, not failed, and
+the oracle then continues with the backend's selection.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from snapcompile.config import PolicyConfig
+from snapcompile.reference import ReferenceSequence
+from snapcompile.runtime.ort_backend import OrtBackend
+
+DEFAULT_TOLERANCE = 1e-3
+DEFAULT_TIE_GAP = 1e-6
+
+
+@dataclass
+class PromptReport:
+    prompt_tokens: int
+    compressed: bool
+    step_max_diff: list[float] = field(default_factory=list)
+    agreements: list[bool] = field(default_factory=list)
+    near_ties: list[dict] = field(default_factory=list)
+    selection_mismatches: list[dict] = field(default_factory=list)
+    dense_max_diff: float | None = None      # vs dense attention, where everything fits the budget
+
+
+def compare_selection(backend_kept: list[np.ndarray], reference, tie_gap: float) -> tuple[list, list]:
+    """Per layer/head: positions kept by only one side; near-ties when the score gap < tie_gap."""
+    ties, mismatches = [], []
+    for layer, (ours, theirs) in enumerate(zip(backend_kept, reference)):
+        theirs_idx = theirs.indices.numpy()
+        for head in range(ours.shape[0]):
+            only_ours = sorted(set(ours[head].tolist()) - set(theirs_idx[head].tolist()))
+            only_theirs = sorted(set(theirs_idx[head].tolist()) - set(ours[head].tolist()))
+            if not only_ours and not only_theirs:
+                continue
+            entry = {"layer": layer, "head": head, "kept_by_backend": only_ours,
+                     "kept_by_reference": only_theirs}
+            if theirs.scores is None:
+                mismatches.append(entry)
+                continue
+            scores = theirs.scores[head].double()
+            gap = float((scores[only_theirs].max() - scores[only_ours].min()).abs()) \
+                if only_ours and only_theirs else float("inf")
+            entry["score_gap"] = gap
+            (ties if gap < tie_gap else mismatches).append(entry)
+    return ties, mismatches
+
+
+class Validator:
+    def __init__(self, folder, model, provider: str = "cpu", tie_gap: float = DEFAULT_TIE_GAP):
+        self.backend = OrtBackend(folder, provider=provider)
+        self.manifest = self.backend.manifest
+        self.model, self.tie_gap = model, tie_gap
+
+    def run(self, prompts: list[list[int]], steps: int, progress=None) -> list[PromptReport]:
+        """prompts: token ids. Runs them N slots at a time; `progress(n)` after each prompt batch."""
+        reports = []
+        slots = self.backend.slots
+        for first in range(0, len(prompts), slots):
+            reports += self._run_batch(prompts[first:first + slots], steps)
+            if progress:
+                progress(len(prompts[first:first + slots]))
+        return reports
+
+    def _reference(self, prompt_len: int, steps: int, forced=None) -> ReferenceSequence:
+        policy = self.manifest.policy
+        capacity = self.backend.capacity if policy.compressed else prompt_len + steps + 1
+        return ReferenceSequence(self.model, policy, capacity, forced)
+
+    def _run_batch(self, prompts: list[list[int]], steps: int) -> list[PromptReport]:
+        refs, reports, layouts, ref_logits, our_logits = [], [], [], [], []
+        for slot, ids in enumerate(prompts):
+            result = self.backend.prefill(slot, ids)
+            report = PromptReport(len(ids), result.layout.compressed)
+            ref = self._reference(len(ids), steps)
+            logits = ref.feed(ids)
+            if result.kept_positions is not None:
+                report.near_ties, report.selection_mismatches = compare_selection(
+                    result.kept_positions, ref.selections(), self.tie_gap)
+                if report.near_ties and not report.selection_mismatches:
+                    forced = [torch.from_numpy(k) for k in result.kept_positions]
+                    ref = self._reference(len(ids), steps, forced)
+                    logits = ref.feed(ids)
+            refs.append(ref)
+            reports.append(report)
+            layouts.append(result.layout)
+            ref_logits.append(logits.numpy())
+            our_logits.append(result.logits)
+        dense = self._dense_references(prompts, steps)
+        dense_logits = [d.feed(ids).numpy() if d else None for d, ids in zip(dense, prompts)]
+        for g in range(steps + 1):
+            tokens = {}
+            for i, report in enumerate(reports):
+                report.step_max_diff.append(float(np.abs(our_logits[i] - ref_logits[i]).max()))
+                report.agreements.append(int(np.argmax(our_logits[i])) == int(np.argmax(ref_logits[i])))
+                if dense_logits[i] is not None:
+                    diff = float(np.abs(our_logits[i] - dense_logits[i]).max())
+                    report.dense_max_diff = max(report.dense_max_diff or 0.0, diff)
+                tokens[i] = int(np.argmax(ref_logits[i]))
+            if g == steps:
+                break
+            logits = self.backend.decode(tokens, {i: layouts[i].step(g) for i in tokens})
+            for i in tokens:
+                our_logits[i] = logits[i].copy()
+                ref_logits[i] = refs[i].feed([tokens[i]]).numpy()
+                if dense[i] is not None:
+                    dense_logits[i] = dense[i].feed([tokens[i]]).numpy()
+        return reports
+
+    def _dense_references(self, prompts, steps) -> list[ReferenceSequence | None]:
+        """Dense oracles for compressed artifacts where prompt + generated fit the budget."""
+        if not self.manifest.policy.compressed:
+            return [None] * len(prompts)
+        dense = PolicyConfig(policy="dense")
+        return [ReferenceSequence(self.model, dense, len(ids) + steps + 1)
+                if len(ids) + steps + 1 <= self.backend.capacity else None for ids in prompts]
+
+
+def summarize(reports: list[PromptReport], steps: int) -> dict:
+    diffs = [d for r in reports for d in r.step_max_diff]
+    agree = [a for r in reports for a in r.agreements]
+    dense = [r.dense_max_diff for r in reports if r.dense_max_diff is not None]
+    return {
+        "max_abs_logit_diff": max(diffs),
+        "greedy_agreement": sum(agree) / len(agree),
+        "steps": steps,
+        "prompts": len(reports),
+        "prompt_tokens": [r.prompt_tokens for r in reports],
+        "compressed_prompts": sum(r.compressed for r in reports),
+        "per_step_max_abs_logit_diff": [max(r.step_max_diff[g] for r in reports) for g in range(steps + 1)],
+        "near_ties": [dict(t, prompt=i) for i, r in enumerate(reports) for t in r.near_ties],
+        "selection_mismatches": [dict(m, prompt=i) for i, r in enumerate(reports) for m in r.selection_mismatches],
+        "dense_max_abs_logit_diff": max(dense) if dense else None,
+    }
