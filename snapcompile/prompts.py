@@ -19,7 +19,7 @@ def passkey_prompt(passkey: int, approx_tokens: int, depth: float = 0.5) -> str:
     needle = f"The pass key is {passkey}. Remember it. {passkey} is the pass key. "
     body = FILLER * before + needle + FILLER * (repeats - before)
     return ("There is an important piece of information hidden inside a lot of irrelevant text. "
-            "Find it and memorize it.\n\n" + body + "\n\nWhat is the pass key? The pass key is")
+            "Find it and memorize it.\n\n" + body + "\n\nWhat is the pass key? Answer with the number only.")
 
 
 def demo_prompts() -> list[str]:
