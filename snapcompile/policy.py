@@ -65,9 +65,10 @@ def snapkv_select(window_query: torch.Tensor, keys: torch.Tensor, cfg: PolicyCon
     """SnapKV selection of one layer for a prompt of T > P tokens (DESIGN.md, "Prefill")."""
     kv_heads, length, _ = keys.shape
     share, sinks, window = cfg.resolved_prompt_share, cfg.sinks, cfg.window
-    prefix = pool_scores(window_scores(window_query, keys, scale), cfg.kernel, cfg.pooling)
+    prefix = window_scores(window_query, keys, scale)                  # [Hkv, T-W]
     if cfg.scope == "layer":
-        prefix = prefix.sum(dim=0, keepdim=True)                       # [1, T-W]
+        prefix = prefix.sum(dim=0, keepdim=True)                       # [1, T-W], summed before pooling
+    prefix = pool_scores(prefix, cfg.kernel, cfg.pooling)
     scores = torch.full((prefix.shape[0], length), float("-inf"))
     scores[:, sinks: length - window] = prefix[:, sinks:]
     chosen = top_positions(scores, share - sinks - window)

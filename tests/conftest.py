@@ -1,0 +1,42 @@
+"""Shared fixtures: tiny random-weight models and their artifacts (built once per session)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from snapcompile.config import ExportConfig, PolicyConfig
+from snapcompile.export import export_model
+from snapcompile.models import load_model
+
+TINY_EXPORT = ExportConfig(slots=3, max_context=512, chunk=64)
+TINY_SNAPSTREAM = PolicyConfig(policy="snapstream", budget=64, sinks=4, window=8, kernel=5)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama():
+    return load_model("tiny-llama")
+
+
+def random_prompts(lengths, seed=0, vocab=250):
+    rng = np.random.default_rng(seed)
+    return [[int(t) for t in rng.integers(0, vocab, n)] for n in lengths]
+
+
+def build_artifact(loaded, folder, export=TINY_EXPORT, policy: PolicyConfig | None = None):
+    """Export (and compress, when `policy` is compressed) `loaded` into folder."""
+    from snapcompile.passes.pipeline import compress_graphs
+    transform = None
+    if policy is not None and policy.compressed:
+        transform = lambda graphs, manifest: compress_graphs(graphs, manifest, policy)  # noqa: E731
+    export_model(loaded, export, folder, policy=policy, transform=transform)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_dense_dir(tiny_llama, tmp_path_factory):
+    return build_artifact(tiny_llama, tmp_path_factory.mktemp("art") / "dense")
+
+
+@pytest.fixture(scope="session")
+def tiny_snap_dir(tiny_llama, tmp_path_factory):
+    return build_artifact(tiny_llama, tmp_path_factory.mktemp("art") / "snap", policy=TINY_SNAPSTREAM)

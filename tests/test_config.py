@@ -1,0 +1,52 @@
+import pytest
+
+from snapcompile.config import ExportConfig, PolicyConfig
+from snapcompile.errors import SnapcompileError
+
+
+def test_default_prompt_share_leaves_a_quarter_ring():
+    assert PolicyConfig(budget=512).resolved_prompt_share == 384
+    assert PolicyConfig(budget=100, window=8).resolved_prompt_share == 75
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(budget=36, sinks=4, window=32), r"must exceed sinks \+ window"),
+    (dict(kernel=4), "odd"),
+    (dict(kernel=0), "odd"),
+    (dict(pooling="median"), "unknown pooling"),
+    (dict(policy="h2o"), "unknown policy"),
+    (dict(scope="token"), "selection scope"),
+    (dict(budget=128, prompt_share=128), "prompt share"),
+    (dict(budget=128, prompt_share=30), "prompt share"),
+])
+def test_invalid_policies_are_rejected(kwargs, message):
+    with pytest.raises(SnapcompileError, match=message):
+        PolicyConfig(**kwargs)
+
+
+def test_window_longer_than_chunk_is_rejected():
+    with pytest.raises(SnapcompileError, match="window 64 is longer than the prefill chunk 32"):
+        PolicyConfig(budget=256, window=64).check_against(ExportConfig(chunk=32, max_context=1024))
+
+
+def test_budget_above_context_is_rejected():
+    with pytest.raises(SnapcompileError, match="exceeds --max-context"):
+        PolicyConfig(budget=4096).check_against(ExportConfig(max_context=1024))
+
+
+def test_dense_ignores_budget_fields():
+    policy = PolicyConfig(policy="dense", budget=1)
+    assert not policy.compressed
+    assert policy.to_dict()["prompt_share"] is None
+
+
+@pytest.mark.parametrize("kwargs", [dict(slots=0), dict(chunk=0), dict(chunk=64, max_context=32),
+                                    dict(dtype="float16")])
+def test_invalid_export_configs(kwargs):
+    with pytest.raises(SnapcompileError):
+        ExportConfig(**kwargs)
+
+
+def test_policy_round_trips_through_dict():
+    policy = PolicyConfig(budget=256, pooling="avg", scope="layer", prompt_share=200)
+    assert PolicyConfig.from_dict(policy.to_dict()) == policy

@@ -1,0 +1,79 @@
+import json
+
+import numpy as np
+import onnx
+import pytest
+
+from snapcompile.artifact import MANIFEST, read_manifest
+from snapcompile.config import ExportConfig
+from snapcompile.errors import SnapcompileError
+from snapcompile.export import export_model
+
+
+def _static_dims(model):
+    inferred = onnx.shape_inference.infer_shapes(model, strict_mode=True)
+    values = list(inferred.graph.value_info) + list(inferred.graph.input) + list(inferred.graph.output)
+    return [(v.name, d) for v in values for d in v.type.tensor_type.shape.dim]
+
+
+def test_artifact_layout_and_manifest(tiny_dense_dir):
+    names = {p.name for p in tiny_dense_dir.iterdir()}
+    assert {"prefill.onnx", "decode.onnx", "weights.bin", MANIFEST, "tokenizer.json"} <= names
+    manifest = json.loads((tiny_dense_dir / MANIFEST).read_text())
+    assert manifest["export"] == {"slots": 3, "max_context": 512, "chunk": 64, "dtype": "float32"}
+    assert manifest["policy"]["policy"] == "dense"
+    assert {"onnx", "onnxruntime", "torch", "transformers"} <= set(manifest["versions"])
+    decode_inputs = {i["name"]: i["shape"] for i in manifest["graphs"]["decode"]["inputs"]}
+    assert decode_inputs["input_ids"] == [3, 1]
+    assert decode_inputs["past_key.0"] == [3, 2, 512, 16]
+    assert decode_inputs["position"] == [3] and decode_inputs["cache_len"] == [3]
+
+
+def test_decode_graph_has_no_symbolic_dimension(tiny_dense_dir):
+    model = onnx.load(str(tiny_dense_dir / "decode.onnx"))
+    onnx.checker.check_model(str(tiny_dense_dir / "decode.onnx"))
+    dims = _static_dims(model)
+    assert dims, "shape inference produced shapes"
+    assert all(d.HasField("dim_value") for _, d in dims), [n for n, d in dims if not d.HasField("dim_value")]
+
+
+def test_weights_are_stored_once(tiny_dense_dir, tiny_llama):
+    params = sum(p.numel() for p in tiny_llama.model.parameters()) * 4
+    size = (tiny_dense_dir / "weights.bin").stat().st_size
+    assert params <= size < params * 1.1
+    for graph in ("prefill.onnx", "decode.onnx"):
+        assert (tiny_dense_dir / graph).stat().st_size < 100_000
+
+
+def test_existing_output_needs_force(tiny_llama, tmp_path):
+    (tmp_path / "out").mkdir()
+    with pytest.raises(SnapcompileError, match="already exists"):
+        export_model(tiny_llama, ExportConfig(max_context=128, chunk=32), tmp_path / "out")
+
+
+def test_failed_export_leaves_nothing(tiny_llama, tmp_path):
+    def explode(graphs, manifest):
+        raise RuntimeError("boom")
+    with pytest.raises(RuntimeError, match="boom"):
+        export_model(tiny_llama, ExportConfig(max_context=128, chunk=32), tmp_path / "out", transform=explode)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_force_replaces_atomically(tiny_llama, tmp_path):
+    out = tmp_path / "out"
+    export_model(tiny_llama, ExportConfig(max_context=128, chunk=32), out)
+    export_model(tiny_llama, ExportConfig(max_context=256, chunk=32), out, force=True)
+    assert read_manifest(out).export.max_context == 256
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]
+
+
+def test_context_beyond_model_positions_is_rejected(tiny_llama, tmp_path):
+    with pytest.raises(SnapcompileError, match="exceeds the model's 4096 positions"):
+        export_model(tiny_llama, ExportConfig(max_context=8192, chunk=32), tmp_path / "out")
+
+
+def test_prefill_logits_are_for_the_last_token_only(tiny_dense_dir):
+    manifest = read_manifest(tiny_dense_dir)
+    logits = [o for o in manifest.graphs["prefill"]["outputs"] if o["name"] == "logits"][0]
+    assert logits["shape"] == [1, manifest.spec.vocab_size]
+    assert np.prod(logits["shape"]) == 320

@@ -1,0 +1,63 @@
+"""ONNX Runtime artifacts vs the PyTorch oracle on tiny random-weight models."""
+import pytest
+
+from snapcompile.config import PolicyConfig
+from snapcompile.models import load_model
+from snapcompile.validate import Validator, summarize
+from tests.conftest import TINY_EXPORT, build_artifact, random_prompts
+
+
+def _validate(folder, model, prompts, steps):
+    summary = summarize(Validator(folder, model).run(prompts, steps), steps)
+    assert not summary["selection_mismatches"], summary["selection_mismatches"][:3]
+    return summary
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-mistral", "tiny-qwen2"])
+def test_dense_parity_each_architecture(name, tmp_path):
+    loaded = load_model(name)
+    folder = build_artifact(loaded, tmp_path / name)
+    summary = _validate(folder, loaded.model, random_prompts([7, 90, 200], seed=1), steps=32)
+    assert summary["max_abs_logit_diff"] <= 1e-4
+    assert summary["greedy_agreement"] == 1.0
+    assert summary["steps"] == 32 and summary["prompts"] == 3
+
+
+@pytest.mark.parametrize("policy", [
+    PolicyConfig(policy="snapstream", budget=64, sinks=4, window=8, kernel=5),
+    PolicyConfig(policy="snapstream", budget=96, sinks=4, window=16, kernel=7, pooling="avg"),
+    PolicyConfig(policy="snapstream", budget=48, sinks=2, window=8, kernel=3, scope="layer", prompt_share=40),
+    PolicyConfig(policy="streamingllm", budget=64, sinks=4, window=8),
+], ids=["snap-b64", "snap-b96-avg", "snap-b48-layer", "streaming-b64"])
+def test_compressed_parity_with_ring_wrap(tiny_llama, tmp_path, policy):
+    folder = build_artifact(tiny_llama, tmp_path / "art", policy=policy)
+    budget = policy.budget
+    prompts = random_prompts([3 * budget, min(8 * budget, 500), 20], seed=4)   # 3x..8x the budget, and a short one
+    steps = 64
+    summary = _validate(folder, tiny_llama.model, prompts, steps)
+    assert summary["max_abs_logit_diff"] <= 1e-4
+    assert summary["greedy_agreement"] == 1.0
+    assert summary["compressed_prompts"] == 2
+    ring = budget - policy.resolved_prompt_share
+    assert steps > ring, "the test must run past the ring's first wrap"
+    assert not summary["near_ties"]
+
+
+def test_short_prompt_matches_dense_attention(tiny_llama, tiny_snap_dir):
+    """While prompt + generated fit in B, the compressed artifact equals dense attention."""
+    summary = _validate(tiny_snap_dir, tiny_llama.model, random_prompts([10, 25], seed=9), steps=20)
+    assert summary["dense_max_abs_logit_diff"] is not None
+    assert summary["dense_max_abs_logit_diff"] <= 1e-4
+
+
+def test_backend_selection_equals_reference(tiny_llama, tiny_snap_dir):
+    from snapcompile.reference import ReferenceSequence
+    from snapcompile.runtime.ort_backend import OrtBackend
+    backend = OrtBackend(tiny_snap_dir)
+    prompt = random_prompts([300], seed=11)[0]
+    result = backend.prefill(0, prompt)
+    reference = ReferenceSequence(tiny_llama.model, backend.manifest.policy, backend.capacity)
+    reference.feed(prompt)
+    for ours, theirs in zip(result.kept_positions, reference.selections()):
+        assert (ours == theirs.indices.numpy()).all()
+    assert result.layout.kept == backend.manifest.policy.resolved_prompt_share
