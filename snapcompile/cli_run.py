@@ -83,12 +83,14 @@ def run(artifact, prompt, prompts_file, demo, max_new_tokens, temperature, top_k
         write_text_atomic(output, "".join(json.dumps(row) + "\n" for row in rows))
     if as_json:
         click.echo(json.dumps({"results": rows, "summary": summary}))
-        return
-    if not output:
-        for row in rows:
-            shown = row["text"] if row["error"] is None else f"[error] {row['error']}"
-            click.echo(f"--- {row['id']} ({row['prompt_tokens']} prompt tokens, {row['finish_reason']})\n{shown}")
-    click.echo(_format_summary(summary), err=bool(output) is False)
+    else:
+        if not output:
+            for row in rows:
+                shown = row["text"] if row["error"] is None else f"[error] {row['error']}"
+                click.echo(f"--- {row['id']} ({row['prompt_tokens']} prompt tokens, {row['finish_reason']})\n{shown}")
+        click.echo(_format_summary(summary), err=True)
+    if summary["errors"]:
+        sys.exit(1)   # every result was written; some requests could not be served
 
 
 def _summary(engine, results, elapsed: float) -> dict:

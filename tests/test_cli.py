@@ -1,0 +1,136 @@
+"""The CLI: happy paths on tiny-llama, and one-line errors (exit 2, no traceback) for bad input."""
+import json
+import shutil
+
+import pytest
+from click.testing import CliRunner
+
+from snapcompile.cli import main
+
+
+def invoke(*args):
+    return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+
+
+def assert_user_error(result, fragment):
+    assert result.exit_code == 2, result.output
+    lines = result.output.strip().splitlines()
+    assert lines[-1].startswith("error: ") and fragment in lines[-1], lines
+    assert "Traceback" not in result.output
+
+
+def test_convert_inspect_run_validate(tmp_path):
+    out = tmp_path / "snap"
+    result = invoke("convert", "tiny-llama", "-o", out, "--budget", 64, "--window", 8, "--kernel", 5,
+                    "--max-context", 512, "--chunk", 64, "--slots", 2)
+    assert result.exit_code == 0, result.output
+    info = json.loads(invoke("inspect", out, "--json").output)
+    assert info["blocks_rewritten"] == {"decode": 2, "prefill": 2, "select": 2}
+    assert info["kv_bytes_per_slot"] * 8 == info["dense_kv_bytes_per_slot"]
+    run = invoke("run", out, "--prompt", "hello " * 60, "--prompt", "hi", "--max-new-tokens", 5, "--json")
+    assert run.exit_code == 0, run.output
+    payload = json.loads(run.output.strip().splitlines()[-1])
+    assert payload["summary"]["requests"] == 2 and len(payload["results"]) == 2
+    assert all(r["output_tokens"] >= 1 for r in payload["results"])
+    valid = invoke("validate", out, "--prompt", "abc " * 80, "--prompt", "x", "--steps", 8, "--json")
+    assert valid.exit_code == 0, valid.output
+    summary = json.loads(valid.output.strip().splitlines()[-1])
+    assert summary["greedy_agreement"] == 1.0 and summary["max_abs_logit_diff"] <= 1e-4 and summary["steps"] == 8
+
+
+def test_run_writes_jsonl(tiny_dense_dir, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "one", "id": "a", "max_new_tokens": 3}\n\n{"prompt": "two", "stop": ["zz"]}\n')
+    out = tmp_path / "out.jsonl"
+    result = invoke("run", tiny_dense_dir, "--prompts", prompts, "-o", out, "--max-new-tokens", 4)
+    assert result.exit_code == 0, result.output
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["id"] for r in rows] == ["a", "1"] and rows[0]["output_tokens"] <= 3
+
+
+def test_missing_model(tmp_path):
+    assert_user_error(invoke("export", tmp_path / "nope", "-o", tmp_path / "o"), "neither a built-in name")
+
+
+def test_corrupt_gguf(tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"not a gguf file at all")
+    assert_user_error(invoke("export", bad, "-o", tmp_path / "o"), "cannot read GGUF file")
+    assert not (tmp_path / "o").exists()
+
+
+def test_unsupported_architecture(tmp_path):
+    folder = tmp_path / "gpt2"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
+    (folder / "model.safetensors").write_bytes(b"")
+    result = invoke("export", folder, "-o", tmp_path / "o")
+    assert_user_error(result, "unsupported architecture 'GPT2LMHeadModel'")
+    assert "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM" in result.output
+
+
+def test_pickle_only_folder_is_refused(tmp_path):
+    folder = tmp_path / "pt"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama"}))
+    (folder / "pytorch_model.bin").write_bytes(b"")
+    assert_user_error(invoke("export", folder, "-o", tmp_path / "o"), "no *.safetensors")
+
+
+def test_existing_output_without_force(tmp_path):
+    (tmp_path / "o").mkdir()
+    assert_user_error(invoke("export", "tiny-llama", "-o", tmp_path / "o"), "already exists")
+
+
+def test_invalid_policy_flags(tmp_path):
+    result = invoke("convert", "tiny-llama", "-o", tmp_path / "o", "--budget", 30, "--window", 32)
+    assert_user_error(result, "must exceed sinks + window")
+    result = invoke("convert", "tiny-llama", "-o", tmp_path / "o", "--kernel", 4)
+    assert_user_error(result, "odd")
+    assert not (tmp_path / "o").exists()
+
+
+def test_prompt_longer_than_context(tiny_dense_dir):
+    result = invoke("validate", tiny_dense_dir, "--prompt", "x" * 600)
+    assert_user_error(result, "--max-context 512")
+    run = invoke("run", tiny_dense_dir, "--prompt", "x" * 600, "--prompt", "ok", "--max-new-tokens", 2, "--json")
+    assert run.exit_code == 1
+    payload = json.loads(run.output.strip().splitlines()[0])
+    assert "does not fit" in payload["results"][0]["error"] and payload["results"][1]["error"] is None
+
+
+@pytest.fixture
+def artifact_copy(tiny_dense_dir, tmp_path):
+    copy = tmp_path / "copy"
+    shutil.copytree(tiny_dense_dir, copy)
+    return copy
+
+
+def test_corrupt_onnx_file(artifact_copy):
+    (artifact_copy / "decode.onnx").write_bytes(b"\x00garbage")
+    assert_user_error(invoke("run", artifact_copy, "--prompt", "hi"), "not a valid ONNX file")
+
+
+def test_missing_manifest(artifact_copy):
+    (artifact_copy / "manifest.json").unlink()
+    assert_user_error(invoke("inspect", artifact_copy), "not a snapcompile artifact")
+
+
+def test_graph_from_another_artifact_is_refused(artifact_copy, tiny_snap_dir):
+    shutil.copy(tiny_snap_dir / "decode.onnx", artifact_copy / "decode.onnx")
+    assert_user_error(invoke("run", artifact_copy, "--prompt", "hi"), "was not produced with this manifest")
+
+
+def test_no_prompt_source(tiny_dense_dir):
+    assert_user_error(invoke("run", tiny_dense_dir), "give exactly one of")
+
+
+def test_bad_prompts_file(tiny_dense_dir, tmp_path):
+    bad = tmp_path / "p.jsonl"
+    bad.write_text('{"prompt": "ok"}\n{oops\n')
+    assert_user_error(invoke("run", tiny_dense_dir, "--prompts", bad), "p.jsonl:2: not valid JSON")
+
+
+def test_missing_execution_provider(tiny_dense_dir):
+    assert_user_error(invoke("run", tiny_dense_dir, "--prompt", "hi", "--provider", "cuda"),
+                      "no CUDAExecutionProvider")

@@ -1,0 +1,130 @@
+"""Continuous batching: scheduling without a model, and output equality on tiny-llama."""
+import numpy as np
+import pytest
+from transformers import AutoTokenizer
+
+from snapcompile.engine.engine import Engine
+from snapcompile.engine.request import Request, SamplingParams, Sequence, Status
+from snapcompile.engine.sampling import sample
+from snapcompile.engine.scheduler import Scheduler
+from snapcompile.engine.slots import SlotPool
+from snapcompile.errors import SnapcompileError
+from snapcompile.runtime.ort_backend import OrtBackend, chunk_starts
+from tests.conftest import random_prompts
+
+
+def test_slot_pool_hands_out_lowest_free_slot():
+    pool = SlotPool(3)
+    assert [pool.acquire(), pool.acquire()] == [0, 1]
+    pool.release(0)
+    assert pool.acquire() == 0 and pool.acquire() == 2 and pool.acquire() is None
+    with pytest.raises(ValueError):
+        pool.release(5)
+
+
+def test_scheduler_admits_fifo_into_free_slots():
+    scheduler = Scheduler(slots=2, prefill_tokens_per_step=8)
+    seqs = [Sequence(Request([1, 2, 3], request_id=f"r{i}")) for i in range(3)]
+    for seq in seqs:
+        scheduler.add(seq)
+    assert scheduler.admit() == seqs[:2]
+    assert [s.slot for s in seqs[:2]] == [0, 1] and seqs[2].status is Status.WAITING
+    assert scheduler.prefill_turn() is seqs[0]
+    scheduler.prefill_done(seqs[0])
+    assert scheduler.prefill_turn() is seqs[1] and scheduler.decoding == {0: seqs[0]}
+    scheduler.release(seqs[0])
+    assert scheduler.admit() == [seqs[2]] and seqs[2].slot == 0
+    assert not scheduler.idle
+
+
+def test_chunk_starts_end_at_the_prompt_end():
+    assert chunk_starts(10, 4) == [0, 4, 6]
+    assert chunk_starts(8, 4) == [0, 4]
+    assert chunk_starts(3, 4) == [0]
+
+
+def test_sampling_greedy_and_seeded():
+    logits = np.array([0.1, 2.0, 1.9, -1.0], np.float32)
+    assert sample(logits, SamplingParams(), np.random.default_rng(0)) == 1
+    params = SamplingParams(temperature=1.0, top_k=3, top_p=0.9, seed=3)
+    draws = lambda: [sample(logits, params, rng) for rng in [np.random.default_rng(3)] for _ in range(20)]  # noqa: E731
+    assert draws() == draws()
+    assert set(draws()) <= {0, 1, 2}
+    assert sample(logits, SamplingParams(temperature=1.0, top_k=1), np.random.default_rng(0)) == 1
+
+
+@pytest.mark.parametrize("kwargs", [dict(temperature=-1), dict(top_k=-1), dict(top_p=0.0)])
+def test_invalid_sampling_params(kwargs):
+    with pytest.raises(SnapcompileError):
+        SamplingParams(**kwargs)
+
+
+def _engine(folder, **kwargs):
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    backend = OrtBackend(folder)
+    return Engine(backend, tokenizer, backend.manifest.eos_token_ids, **kwargs)
+
+
+@pytest.mark.parametrize("artifact", ["tiny_dense_dir", "tiny_snap_dir"])
+def test_continuous_batching_equals_running_alone(artifact, request):
+    folder = request.getfixturevalue(artifact)
+    lengths = [150, 12, 300, 40, 220, 5, 90]            # more requests than the 3 slots
+    new_tokens = [20, 5, 30, 8, 25, 3, 12]             # some finish early
+    prompts = random_prompts(lengths, seed=21)
+    make = lambda: [Request(p, max_new_tokens=n, request_id=f"r{i}")  # noqa: E731
+                    for i, (p, n) in enumerate(zip(prompts, new_tokens))]
+    batched = _engine(folder, prefill_tokens_per_step=64).generate(make())
+    for request_alone, together in zip(make(), batched):
+        alone = _engine(folder).generate([request_alone])[0]
+        assert together.output_ids == alone.output_ids, request_alone.request_id
+        assert together.finish_reason == alone.finish_reason
+
+
+def test_error_requests_are_isolated(tiny_dense_dir):
+    engine = _engine(tiny_dense_dir)
+    good = Request(random_prompts([20])[0], max_new_tokens=4, request_id="good")
+    results = engine.generate([Request([], request_id="empty"), Request([1] * 600, request_id="long"), good])
+    assert [r.finish_reason for r in results] == ["error", "error", "length"]
+    assert "does not fit" in results[1].error and "0 tokens" in results[0].error
+    alone = _engine(tiny_dense_dir).generate([Request(good.prompt_ids, max_new_tokens=4)])[0]
+    assert results[2].output_ids == alone.output_ids
+
+
+def test_stop_strings_and_eos(tiny_dense_dir):
+    engine = _engine(tiny_dense_dir)
+    probe = engine.generate([Request(random_prompts([30], seed=2)[0], max_new_tokens=12, request_id="probe")])[0]
+    stop = probe.text[3:5]
+    assert stop, "the probe generated text"
+    engine = _engine(tiny_dense_dir)
+    stopped = engine.generate([Request(random_prompts([30], seed=2)[0], max_new_tokens=12, stop=(stop,))])[0]
+    assert stopped.finish_reason == "stop" and stopped.text == probe.text[: probe.text.find(stop)]
+    eos_engine = _engine(tiny_dense_dir)
+    eos_engine.eos_ids = {probe.output_ids[2]}
+    ended = eos_engine.generate([Request(random_prompts([30], seed=2)[0], max_new_tokens=12)])[0]
+    assert ended.finish_reason == "eos" and ended.output_ids == probe.output_ids[:3]
+
+
+def test_seeded_sampling_is_reproducible(tiny_snap_dir):
+    def run(seed):
+        engine = _engine(tiny_snap_dir)
+        params = SamplingParams(temperature=1.0, top_p=0.95, seed=seed)
+        return engine.generate([Request(random_prompts([100])[0], max_new_tokens=16, sampling=params)])[0].output_ids
+    assert run(1) == run(1)
+    assert run(1) != run(2)
+
+
+def test_dense_sequence_stops_at_context_end(tiny_llama, tmp_path):
+    from snapcompile.config import ExportConfig
+    from tests.conftest import build_artifact
+    folder = build_artifact(tiny_llama, tmp_path / "small", export=ExportConfig(slots=2, max_context=64, chunk=16))
+    result = _engine(folder).generate([Request(random_prompts([60])[0], max_new_tokens=50)])[0]
+    # positions 60..63 can still be fed: the prefill token plus 4 decode tokens
+    assert result.finish_reason == "context" and len(result.output_ids) == 5
+
+
+def test_kv_memory_is_slots_times_budget(tiny_snap_dir):
+    engine = _engine(tiny_snap_dir)
+    spec, manifest = engine.backend.manifest.spec, engine.backend.manifest
+    assert engine.kv_bytes_in_use() == manifest.export.slots * manifest.policy.budget * spec.kv_bytes_per_token
+    engine.generate([Request(p, max_new_tokens=2) for p in random_prompts([400, 30])])
+    assert engine.kv_bytes_in_use() == manifest.export.slots * manifest.policy.budget * spec.kv_bytes_per_token

