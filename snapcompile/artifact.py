@@ -6,6 +6,7 @@ the wrong manifest (a different budget, a different model) before it runs anythi
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 from dataclasses import dataclass, field
@@ -172,19 +173,21 @@ def _set_metadata(model: onnx.ModelProto, key: str, value: str) -> None:
 
 
 def _externalize_shared(models, weights_path: Path) -> None:
-    """Move every initializer of >= 1 KiB into weights_path, each name written once."""
-    offsets: dict[str, tuple[int, int]] = {}
+    """Move every initializer of >= 1 KiB into weights_path; identical tensors (the weights both
+    graphs use) are written once."""
+    offsets: dict[tuple[str, bytes], tuple[int, int]] = {}
     with open(weights_path, "wb") as handle:
         for model in models:
             for tensor in model.graph.initializer:
                 if not tensor.HasField("raw_data") or len(tensor.raw_data) < EXTERNAL_MIN_BYTES:
                     continue
-                if tensor.name not in offsets:
+                key = (tensor.name, hashlib.sha1(tensor.raw_data).digest())
+                if key not in offsets:
                     pad = (-handle.tell()) % 64        # aligned offsets allow memory mapping
                     handle.write(b"\0" * pad)
-                    offsets[tensor.name] = (handle.tell(), len(tensor.raw_data))
+                    offsets[key] = (handle.tell(), len(tensor.raw_data))
                     handle.write(tensor.raw_data)
-                offset, length = offsets[tensor.name]
+                offset, length = offsets[key]
                 external_data_helper.set_external_data(tensor, WEIGHTS, offset=offset, length=length)
                 tensor.data_location = TensorProto.EXTERNAL
                 tensor.ClearField("raw_data")

@@ -77,3 +77,24 @@ def test_prefill_logits_are_for_the_last_token_only(tiny_dense_dir):
     logits = [o for o in manifest.graphs["prefill"]["outputs"] if o["name"] == "logits"][0]
     assert logits["shape"] == [1, manifest.spec.vocab_size]
     assert np.prod(logits["shape"]) == 320
+
+
+def test_graphs_with_same_named_constants_keep_their_own_data(tmp_path):
+    """Generated constant names repeat across graphs; only identical tensors may share bytes."""
+    from snapcompile.artifact import Manifest, save_graphs
+    from snapcompile.config import PolicyConfig
+    from snapcompile.models.spec import ModelSpec
+    from snapcompile.onnx_builder import GraphBuilder
+
+    def graph(fill):
+        b = GraphBuilder("g")
+        x = b.input("x", np.float32, [512])
+        b.output(b.op("Add", x, b.const(np.full(512, fill, np.float32), np.float32)), "y", np.float32, [512])
+        return b.model()
+    spec = ModelSpec("LlamaForCausalLM", 10, 8, 8, 1, 1, 1, 8, 64, 1e-5, False, False)
+    manifest = Manifest("m", spec, ExportConfig(max_context=64, chunk=8), PolicyConfig(policy="dense"))
+    save_graphs(tmp_path, {"a": graph(1.0), "b": graph(2.0)}, manifest)
+    import onnxruntime as ort
+    for name, fill in (("a", 1.0), ("b", 2.0)):
+        session = ort.InferenceSession(str(tmp_path / f"{name}.onnx"), providers=["CPUExecutionProvider"])
+        np.testing.assert_array_equal(session.run(None, {"x": np.zeros(512, np.float32)})[0], fill)

@@ -63,6 +63,11 @@ class Engine:
         return cls(backend, tokenizer, backend.manifest.eos_token_ids, prefill_tokens_per_step)
 
     # ------------------------------------------------------------------ API
+    def encode(self, text: str, chat: bool | None = None) -> list[int]:
+        """Token ids of `text`; chat template applied by default for instruct models."""
+        from snapcompile.prompts import encode
+        return encode(self.tokenizer, text, self.backend.manifest.chat if chat is None else chat)
+
     def submit(self, request: Request) -> Sequence:
         if request.request_id in self.sequences:
             raise SnapcompileError(f"duplicate request id {request.request_id!r}")

@@ -44,7 +44,7 @@ class _Session:
         import onnxruntime as ort
         options = ort.SessionOptions()
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        options.log_severity_level = 3
+        options.log_severity_level = 4  # failures are reported as SnapcompileError
         if threads:
             options.intra_op_num_threads = threads
         try:
