@@ -34,19 +34,22 @@ def add_node(graph: gs.Graph, op: str, inputs: list, attrs: dict | None = None,
     return out
 
 
-def finalize(graph: gs.Graph, name: str) -> onnx.ModelProto:
-    """cleanup, toposort, export, onnx.checker and strict shape inference (every pass ends here).
+def finalize(graph: gs.Graph, name: str, custom_domains: tuple[str, ...] = ()) -> onnx.ModelProto:
+    """cleanup, toposort, export, onnx.checker and shape inference (every pass ends here).
 
     A graph whose weights live in an external file is checked by the checker once saved beside
-    that file (snapcompile.artifact.save_graphs); here it gets shape inference only.
+    that file (snapcompile.artifact.save_graphs). Shape inference is strict unless the graph has
+    custom-domain ops, whose shapes it cannot know.
     """
     graph.cleanup(remove_unused_graph_inputs=False).toposort()
     model = gs.export_onnx(graph, do_type_check=True)
     model.ir_version = 9
     del model.opset_import[:]
     model.opset_import.append(onnx.helper.make_opsetid("", OPSET))
+    for domain in custom_domains:
+        model.opset_import.append(onnx.helper.make_opsetid(domain, 1))
     model.graph.ClearField("value_info")
     if not any(t.data_location == onnx.TensorProto.EXTERNAL for t in model.graph.initializer):
         onnx.checker.check_model(model)
-    onnx.shape_inference.infer_shapes(model, strict_mode=True)
+    onnx.shape_inference.infer_shapes(model, strict_mode=not custom_domains)
     return model

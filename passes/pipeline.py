@@ -13,9 +13,18 @@ from snapcompile.errors import SnapcompileError
 from snapcompile.export import verify_graph
 
 
+LOWERINGS = ("standard", "plugin")
+
+
 def compress_graphs(graphs: dict[str, onnx.ModelProto], manifest: Manifest,
-                    policy: PolicyConfig) -> dict[str, onnx.ModelProto]:
-    """Rewrite dense prefill/decode graphs for `policy`; updates manifest.policy and .passes."""
+                    policy: PolicyConfig, lowering: str = "standard") -> dict[str, onnx.ModelProto]:
+    """Rewrite dense prefill/decode graphs for `policy`; updates manifest.policy, .lowering and
+    .passes. lowering "plugin" then replaces the compressed attention and the selection by
+    custom op nodes (plugins.contracts)."""
+    if lowering not in LOWERINGS:
+        raise SnapcompileError(f"unknown lowering {lowering!r}; choose standard or plugin")
+    if lowering == "plugin" and not policy.compressed:
+        raise SnapcompileError("--lower plugin needs a compressed policy (snapstream or streamingllm)")
     if manifest.policy.compressed:
         raise SnapcompileError("the input artifact is already compressed; start from a dense export")
     policy.check_against(manifest.export)
@@ -34,7 +43,19 @@ def compress_graphs(graphs: dict[str, onnx.ModelProto], manifest: Manifest,
             verify_graph(out["select"], "select")
             manifest.passes.append({"pass": "snapkv_select", "graph": "select",
                                     "blocks_rewritten": spec.num_layers, "scope": policy.scope})
+        if lowering == "plugin":
+            _lower_to_plugins(out, manifest, policy)
     except MatchFailure as failure:
         raise SnapcompileError(f"cannot compress: {failure}") from None
-    manifest.policy = policy
+    manifest.policy, manifest.lowering = policy, lowering
     return out
+
+
+def _lower_to_plugins(graphs: dict[str, onnx.ModelProto], manifest: Manifest, policy: PolicyConfig) -> None:
+    from snapcompile.passes.lower_plugin import lower_decode, plugin_select_graph
+    spec = manifest.spec
+    graphs["decode"], report = lower_decode(graphs["decode"], spec.num_layers)
+    manifest.passes.append(report)
+    if "select" in graphs:
+        graphs["select"] = plugin_select_graph(spec, policy, manifest.export.max_context)
+        manifest.passes.append({"pass": "lower_plugin", "graph": "select", "blocks_rewritten": spec.num_layers})

@@ -58,6 +58,12 @@ def _policy_options(func):
                      help="Select per KV head, or one position set per layer."),
         click.option("--prompt-share", type=int, default=None,
                      help="Budget rows for the compressed prompt P (default: B minus a ring of >= B/4)."),
+        click.option("--lower", "lowering", type=click.Choice(["standard", "plugin"]), default="standard",
+                     show_default=True,
+                     help="standard: compressed attention and selection in standard ONNX ops (any runtime; "
+                          "for TensorRT the selection's TopK needs P <= 3840). plugin: custom op nodes "
+                          "SnapKVDecodeAttention / SnapKVSelect for the TensorRT plugin (no budget limit; "
+                          "ONNX Runtime runs them through onnxruntime-extensions, float32)."),
     ]):
         func = option(func)
     return func
@@ -91,7 +97,7 @@ def export(model, slots, max_context, chunk, output, force):
 @click.argument("model")
 @_export_options
 @_policy_options
-def convert(model, slots, max_context, chunk, output, force, **policy_args):
+def convert(model, slots, max_context, chunk, output, force, lowering, **policy_args):
     """Export MODEL and compress its cache in one go (export + passes).
 
     The budget bounds the decode cache at B rows per slot whatever the context; prompts up to
@@ -106,7 +112,7 @@ def convert(model, slots, max_context, chunk, output, force, **policy_args):
     policy.check_against(export_cfg)
     _refuse_existing(output, force)
     manifest = export_model(load_model(model), export_cfg, output, force=force, policy=policy,
-                            transform=lambda graphs, m: compress_graphs(graphs, m, policy))
+                            transform=lambda graphs, m: compress_graphs(graphs, m, policy, lowering))
     click.echo(f"wrote {output}: policy {policy.policy}, {_blocks(manifest)} attention blocks rewritten")
 
 
@@ -115,10 +121,10 @@ def convert(model, slots, max_context, chunk, output, force, **policy_args):
 @click.option("-o", "--output", required=True, type=click.Path(path_type=Path))
 @click.option("--force", is_flag=True, help="Replace the output folder if it exists.")
 @_policy_options
-def compress(dense_dir, output, force, **policy_args):
+def compress(dense_dir, output, force, lowering, **policy_args):
     """Run the compression passes on an existing dense export DENSE_DIR."""
     from snapcompile.compress import compress_artifact
-    manifest = compress_artifact(dense_dir, output, _policy(**policy_args), force=force)
+    manifest = compress_artifact(dense_dir, output, _policy(**policy_args), force=force, lowering=lowering)
     click.echo(f"wrote {output}: policy {manifest.policy.policy}, {_blocks(manifest)} attention blocks rewritten")
 
 
@@ -135,6 +141,7 @@ def inspect(artifact, as_json):
             "export": manifest.export.to_dict(), "lowering": manifest.lowering,
             "graphs": sorted(manifest.graphs),
             "blocks_rewritten": {p["graph"]: p["blocks_rewritten"] for p in manifest.passes},
+            "passes": [p["pass"] for p in manifest.passes],
             "kv_bytes_per_slot": manifest.kv_bytes_per_slot(),
             "dense_kv_bytes_per_slot": manifest.dense_kv_bytes_per_slot(),
             "kv_bytes_total": manifest.kv_bytes_per_slot() * manifest.export.slots}
@@ -147,7 +154,7 @@ def inspect(artifact, as_json):
     click.echo(f"shapes         slots {manifest.export.slots}, max context {manifest.export.max_context}, "
                f"chunk {manifest.export.chunk}")
     click.echo(f"graphs         {', '.join(info['graphs'])}")
-    click.echo(f"rewritten      {info['blocks_rewritten'] or 'nothing (dense)'}")
+    click.echo(f"rewritten      {info['blocks_rewritten'] or 'nothing (dense)'} by {', '.join(info['passes']) or '-'}")
     click.echo(f"KV per slot    {_mib(info['kv_bytes_per_slot'])} (dense at max context: "
                f"{_mib(info['dense_kv_bytes_per_slot'])}, ratio {ratio:.3f})")
 
@@ -159,7 +166,7 @@ main.add_command(validate)
 
 
 def _blocks(manifest) -> int:
-    return sum(p["blocks_rewritten"] for p in manifest.passes if p["graph"] == "decode")
+    return max((p["blocks_rewritten"] for p in manifest.passes if p["graph"] == "decode"), default=0)
 
 
 def _mib(n: int) -> str:

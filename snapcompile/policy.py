@@ -83,3 +83,25 @@ def streaming_select(length: int, kv_heads: int, cfg: PolicyConfig) -> Selection
     share, sinks = cfg.resolved_prompt_share, cfg.sinks
     kept = torch.cat([torch.arange(sinks), torch.arange(length - (share - sinks), length)])
     return Selection(kept.expand(kv_heads, -1).contiguous(), None)
+
+
+def ring_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                          key_cache: torch.Tensor, value_cache: torch.Tensor, write_index: torch.Tensor,
+                          cache_len: torch.Tensor, scale: float) -> torch.Tensor:
+    """One decode step of fixed-budget GQA attention (the reference of the fused decode op).
+
+    query: [N, Hkv, G, D]; key, value: [N, Hkv, 1, D] (the new token, post-RoPE);
+    key_cache, value_cache: [N, Hkv, B, D]; write_index, cache_len: [N] int64.
+    Each query attends to cache rows r < cache_len with r != write_index (that row is being
+    overwritten by the new token) and to the new token. Computed in float32; returns
+    [N, Hkv, G, D] in the query's dtype. The caches are not modified.
+    """
+    q, k, v = query.float(), key.float(), value.float()
+    rows = torch.arange(key_cache.shape[2], device=query.device)
+    visible = (rows[None] < cache_len[:, None]) & (rows[None] != write_index[:, None])    # [N, B]
+    s_cache = torch.matmul(q, key_cache.float().transpose(-1, -2)) * scale               # [N,Hkv,G,B]
+    s_cache = s_cache.masked_fill(~visible[:, None, None, :], float("-inf"))
+    s_new = torch.matmul(q, k.transpose(-1, -2)) * scale                                # [N,Hkv,G,1]
+    probs = torch.softmax(torch.cat([s_cache, s_new], dim=-1), dim=-1)
+    out = torch.matmul(probs[..., :-1], value_cache.float()) + probs[..., -1:] * v
+    return out.to(query.dtype)

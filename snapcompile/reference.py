@@ -13,7 +13,7 @@ import torch
 
 from snapcompile.config import PolicyConfig
 from snapcompile.layout import SlotLayout
-from snapcompile.policy import Selection, snapkv_select, streaming_select
+from snapcompile.policy import Selection, ring_decode_attention, snapkv_select, streaming_select
 
 ATTENTION_NAME = "snapcompile_reference"
 
@@ -60,11 +60,13 @@ class _LayerCache:
         """query [1, H, 1, D], key/value [1, Hkv, 1, D]: write into the ring, then attend."""
         step = self.layout.step(self.generated)
         self.generated += 1
+        heads, kv_heads, dim = query.shape[1], key.shape[1], query.shape[3]
+        out = ring_decode_attention(
+            query.reshape(1, kv_heads, heads // kv_heads, dim), key, value, self.keys[None], self.values[None],
+            torch.tensor([step.write_index]), torch.tensor([step.cache_len]), scale)
         self.keys[:, step.write_index] = key[0, :, 0]
         self.values[:, step.write_index] = value[0, :, 0]
-        rows = torch.arange(self.capacity)
-        visible = (rows < step.cache_len) | (rows == step.write_index)
-        return _attend(query, self.keys[None], self.values[None], scale, visible[None, :])
+        return out.reshape(1, heads, 1, dim)
 
 
 def _attend(query, key, value, scale, visible):

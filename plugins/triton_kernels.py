@@ -1,0 +1,99 @@
+"""Triton kernel of the fused decode attention (SnapKVDecodeAttention, see plugins.contracts).
+
+One program per (slot, KV head): it streams the slot's B cache rows in blocks with an online
+softmax, adds the new token, and optionally stores the new K/V at the ring row (write_cache).
+Without a CUDA device the kernel runs in Triton's interpreter (TRITON_INTERPRET=1, set here
+before Triton is imported), which is how CI tests it.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+
+@triton.jit
+def _decode_attention_kernel(
+    q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, write_ptr, len_ptr, out_ptr, scale,
+    budget, group, head_dim,
+    stride_qn, stride_qh, stride_qg,
+    stride_kn, stride_kh,
+    stride_cn, stride_ch, stride_cb,
+    WRITE_CACHE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    slot = tl.program_id(0)
+    head = tl.program_id(1)
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    g_ok = g < group
+    d_ok = d < head_dim
+    q = tl.load(q_ptr + slot * stride_qn + head * stride_qh + g[:, None] * stride_qg + d[None, :],
+                mask=g_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)           # [G, D]
+    k_new = tl.load(k_ptr + slot * stride_kn + head * stride_kh + d, mask=d_ok, other=0.0).to(tl.float32)
+    v_new = tl.load(v_ptr + slot * stride_kn + head * stride_kh + d, mask=d_ok, other=0.0).to(tl.float32)
+    write = tl.load(write_ptr + slot)
+    valid_len = tl.load(len_ptr + slot)
+
+    # the new token opens the online softmax: it is always visible
+    m_i = tl.sum(q * k_new[None, :], axis=1) * scale                                   # [G]
+    l_i = tl.full([BLOCK_G], 1.0, tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32) + v_new[None, :]
+
+    cache = kc_ptr + slot * stride_cn + head * stride_ch
+    values = vc_ptr + slot * stride_cn + head * stride_ch
+    for start in range(0, budget, BLOCK_B):
+        rows = start + tl.arange(0, BLOCK_B)
+        visible = (rows < valid_len) & (rows != write) & (rows < budget)
+        tile_mask = visible[:, None] & d_ok[None, :]
+        k = tl.load(cache + rows[:, None] * stride_cb + d[None, :], mask=tile_mask, other=0.0).to(tl.float32)
+        s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale                       # [G, BLOCK_B]
+        s = tl.where(visible[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        v = tl.load(values + rows[:, None] * stride_cb + d[None, :], mask=tile_mask, other=0.0).to(tl.float32)
+        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        m_i = m_new
+
+    out = acc / l_i[:, None]
+    tl.store(out_ptr + slot * stride_qn + head * stride_qh + g[:, None] * stride_qg + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
+    if WRITE_CACHE:
+        tl.store(cache + write * stride_cb + d, k_new.to(kc_ptr.dtype.element_ty), mask=d_ok)
+        tl.store(values + write * stride_cb + d, v_new.to(vc_ptr.dtype.element_ty), mask=d_ok)
+
+
+def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                     value_cache: torch.Tensor, write_index: torch.Tensor, cache_len: torch.Tensor,
+                     scale: float, write_cache: bool = False, block_rows: int = 64,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """Launch the kernel. Shapes and semantics as plugins.reference.decode_attention; the last
+    axis of every tensor must be contiguous. With write_cache the new K/V are stored into the
+    caches at write_index after the attention is computed."""
+    slots, kv_heads, group, head_dim = query.shape
+    budget = key_cache.shape[2]
+    for tensor in (query, key, value, key_cache, value_cache):
+        if tensor.stride(-1) != 1:
+            raise ValueError("decode_attention needs a contiguous last axis")
+    if key.stride() != value.stride() or key_cache.stride() != value_cache.stride():
+        raise ValueError("key/value (and their caches) must share a layout")
+    out = torch.empty_like(query) if out is None else out
+    if out.stride() != query.stride():
+        raise ValueError("out must have the query's layout")
+    _decode_attention_kernel[(slots, kv_heads)](
+        query, key, value, key_cache, value_cache, write_index, cache_len, out, float(scale),
+        budget, group, head_dim,
+        query.stride(0), query.stride(1), query.stride(2),
+        key.stride(0), key.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        WRITE_CACHE=write_cache, BLOCK_G=max(triton.next_power_of_2(group), 2),
+        BLOCK_B=min(block_rows, max(triton.next_power_of_2(budget), 16)),
+        BLOCK_D=max(triton.next_power_of_2(head_dim), 16))
+    return out

@@ -1,0 +1,239 @@
+"""The slot backend: the only runtime code that touches tensors.
+
+It owns the N static cache slots ([N, Hkv, capacity, D] per layer, allocated once and bound to
+the decode graph once by address) and a prefill scratch cache for one sequence. A decode step
+moves only the new tokens' K/V into the slots; nothing copies a whole cache. Where the tensors
+live and how a graph runs is the Device's business (ONNX Runtime on host memory, TensorRT on
+CUDA memory); small per-step inputs are prepared in numpy and uploaded.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+
+from snapcompile.artifact import Manifest, load_graph, read_manifest
+from snapcompile.errors import SnapcompileError
+from snapcompile.layout import DecodeStep, SlotLayout
+
+
+class Graph(Protocol):
+    def bind(self, name: str, array, output: bool = False) -> None: ...
+    def run(self) -> None: ...
+
+
+class Device(Protocol):
+    """Allocates arrays, runs graphs, and moves small arrays to and from the host."""
+
+    def zeros(self, shape: tuple[int, ...], dtype: str): ...
+    def graph(self, name: str, manifest: Manifest) -> Graph: ...
+    def upload(self, target, host: np.ndarray) -> None: ...
+    def download(self, array) -> np.ndarray: ...
+    def indices(self, host: np.ndarray): ...
+
+
+@dataclass
+class PrefillResult:
+    """logits: [V] float32 for the prompt's last token. kept_positions: per layer [Hkv, kept]
+    prompt positions now in the slot (None when the whole prompt was kept)."""
+
+    logits: np.ndarray
+    layout: SlotLayout
+    kept_positions: list[np.ndarray] | None
+
+
+def chunk_starts(prompt_len: int, chunk: int) -> list[int]:
+    """Chunk start positions; the last chunk ends exactly at the prompt's end (it may overlap
+    the previous one) so the observation window always lies inside one chunk."""
+    starts = list(range(0, max(prompt_len - chunk, 0), chunk))
+    starts.append(max(prompt_len - chunk, 0))
+    return starts
+
+
+class SlotBackend:
+    """Runs an artifact's graphs on a Device. Slot state (layouts, positions) is the caller's."""
+
+    def __init__(self, folder: Path, device: Device):
+        self.folder, self.device = Path(folder), device
+        self.manifest: Manifest = read_manifest(self.folder)
+        m = self.manifest
+        for name in m.graphs:
+            load_graph(self.folder, m, name)     # fingerprint and I/O checks before anything runs
+        self.num_layers, self.slots, self.chunk = m.spec.num_layers, m.export.slots, m.export.chunk
+        self.capacity = m.cache_capacity
+        self._layers = range(self.num_layers)
+        self.keys = [self._kv(self.slots, self.capacity) for _ in self._layers]
+        self.values = [self._kv(self.slots, self.capacity) for _ in self._layers]
+        self.prefill_graph = device.graph("prefill", m)
+        self.decode_graph = device.graph("decode", m)
+        self.select_graph = device.graph("select", m) if "select" in m.graphs else None
+        self._init_prefill()
+        self._init_decode()
+
+    def _kv(self, batch: int, rows: int):
+        return self.device.zeros((batch, self.manifest.spec.num_kv_heads, rows, self.manifest.spec.head_dim), "float32")
+
+    # ---------------------------------------------------------------- buffers
+    def _init_prefill(self) -> None:
+        m, zeros = self.manifest, self.device.zeros
+        self.p_ids, self.p_start, self.p_len = zeros((1, self.chunk), "int64"), zeros((1,), "int64"), zeros((1,), "int64")
+        self.p_logits = zeros((1, m.spec.vocab_size), "float32")
+        self.p_new_k = [self._kv(1, self.chunk) for _ in self._layers]
+        self.p_new_v = [self._kv(1, self.chunk) for _ in self._layers]
+        if m.policy.compressed:    # the full prompt lives here until it is compressed into a slot
+            self.scratch_k = [self._kv(1, m.export.max_context) for _ in self._layers]
+            self.scratch_v = [self._kv(1, m.export.max_context) for _ in self._layers]
+        g = self.prefill_graph
+        for name, array in (("input_ids", self.p_ids), ("start", self.p_start), ("chunk_len", self.p_len)):
+            g.bind(name, array)
+        g.bind("logits", self.p_logits, output=True)
+        for i in self._layers:
+            g.bind(f"key.{i}", self.p_new_k[i], output=True)
+            g.bind(f"value.{i}", self.p_new_v[i], output=True)
+        if self.select_graph is not None:
+            self._init_select()
+
+    def _init_select(self) -> None:
+        m, zeros = self.manifest, self.device.zeros
+        heads, window, d = m.spec.num_heads, m.policy.window, m.spec.head_dim
+        share, hkv = m.policy.resolved_prompt_share, m.spec.num_kv_heads
+        self.window_q = [zeros((1, heads, window, d), "float32") for _ in self._layers]
+        self.sel_k = [self._kv(1, share) for _ in self._layers]
+        self.sel_v = [self._kv(1, share) for _ in self._layers]
+        self.sel_idx = [zeros((1, hkv, share), "int64") for _ in self._layers]
+        self.sel_len = zeros((1,), "int64")
+        s = self.select_graph
+        s.bind("prompt_len", self.sel_len)
+        for i in self._layers:
+            self.prefill_graph.bind(f"window_query.{i}", self.window_q[i], output=True)
+            s.bind(f"window_query.{i}", self.window_q[i])
+            s.bind(f"key.{i}", self.scratch_k[i])
+            s.bind(f"value.{i}", self.scratch_v[i])
+            s.bind(f"selected_key.{i}", self.sel_k[i], output=True)
+            s.bind(f"selected_value.{i}", self.sel_v[i], output=True)
+            s.bind(f"selected_index.{i}", self.sel_idx[i], output=True)
+
+    def _init_decode(self) -> None:
+        n, zeros = self.slots, self.device.zeros
+        self.d_ids = zeros((n, 1), "int64")
+        self.d_inputs = {name: zeros((n,), "int64") for name in ("position", "cache_len", "write_index")}
+        self.d_logits = zeros((n, self.manifest.spec.vocab_size), "float32")
+        self.d_new_k = [self._kv(n, 1) for _ in self._layers]
+        self.d_new_v = [self._kv(n, 1) for _ in self._layers]
+        g = self.decode_graph
+        g.bind("input_ids", self.d_ids)
+        for name, array in self.d_inputs.items():
+            if name != "write_index" or self.manifest.policy.compressed:
+                g.bind(name, array)
+        g.bind("logits", self.d_logits, output=True)
+        for i in self._layers:
+            g.bind(f"past_key.{i}", self.keys[i])
+            g.bind(f"past_value.{i}", self.values[i])
+            g.bind(f"key.{i}", self.d_new_k[i], output=True)
+            g.bind(f"value.{i}", self.d_new_v[i], output=True)
+
+    # ---------------------------------------------------------------- prefill
+    def max_prompt_len(self) -> int:
+        return self.manifest.export.max_context - (0 if self.manifest.policy.compressed else 1)
+
+    def prefill_chunks(self, slot: int, token_ids: list[int]):
+        """Generator form of `prefill`: yields the tokens of each chunk once it ran (so an
+        engine can interleave decode steps) and returns the PrefillResult."""
+        length = len(token_ids)
+        if not 0 < length <= self.max_prompt_len():
+            raise SnapcompileError(f"prompt of {length} tokens does not fit: the artifact's "
+                                   f"--max-context allows 1..{self.max_prompt_len()} prompt tokens")
+        targets_k, targets_v = self._prefill_targets(slot)
+        for i in self._layers:
+            self.prefill_graph.bind(f"past_key.{i}", targets_k[i])
+            self.prefill_graph.bind(f"past_value.{i}", targets_v[i])
+        ids = np.zeros((1, self.chunk), np.int64)
+        for start in chunk_starts(length, self.chunk):
+            count = min(self.chunk, length - start)
+            ids[0, :count] = token_ids[start:start + count]
+            ids[0, count:] = 0
+            self.device.upload(self.p_ids, ids)
+            self.device.upload(self.p_start, np.array([start], np.int64))
+            self.device.upload(self.p_len, np.array([count], np.int64))
+            self.prefill_graph.run()
+            for i in self._layers:
+                targets_k[i][:, :, start:start + count] = self.p_new_k[i][:, :, :count]
+                targets_v[i][:, :, start:start + count] = self.p_new_v[i][:, :, :count]
+            yield count
+        share = self.manifest.policy.resolved_prompt_share if self.manifest.policy.compressed else None
+        layout = SlotLayout.for_prompt(length, self.capacity, share)
+        kept = self._compress_into_slot(slot, layout) if self.manifest.policy.compressed else None
+        return PrefillResult(self.device.download(self.p_logits)[0].copy(), layout, kept)
+
+    def prefill(self, slot: int, token_ids: list[int]) -> PrefillResult:
+        gen = self.prefill_chunks(slot, token_ids)
+        while True:
+            try:
+                next(gen)
+            except StopIteration as stop:
+                return stop.value
+
+    def _prefill_targets(self, slot: int):
+        if self.manifest.policy.compressed:
+            return self.scratch_k, self.scratch_v
+        return [k[slot:slot + 1] for k in self.keys], [v[slot:slot + 1] for v in self.values]
+
+    def _compress_into_slot(self, slot: int, layout: SlotLayout) -> list[np.ndarray] | None:
+        """Move the kept prompt rows from the scratch cache into the slot (once per request)."""
+        kept = layout.kept
+        if not layout.compressed:
+            for i in self._layers:
+                self.keys[i][slot, :, :kept] = self.scratch_k[i][0, :, :kept]
+                self.values[i][slot, :, :kept] = self.scratch_v[i][0, :, :kept]
+            return None
+        if self.select_graph is None:
+            return self._streaming_into_slot(slot, layout)
+        self.device.upload(self.sel_len, np.array([layout.prompt_len], np.int64))
+        self.select_graph.run()
+        for i in self._layers:
+            self.keys[i][slot, :, :kept] = self.sel_k[i][0]
+            self.values[i][slot, :, :kept] = self.sel_v[i][0]
+        return [self.device.download(idx)[0].copy() for idx in self.sel_idx]
+
+    def _streaming_into_slot(self, slot: int, layout: SlotLayout) -> list[np.ndarray]:
+        sinks = self.manifest.policy.sinks
+        positions = np.concatenate([np.arange(sinks),
+                                    np.arange(layout.prompt_len - (layout.kept - sinks), layout.prompt_len)])
+        rows = self.device.indices(positions)
+        for i in self._layers:
+            self.keys[i][slot, :, :layout.kept] = self.scratch_k[i][0][:, rows]
+            self.values[i][slot, :, :layout.kept] = self.scratch_v[i][0][:, rows]
+        hkv = self.manifest.spec.num_kv_heads
+        return [np.broadcast_to(positions, (hkv, layout.kept)).copy() for _ in self._layers]
+
+    # ---------------------------------------------------------------- decode
+    def decode(self, tokens: dict[int, int], steps: dict[int, DecodeStep]) -> np.ndarray:
+        """One decode step for the active slots (keys of `tokens`); idle slots are masked.
+
+        Returns logits [N, V] as a host array (rows of idle slots are meaningless). The new K/V
+        of each active slot is written at its step's write_index.
+        """
+        ids = np.zeros((self.slots, 1), np.int64)
+        host = {name: np.zeros(self.slots, np.int64) for name in self.d_inputs}
+        for slot, token in tokens.items():
+            step = steps[slot]
+            ids[slot, 0] = token
+            host["position"][slot], host["cache_len"][slot] = step.position, step.cache_len
+            host["write_index"][slot] = step.write_index
+        self.device.upload(self.d_ids, ids)
+        for name, array in self.d_inputs.items():
+            self.device.upload(array, host[name])
+        self.decode_graph.run()
+        active = np.fromiter(tokens.keys(), np.int64, len(tokens))
+        slots, writes = self.device.indices(active), self.device.indices(host["write_index"][active])
+        for i in self._layers:
+            self.keys[i][slots, :, writes] = self.d_new_k[i][slots, :, 0]
+            self.values[i][slots, :, writes] = self.d_new_v[i][slots, :, 0]
+        return self.device.download(self.d_logits)
+
+    def kv_bytes_in_use(self) -> int:
+        """Bytes of the slot caches (allocated once, independent of prompt lengths)."""
+        per_layer = self.slots * self.manifest.spec.num_kv_heads * self.capacity * self.manifest.spec.head_dim * 4
+        return 2 * self.num_layers * per_layer

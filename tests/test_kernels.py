@@ -1,0 +1,56 @@
+"""The Triton decode-attention kernel vs the PyTorch reference (Triton's interpreter on CPU)."""
+import pytest
+import torch
+
+from snapcompile.plugins import reference
+
+triton_kernels = pytest.importorskip("snapcompile.plugins.triton_kernels")
+
+
+def _case(slots, kv_heads, group, budget, dim, dtype, wrapped, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    rand = lambda *shape: torch.randn(*shape, generator=gen).to(dtype)  # noqa: E731
+    query = rand(slots, kv_heads, group, dim)
+    key, value = rand(slots, kv_heads, 1, dim), rand(slots, kv_heads, 1, dim)
+    key_cache, value_cache = rand(slots, kv_heads, budget, dim), rand(slots, kv_heads, budget, dim)
+    if wrapped:      # ring full: every row valid, one being overwritten
+        cache_len = torch.full((slots,), budget, dtype=torch.int64)
+        write_index = torch.randint(budget // 2, budget, (slots,), generator=gen)
+    else:            # filling up: rows [0, cache_len) valid, the write goes right after them
+        cache_len = torch.randint(0, budget, (slots,), generator=gen)
+        write_index = cache_len.clone()
+    return query, key, value, key_cache, value_cache, write_index, cache_len
+
+
+@pytest.mark.parametrize("dtype, atol", [(torch.float32, 2e-5), (torch.float16, 2e-3)])
+@pytest.mark.parametrize("budget", [16, 100, 256])
+@pytest.mark.parametrize("group", [1, 3, 4])
+@pytest.mark.parametrize("wrapped", [False, True])
+def test_kernel_matches_reference(dtype, atol, budget, group, wrapped):
+    args = _case(3, 2, group, budget, 64, dtype, wrapped, seed=budget + group)
+    expected = reference.decode_attention(*args, scale=0.125)
+    got = triton_kernels.decode_attention(*args, scale=0.125)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.float(), expected.float(), atol=atol, rtol=0)
+
+
+def test_kernel_writes_the_new_token_into_the_ring():
+    query, key, value, key_cache, value_cache, write_index, cache_len = _case(2, 2, 2, 32, 16, torch.float32, True)
+    before_k, before_v = key_cache.clone(), value_cache.clone()
+    expected = reference.decode_attention(query, key, value, before_k, before_v, write_index, cache_len, 0.25)
+    got = triton_kernels.decode_attention(query, key, value, key_cache, value_cache, write_index, cache_len,
+                                          0.25, write_cache=True)
+    torch.testing.assert_close(got, expected, atol=2e-5, rtol=0)
+    for slot in range(2):
+        row = int(write_index[slot])
+        torch.testing.assert_close(key_cache[slot, :, row], key[slot, :, 0])
+        torch.testing.assert_close(value_cache[slot, :, row], value[slot, :, 0])
+        others = [r for r in range(32) if r != row]
+        torch.testing.assert_close(key_cache[slot, :, others], before_k[slot, :, others])
+
+
+def test_idle_slot_attends_only_to_itself():
+    args = list(_case(2, 1, 2, 16, 16, torch.float32, False))
+    args[6] = torch.tensor([0, 5])     # slot 0 idle
+    got = triton_kernels.decode_attention(*args, scale=0.25)
+    torch.testing.assert_close(got[0], args[2][0].expand(1, 2, 16))
