@@ -159,6 +159,25 @@ def inspect(artifact, as_json):
                f"{_mib(info['dense_kv_bytes_per_slot'])}, ratio {ratio:.3f})")
 
 
+@main.command()
+@click.argument("artifact", type=click.Path(path_type=Path))
+@click.option("-o", "--output", required=True, type=click.Path(path_type=Path), help="Engine folder to write.")
+@click.option("--fp16", is_flag=True, help="Let TensorRT run layers in float16 (I/O stays float32).")
+@click.option("--force", is_flag=True, help="Replace the output folder if it exists.")
+def build(artifact, output, fp16, force):
+    """Build TensorRT engines (prefill, decode, select) from an artifact folder.
+
+    Needs TensorRT 10.8+ and a CUDA GPU (pip install "snapcompile[trt]"). All graphs have static
+    shapes, so no optimization profiles are needed. Budgets: the standard lowering's selection
+    uses TopK with k = prompt share, which TensorRT limits to 3840; the plugin lowering
+    (`convert --lower plugin`) has no such limit. Run the engines with `run --backend trt`.
+    """
+    from snapcompile.runtime.trt_backend import build_engines
+    _refuse_existing(output, force)
+    info = build_engines(artifact, output, fp16=fp16, force=force)
+    click.echo(f"wrote {output}: {', '.join(info['engines'])} engines (TensorRT {info['tensorrt']})")
+
+
 from snapcompile.cli_run import run, validate  # noqa: E402  (commands with more options)
 
 main.add_command(run)

@@ -41,12 +41,14 @@ def _percentile(values: list[float], q: float) -> float | None:
 @click.option("--raw", is_flag=True, help="Do not apply the chat template of instruct models.")
 @click.option("--provider", type=click.Choice(["cpu", "cuda", "tensorrt"]), default="cpu", show_default=True,
               help="ONNX Runtime execution provider.")
+@click.option("--backend", type=click.Choice(["ort", "trt"]), default="ort", show_default=True,
+              help="ort: ONNX Runtime on an artifact folder; trt: TensorRT engines from `snapcompile build`.")
 @click.option("--prefill-tokens-per-step", type=int, default=None,
               help="Prompt tokens prefilled between two decode steps (default: one chunk).")
 @click.option("-o", "--output", type=click.Path(path_type=Path), help="Write results as JSONL.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (results and summary).")
 def run(artifact, prompt, prompts_file, demo, max_new_tokens, temperature, top_k, top_p, seed, stop, raw,
-        provider, prefill_tokens_per_step, output, as_json):
+        provider, backend, prefill_tokens_per_step, output, as_json):
     """Generate for prompts with continuous batching over the artifact's static slots."""
     from tqdm import tqdm
 
@@ -54,7 +56,8 @@ def run(artifact, prompt, prompts_file, demo, max_new_tokens, temperature, top_k
     from snapcompile.engine.request import Request, SamplingParams
     from snapcompile.prompts import encode
     records = _load_prompt_records(prompt, prompts_file, demo)
-    engine = Engine.from_artifact(artifact, provider=provider, prefill_tokens_per_step=prefill_tokens_per_step)
+    engine = Engine.from_artifact(artifact, provider=provider, prefill_tokens_per_step=prefill_tokens_per_step,
+                                  backend=backend)
     chat = engine.backend.manifest.chat and not raw
     requests = []
     for index, record in enumerate(records):

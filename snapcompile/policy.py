@@ -35,8 +35,9 @@ def window_scores(window_query: torch.Tensor, keys: torch.Tensor, scale: float) 
     group = heads // kv_heads
     q = window_query.reshape(kv_heads, group * window, -1)           # [Hkv, G*W, D]
     logits = torch.matmul(q, keys.transpose(1, 2)) * scale             # [Hkv, G*W, T]
-    query_pos = (length - window) + torch.arange(group * window) % window
-    visible = torch.arange(length)[None, :] <= query_pos[:, None]      # [G*W, T]
+    device = keys.device
+    query_pos = (length - window) + torch.arange(group * window, device=device) % window
+    visible = torch.arange(length, device=device)[None, :] <= query_pos[:, None]      # [G*W, T]
     logits = logits.masked_fill(~visible, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     return probs.mean(dim=1)[:, : length - window]
@@ -69,10 +70,10 @@ def snapkv_select(window_query: torch.Tensor, keys: torch.Tensor, cfg: PolicyCon
     if cfg.scope == "layer":
         prefix = prefix.sum(dim=0, keepdim=True)                       # [1, T-W], summed before pooling
     prefix = pool_scores(prefix, cfg.kernel, cfg.pooling)
-    scores = torch.full((prefix.shape[0], length), float("-inf"))
+    scores = torch.full((prefix.shape[0], length), float("-inf"), device=keys.device)
     scores[:, sinks: length - window] = prefix[:, sinks:]
     chosen = top_positions(scores, share - sinks - window)
-    fixed = torch.cat([torch.arange(sinks), torch.arange(length - window, length)])
+    fixed = torch.cat([torch.arange(sinks, device=keys.device), torch.arange(length - window, length, device=keys.device)])
     fixed = fixed.expand(prefix.shape[0], -1)
     indices = torch.sort(torch.cat([fixed, chosen], dim=1), dim=1).values
     return Selection(indices.expand(kv_heads, -1).contiguous(), scores.expand(kv_heads, -1).contiguous())

@@ -14,7 +14,7 @@ import torch
 
 from snapcompile.config import PolicyConfig
 from snapcompile.reference import ReferenceSequence
-from snapcompile.runtime.ort_backend import OrtBackend
+from snapcompile.runtime import open_backend
 
 DEFAULT_TOLERANCE = 1e-3
 DEFAULT_TIE_GAP = 1e-6
@@ -55,8 +55,9 @@ def compare_selection(backend_kept: list[np.ndarray], reference, tie_gap: float)
 
 
 class Validator:
-    def __init__(self, folder, model, provider: str = "cpu", tie_gap: float = DEFAULT_TIE_GAP):
-        self.backend = OrtBackend(folder, provider=provider)
+    def __init__(self, folder, model, provider: str = "cpu", tie_gap: float = DEFAULT_TIE_GAP,
+                 backend: str = "ort"):
+        self.backend = open_backend(folder, backend, provider=provider)
         self.manifest = self.backend.manifest
         self.model, self.tie_gap = model, tie_gap
 

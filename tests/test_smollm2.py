@@ -79,3 +79,15 @@ def test_continuous_batching_on_real_model(smol_snap):
         assert result.output_ids == alone.output_ids
     answered = sum(str(key) in r.text for (key, _, _), r in zip(specs, together))
     assert answered >= 3, [r.text for r in together]
+
+
+def test_plugin_lowering_parity_budget_256(smollm2, smol_dense):
+    folder = smol_dense.parent / "snap256-plugin"
+    compress_artifact(smol_dense, folder, PolicyConfig(policy="snapstream", budget=256), lowering="plugin")
+    prompts = _prompts(smollm2.tokenizer, [(31415, 2000, 0.3), (27182, 1900, 0.6), (16180, 2050, 0.9)])
+    steps = 80
+    summary = summarize(Validator(folder, smollm2.model).run(prompts, steps), steps)
+    assert not summary["selection_mismatches"]
+    assert all(tie["score_gap"] < 1e-6 for tie in summary["near_ties"])
+    assert summary["greedy_agreement"] == 1.0
+    assert summary["max_abs_logit_diff"] <= 1e-3

@@ -54,11 +54,12 @@ class Engine:
 
     @classmethod
     def from_artifact(cls, folder, provider: str = "cpu", threads: int | None = None,
-                      prefill_tokens_per_step: int | None = None) -> "Engine":
+                      prefill_tokens_per_step: int | None = None, backend: str = "ort") -> "Engine":
+        """An engine on an artifact folder (backend "ort") or a TensorRT engine folder ("trt")."""
         from transformers import AutoTokenizer
 
-        from snapcompile.runtime.ort_backend import OrtBackend
-        backend = OrtBackend(folder, provider=provider, threads=threads)
+        from snapcompile.runtime import open_backend
+        backend = open_backend(folder, backend, provider=provider, threads=threads)
         tokenizer = AutoTokenizer.from_pretrained(str(folder))
         return cls(backend, tokenizer, backend.manifest.eos_token_ids, prefill_tokens_per_step)
 

@@ -1,0 +1,19 @@
+"""Backends that execute an artifact's graphs."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from snapcompile.errors import SnapcompileError
+
+BACKENDS = ("ort", "trt")
+
+
+def open_backend(folder: Path, backend: str = "ort", provider: str = "cpu", threads: int | None = None):
+    """ONNX Runtime on an artifact folder, or TensorRT on an engine folder from `snapcompile build`."""
+    if backend == "ort":
+        from snapcompile.runtime.ort_backend import OrtBackend
+        return OrtBackend(folder, provider=provider, threads=threads)
+    if backend == "trt":
+        from snapcompile.runtime.trt_backend import TrtBackend
+        return TrtBackend(folder)
+    raise SnapcompileError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")

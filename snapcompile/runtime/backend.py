@@ -14,7 +14,7 @@ from typing import Protocol
 
 import numpy as np
 
-from snapcompile.artifact import Manifest, load_graph, read_manifest
+from snapcompile.artifact import Manifest, read_manifest
 from snapcompile.errors import SnapcompileError
 from snapcompile.layout import DecodeStep, SlotLayout
 
@@ -27,6 +27,7 @@ class Graph(Protocol):
 class Device(Protocol):
     """Allocates arrays, runs graphs, and moves small arrays to and from the host."""
 
+    def check(self, folder: Path, manifest: Manifest) -> None: ...
     def zeros(self, shape: tuple[int, ...], dtype: str): ...
     def graph(self, name: str, manifest: Manifest) -> Graph: ...
     def upload(self, target, host: np.ndarray) -> None: ...
@@ -59,8 +60,7 @@ class SlotBackend:
         self.folder, self.device = Path(folder), device
         self.manifest: Manifest = read_manifest(self.folder)
         m = self.manifest
-        for name in m.graphs:
-            load_graph(self.folder, m, name)     # fingerprint and I/O checks before anything runs
+        device.check(self.folder, m)             # the graphs belong to this manifest
         self.num_layers, self.slots, self.chunk = m.spec.num_layers, m.export.slots, m.export.chunk
         self.capacity = m.cache_capacity
         self._layers = range(self.num_layers)

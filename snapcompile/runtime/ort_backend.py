@@ -5,7 +5,7 @@ from pathlib import Path
 
 import numpy as np
 
-from snapcompile.artifact import Manifest
+from snapcompile.artifact import Manifest, load_graph
 from snapcompile.errors import SnapcompileError
 from snapcompile.runtime.backend import PrefillResult, SlotBackend, chunk_starts
 
@@ -50,6 +50,10 @@ class OrtDevice:
         import onnxruntime as ort
         self.folder, self.threads = Path(folder), threads
         self.providers = _providers(provider, ort.get_available_providers())
+
+    def check(self, folder: Path, manifest: Manifest) -> None:
+        for name in manifest.graphs:
+            load_graph(folder, manifest, name)   # fingerprint and I/O checks
 
     def zeros(self, shape, dtype: str) -> np.ndarray:
         return np.zeros(shape, np.dtype(dtype))

@@ -1,0 +1,138 @@
+"""TensorRT: building engines from an artifact, and the TensorRT device of the slot backend.
+
+Every graph of an artifact has static shapes (the prefill chunk included), so each engine is
+built for exactly those shapes and needs no optimization profile. Caches are CUDA tensors bound
+to the execution contexts once by address. TensorRT is imported lazily; without it every entry
+point fails with the extra to install.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+
+from snapcompile.artifact import MANIFEST, WEIGHTS, Manifest, read_manifest
+from snapcompile.atomic import atomic_directory, write_json_atomic
+from snapcompile.errors import SnapcompileError
+from snapcompile.plugins.trt_plugin import require_tensorrt
+from snapcompile.runtime.backend import SlotBackend
+
+ENGINES = "engines.json"
+TRT_TOPK_MAX = 3840     # TensorRT's largest TopK k
+
+
+def check_trt_limits(manifest: Manifest) -> None:
+    """The standard lowering's selection uses TopK with k = prompt share P."""
+    share = manifest.policy.resolved_prompt_share
+    if "select" in manifest.graphs and manifest.lowering == "standard" and share > TRT_TOPK_MAX:
+        raise SnapcompileError(
+            f"prompt share {share} exceeds TensorRT's TopK limit of {TRT_TOPK_MAX}: "
+            "convert with --lower plugin, or a smaller --budget / --prompt-share")
+
+
+def build_engines(artifact: Path, output: Path, fp16: bool = False, force: bool = False,
+                  workspace_gib: float = 4.0) -> dict:
+    """Build one serialized engine per graph of `artifact` into `output` (written atomically)."""
+    manifest = read_manifest(artifact)
+    check_trt_limits(manifest)
+    trt = require_tensorrt()
+    if manifest.lowering == "plugin":
+        from snapcompile.plugins.trt_plugin import register
+        register()
+    logger = trt.Logger(trt.Logger.WARNING)
+    info = {"fingerprint": manifest.fingerprint(), "fp16": fp16, "tensorrt": trt.__version__, "engines": {}}
+    with atomic_directory(Path(output), force=force) as staging:
+        for name, entry in manifest.graphs.items():
+            serialized = _build_one(trt, logger, Path(artifact) / entry["file"], fp16, workspace_gib)
+            (staging / f"{name}.engine").write_bytes(serialized)
+            info["engines"][name] = f"{name}.engine"
+        for item in Path(artifact).iterdir():      # manifest and tokenizer files, not graphs or weights
+            if item.is_file() and item.suffix != ".onnx" and item.name != WEIGHTS:
+                shutil.copy2(item, staging / item.name)
+        write_json_atomic(staging / ENGINES, info)
+    return info
+
+
+def _build_one(trt, logger, onnx_path: Path, fp16: bool, workspace_gib: float) -> bytes:
+    builder = trt.Builder(logger)
+    network = builder.create_network(0)
+    parser = trt.OnnxParser(network, logger)
+    if not parser.parse_from_file(str(onnx_path)):
+        errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
+        raise SnapcompileError(f"TensorRT cannot parse {onnx_path}: {errors}")
+    config = builder.create_builder_config()
+    config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(workspace_gib * 2**30))
+    if fp16:
+        config.set_flag(trt.BuilderFlag.FP16)
+    serialized = builder.build_serialized_network(network, config)
+    if serialized is None:
+        raise SnapcompileError(f"TensorRT failed to build an engine for {onnx_path}")
+    return bytes(serialized)
+
+
+class TrtGraph:
+    """An execution context whose tensors are CUDA torch tensors bound by address."""
+
+    def __init__(self, trt, runtime, path: Path):
+        self.engine = runtime.deserialize_cuda_engine(path.read_bytes())
+        if self.engine is None:
+            raise SnapcompileError(f"{path} is not a TensorRT engine for this TensorRT/GPU")
+        self.context = self.engine.create_execution_context()
+
+    def bind(self, name: str, tensor, output: bool = False) -> None:
+        if not tensor.is_contiguous():
+            raise ValueError(f"{name}: binding needs a contiguous tensor")
+        self.context.set_tensor_address(name, tensor.data_ptr())
+
+    def run(self) -> None:
+        import torch
+        stream = torch.cuda.current_stream()
+        if not self.context.execute_async_v3(stream.cuda_stream):
+            raise RuntimeError("TensorRT execution failed")
+        stream.synchronize()
+
+
+class TrtDevice:
+    def __init__(self, folder: Path):
+        self.trt = require_tensorrt()
+        import torch
+        if not torch.cuda.is_available():
+            raise SnapcompileError("the TensorRT backend needs a CUDA GPU")
+        self.torch, self.folder = torch, Path(folder)
+        self.runtime = self.trt.Runtime(self.trt.Logger(self.trt.Logger.WARNING))
+
+    def check(self, folder: Path, manifest: Manifest) -> None:
+        try:
+            info = json.loads((Path(folder) / ENGINES).read_text())
+        except FileNotFoundError:
+            raise SnapcompileError(f"{folder} has no {ENGINES}: build engines with `snapcompile build`") from None
+        if info.get("fingerprint") != manifest.fingerprint():
+            raise SnapcompileError(f"{folder}: the engines were built from a different artifact than {MANIFEST}")
+        if manifest.lowering == "plugin":
+            from snapcompile.plugins.trt_plugin import register
+            register()
+        self.engine_files = info["engines"]
+
+    def zeros(self, shape, dtype: str):
+        return self.torch.zeros(shape, dtype=getattr(self.torch, dtype), device="cuda")
+
+    def graph(self, name: str, manifest: Manifest) -> TrtGraph:
+        return TrtGraph(self.trt, self.runtime, self.folder / self.engine_files[name])
+
+    def upload(self, target, host: np.ndarray) -> None:
+        target.copy_(self.torch.from_numpy(host))
+
+    def download(self, tensor) -> np.ndarray:
+        return tensor.cpu().numpy()
+
+    def indices(self, host: np.ndarray):
+        return self.torch.from_numpy(host).to("cuda")
+
+
+class TrtBackend(SlotBackend):
+    """SlotBackend on TensorRT engines built by `snapcompile build`."""
+
+    def __init__(self, folder: Path):
+        super().__init__(folder, TrtDevice(folder))

@@ -1,0 +1,96 @@
+"""Plugin lowering: node contracts, ONNX Runtime execution through the custom ops, TensorRT errors."""
+import importlib.util
+
+import numpy as np
+import onnx
+import pytest
+from click.testing import CliRunner
+
+from snapcompile.artifact import read_manifest
+from snapcompile.cli import main
+from snapcompile.compress import compress_artifact
+from snapcompile.config import PolicyConfig
+from snapcompile.errors import SnapcompileError
+from snapcompile.plugins.contracts import DECODE_ATTENTION, DOMAIN, SELECT
+from snapcompile.runtime.ort_backend import OrtBackend
+from snapcompile.runtime.trt_backend import check_trt_limits
+from snapcompile.validate import Validator, summarize
+from tests.conftest import TINY_SNAPSTREAM, random_prompts
+
+HAVE_TRT = importlib.util.find_spec("tensorrt") is not None
+
+
+@pytest.fixture(scope="module")
+def plugin_dir(tiny_dense_dir, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("plug") / "snap-plugin"
+    compress_artifact(tiny_dense_dir, folder, TINY_SNAPSTREAM, lowering="plugin")
+    return folder
+
+
+def _ops(path):
+    return [n for n in onnx.load(str(path), load_external_data=False).graph.node]
+
+
+def test_plugin_nodes_carry_what_tensorrt_parser_needs(plugin_dir):
+    decode = _ops(plugin_dir / "decode.onnx")
+    plugin_nodes = [n for n in decode if n.op_type == DECODE_ATTENTION.name]
+    assert len(plugin_nodes) == 2 and not [n for n in decode if n.op_type == "Softmax"]
+    for node in plugin_nodes:
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        assert node.domain == DOMAIN
+        assert attrs["plugin_version"] == b"1" and attrs["plugin_namespace"] == b"snapcompile"
+        assert attrs["scale"] == pytest.approx(0.25)
+        assert list(node.input)[-2:] == ["write_index", "cache_len"]
+    select = [n for n in _ops(plugin_dir / "select.onnx") if n.op_type == SELECT.name]
+    assert len(select) == 2 and len(select[0].output) == 3
+    assert read_manifest(plugin_dir).lowering == "plugin"
+
+
+def test_plugin_lowering_equals_standard_lowering(plugin_dir, tiny_snap_dir):
+    prompts = random_prompts([300, 20], seed=8)
+    outputs = []
+    for folder in (tiny_snap_dir, plugin_dir):
+        backend = OrtBackend(folder)
+        results = [backend.prefill(i, p) for i, p in enumerate(prompts)]
+        tokens = {i: int(np.argmax(r.logits)) for i, r in enumerate(results)}
+        logits = [backend.decode(tokens, {i: results[i].layout.step(0) for i in tokens}).copy()]
+        outputs.append((results, logits))
+    (std, std_logits), (plug, plug_logits) = outputs
+    np.testing.assert_array_equal(std[0].kept_positions[1], plug[0].kept_positions[1])
+    np.testing.assert_allclose(std_logits[0][:2], plug_logits[0][:2], atol=1e-4)
+
+
+@pytest.mark.parametrize("policy", [TINY_SNAPSTREAM, PolicyConfig(policy="streamingllm", budget=64, sinks=4, window=8)],
+                         ids=["snapstream", "streamingllm"])
+def test_plugin_artifact_parity_with_pytorch(tiny_dense_dir, tiny_llama, tmp_path, policy):
+    folder = tmp_path / "plug"
+    compress_artifact(tiny_dense_dir, folder, policy, lowering="plugin")
+    prompts = random_prompts([192, 500, 30], seed=6)
+    summary = summarize(Validator(folder, tiny_llama.model).run(prompts, 64), 64)
+    assert not summary["selection_mismatches"]
+    assert summary["max_abs_logit_diff"] <= 1e-4 and summary["greedy_agreement"] == 1.0
+
+
+def test_plugin_lowering_needs_a_compressed_policy(tiny_dense_dir, tmp_path):
+    with pytest.raises(SnapcompileError, match="needs a compressed policy"):
+        compress_artifact(tiny_dense_dir, tmp_path / "x", PolicyConfig(policy="dense"), lowering="plugin")
+    assert not (tmp_path / "x").exists()
+
+
+def test_tensorrt_topk_limit_is_checked(tiny_snap_dir):
+    manifest = read_manifest(tiny_snap_dir)
+    check_trt_limits(manifest)
+    manifest.policy = PolicyConfig(budget=8192, window=32)
+    with pytest.raises(SnapcompileError, match="TopK limit of 3840"):
+        check_trt_limits(manifest)
+    manifest.lowering = "plugin"
+    check_trt_limits(manifest)
+
+
+@pytest.mark.skipif(HAVE_TRT, reason="TensorRT is installed here")
+def test_missing_tensorrt_names_the_extra(plugin_dir, tmp_path):
+    for args in (["build", plugin_dir, "-o", tmp_path / "e"], ["run", plugin_dir, "--backend", "trt", "--prompt", "x"]):
+        result = CliRunner().invoke(main, [str(a) for a in args])
+        assert result.exit_code == 2
+        assert 'pip install "snapcompile[trt]"' in result.output and "Traceback" not in result.output
+    assert not (tmp_path / "e").exists()
