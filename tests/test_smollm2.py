@@ -91,3 +91,13 @@ def test_plugin_lowering_parity_budget_256(smollm2, smol_dense):
     assert all(tie["score_gap"] < 1e-6 for tie in summary["near_ties"])
     assert summary["greedy_agreement"] == 1.0
     assert summary["max_abs_logit_diff"] <= 1e-3
+
+
+def test_eval_slice_on_real_model(tmp_path):
+    from snapcompile.evaluation.runner import EvalConfig, run_eval
+    config = EvalConfig("smollm2-135m-instruct", "passkey", ("dense", "snapstream"), (256,), (1000,), (0.5,), 1,
+                        seed=0, slots=2)
+    records = run_eval(config, tmp_path / "r.json", tmp_path / "cache", log=lambda m: None)
+    assert len(records) == 2 and all(r["error"] is None for r in records)
+    dense = [r for r in records if r["policy"] == "dense"][0]
+    assert dense["correct"], dense["text"]

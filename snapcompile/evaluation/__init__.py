@@ -1,0 +1,1 @@
+"""Accuracy evaluation through the compiled artifacts (tasks, runner, report)."""

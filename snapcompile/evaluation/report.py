@@ -1,0 +1,110 @@
+"""Turns evaluation records into a summary, a Markdown table and PNG plots."""
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+
+
+def _label(policy: str, budget) -> str:
+    return "dense" if policy == "dense" else f"{policy} B={budget}"
+
+
+def summarize(records: list[dict], task: str) -> list[dict]:
+    """One row per (policy, budget, length): accuracy for retrieval, agreement/KL for fidelity."""
+    groups = defaultdict(list)
+    for r in records:
+        groups[(r["policy"], r["budget"], r["length"])].append(r)
+    rows = []
+    for (policy, budget, length), group in sorted(groups.items(), key=lambda kv: (kv[0][0] != "dense", kv[0][0],
+                                                                                   kv[0][1] or 0, kv[0][2])):
+        row = {"policy": policy, "budget": budget, "length": length, "cases": len(group)}
+        if task == "fidelity":
+            row["agreement"] = sum(r["agreement"] for r in group) / len(group)
+            row["kl"] = sum(r["kl"] for r in group) / len(group)
+        else:
+            row["accuracy"] = sum(r["correct"] for r in group) / len(group)
+        rows.append(row)
+    _add_retention(rows, task)
+    return rows
+
+
+def _add_retention(rows: list[dict], task: str) -> None:
+    """accuracy / dense accuracy at the same length (where dense got something right)."""
+    if task == "fidelity":
+        return
+    dense = {r["length"]: r["accuracy"] for r in rows if r["policy"] == "dense"}
+    for r in rows:
+        base = dense.get(r["length"])
+        r["retained_vs_dense"] = r["accuracy"] / base if base else None
+
+
+def markdown(rows: list[dict], task: str) -> str:
+    lengths = sorted({r["length"] for r in rows})
+    labels = list(dict.fromkeys(_label(r["policy"], r["budget"]) for r in rows))
+    cells = {(_label(r["policy"], r["budget"]), r["length"]): r for r in rows}
+    metric = "greedy agreement / KL" if task == "fidelity" else "accuracy (cases)"
+    lines = [f"| {task}: {metric} | " + " | ".join(f"{n} tokens" for n in lengths) + " |",
+             "|---|" + "---|" * len(lengths)]
+    for label in labels:
+        out = []
+        for length in lengths:
+            r = cells.get((label, length))
+            if r is None:
+                out.append("—")
+            elif task == "fidelity":
+                out.append(f"{r['agreement']:.3f} / {r['kl']:.3f}")
+            else:
+                out.append(f"{100 * r['accuracy']:.0f}% ({r['cases']})")
+        lines.append(f"| {label} | " + " | ".join(out) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plots(rows: list[dict], records: list[dict], task: str, stem: Path) -> list[Path]:
+    """accuracy (or agreement) vs budget per policy and length; for retrieval also vs depth."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    metric = "agreement" if task == "fidelity" else "accuracy"
+    lengths = sorted({r["length"] for r in rows})
+    fig, axes = plt.subplots(1, len(lengths), figsize=(4 * len(lengths), 3.2), squeeze=False)
+    for ax, length in zip(axes[0], lengths):
+        for policy in sorted({r["policy"] for r in rows if r["policy"] != "dense"}):
+            points = sorted((r["budget"], r[metric]) for r in rows if r["policy"] == policy and r["length"] == length)
+            if points:
+                ax.plot(*zip(*points), marker="o", label=policy)
+        dense = [r[metric] for r in rows if r["policy"] == "dense" and r["length"] == length]
+        if dense:
+            ax.axhline(dense[0], color="gray", linestyle="--", label="dense")
+        ax.set(title=f"{length} tokens", xlabel="budget B", ylabel=metric, ylim=(-0.05, 1.05), xscale="log")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    written = [stem.with_name(stem.name + "-budget.png")]
+    fig.savefig(written[0], dpi=110)
+    plt.close(fig)
+    if task != "fidelity":
+        written.append(_depth_plot(records, stem, plt))
+    return written
+
+
+def _depth_plot(records: list[dict], stem: Path, plt) -> Path:
+    """Accuracy vs needle depth, per policy at the budget nearest a quarter of each length."""
+    series = defaultdict(lambda: defaultdict(list))
+    for r in records:
+        if r["policy"] == "dense" or _nearest_quarter(records, r):
+            series[_label(r["policy"], "~L/4" if r["policy"] != "dense" else None)][r["depth"]].append(r["correct"])
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    for label, by_depth in sorted(series.items()):
+        depths = sorted(by_depth)
+        ax.plot(depths, [sum(by_depth[d]) / len(by_depth[d]) for d in depths], marker="o", label=label)
+    ax.set(xlabel="needle depth", ylabel="accuracy", ylim=(-0.05, 1.05), title="accuracy vs depth")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    path = stem.with_name(stem.name + "-depth.png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _nearest_quarter(records: list[dict], record: dict) -> bool:
+    budgets = {r["budget"] for r in records if r["policy"] == record["policy"] and r["length"] == record["length"]}
+    return record["budget"] == min(budgets, key=lambda b: abs(b - record["length"] / 4))

@@ -1,0 +1,239 @@
+"""Runs evaluation cases through the artifacts users deploy.
+
+Artifacts are built once per configuration and cached (a dense export per model and shape set,
+compressed ones derived from it). Retrieval cases run through the Engine with continuous
+batching; fidelity cases run dense greedy continuations and teacher-force them through each
+policy's backend to compare next-token distributions. Every finished case is appended to a
+`.partial.jsonl` file beside the results, so an interrupted run resumes where it stopped.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from snapcompile.artifact import read_manifest
+from snapcompile.config import ExportConfig, PolicyConfig
+from snapcompile.errors import SnapcompileError
+from snapcompile.evaluation.tasks import TASKS, Case, make_cases
+
+ANSWER_TOKENS = 16
+FIDELITY_TOKENS = 64
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    source: str                      # model name/path, or a dense artifact folder
+    task: str
+    policies: tuple[str, ...]
+    budgets: tuple[int, ...]
+    lengths: tuple[int, ...]
+    depths: tuple[float, ...]
+    samples: int
+    seed: int
+    slots: int = 4
+    chunk: int = 256
+
+    def __post_init__(self):
+        if self.task not in TASKS:
+            raise SnapcompileError(f"unknown task {self.task!r}; choose one of {', '.join(TASKS)}")
+        if not self.lengths or min(self.lengths) < 64:
+            raise SnapcompileError("--lengths must be token counts >= 64")
+        if any(not 0.0 <= d <= 1.0 for d in self.depths):
+            raise SnapcompileError("--depths must lie in [0, 1]")
+        if self.samples < 1:
+            raise SnapcompileError("--samples must be >= 1")
+
+    @property
+    def max_context(self) -> int:
+        extra = FIDELITY_TOKENS if self.task == "fidelity" else ANSWER_TOKENS
+        return max(self.lengths) + extra + 8
+
+    def runs(self) -> list[tuple[str, int | None]]:
+        """(policy, budget) pairs; dense has no budget and runs first."""
+        pairs = [("dense", None)] if "dense" in self.policies or self.task == "fidelity" else []
+        return pairs + [(p, b) for p in self.policies if p != "dense" for b in self.budgets]
+
+
+def policy_for(name: str, budget: int | None) -> PolicyConfig:
+    return PolicyConfig(policy="dense") if name == "dense" else PolicyConfig(policy=name, budget=budget)
+
+
+class ArtifactCache:
+    """Artifacts keyed by (model, export shapes, policy), under cache_dir."""
+
+    def __init__(self, source: str, export: ExportConfig, cache_dir: Path, log: Callable[[str], None]):
+        self.source, self.export, self.dir, self.log = source, export, Path(cache_dir), log
+        self._loaded = None
+
+    def _key(self, policy: PolicyConfig) -> str:
+        blob = json.dumps([self.source, self.export.to_dict(), policy.to_dict()], sort_keys=True)
+        return f"{policy.policy}-{hashlib.sha1(blob.encode()).hexdigest()[:12]}"
+
+    def dense(self) -> Path:
+        source = Path(self.source)
+        if (source / "manifest.json").is_file():
+            manifest = read_manifest(source)
+            if manifest.policy.compressed or manifest.export.max_context < self.export.max_context:
+                raise SnapcompileError(f"{source} must be a dense artifact with --max-context >= "
+                                       f"{self.export.max_context} to evaluate these lengths")
+            return source
+        folder = self.dir / self._key(PolicyConfig(policy="dense"))
+        if not (folder / "manifest.json").is_file():
+            from snapcompile.export import export_model
+            from snapcompile.models import load_model
+            self.log(f"exporting {self.source} to {folder}")
+            export_model(load_model(self.source), self.export, folder, force=True)
+        return folder
+
+    def get(self, policy: PolicyConfig) -> Path:
+        if not policy.compressed:
+            return self.dense()
+        folder = self.dir / self._key(policy)
+        if not (folder / "manifest.json").is_file():
+            from snapcompile.compress import compress_artifact
+            self.log(f"compressing for {policy.policy} budget {policy.budget} into {folder}")
+            compress_artifact(self.dense(), folder, policy, force=True)
+        return folder
+
+
+class ResultStore:
+    """Finished case records, appended one JSON line each (the resume point)."""
+
+    def __init__(self, path: Path, config: EvalConfig):
+        self.path = Path(path)
+        self.config_json = json.dumps(asdict(config), sort_keys=True)
+        self.records: dict[str, dict] = {}
+        if self.path.is_file():
+            lines = self.path.read_text().splitlines()
+            if lines and lines[0] != self.config_json:
+                raise SnapcompileError(f"{self.path} belongs to another configuration: delete it or change -o")
+            for line in lines[1:]:
+                if line.strip():
+                    record = json.loads(line)
+                    self.records[record["id"]] = record
+        else:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.path.write_text(self.config_json + "\n")
+
+    @staticmethod
+    def record_id(case: Case, policy: str, budget: int | None) -> str:
+        return f"{policy}@{budget or '-'}/{case.key}"
+
+    def done(self, case: Case, policy: str, budget: int | None) -> bool:
+        return self.record_id(case, policy, budget) in self.records
+
+    def add(self, record: dict) -> None:
+        self.records[record["id"]] = record
+        with open(self.path, "a") as handle:
+            handle.write(json.dumps(record) + "\n")
+
+
+def run_eval(config: EvalConfig, results_path: Path, cache_dir: Path, progress=None,
+             log: Callable[[str], None] = print) -> list[dict]:
+    """Run every pending case; returns all records (finished earlier or now)."""
+    from transformers import AutoTokenizer
+    export = ExportConfig(slots=config.slots, max_context=config.max_context, chunk=config.chunk)
+    cache = ArtifactCache(config.source, export, cache_dir, log)
+    dense_dir = cache.dense()
+    chat = read_manifest(dense_dir).chat and config.task != "fidelity"
+    tokenizer = AutoTokenizer.from_pretrained(str(dense_dir))
+    cases = make_cases(config.task, tokenizer, config.lengths, config.depths, config.samples, config.seed, chat)
+    store = ResultStore(Path(str(results_path) + ".partial.jsonl"), config)
+    runs = [(p, b) for p, b in config.runs() if p == "dense" or b is None or b < max(config.lengths)]
+    total = sum(1 for p, b in runs for c in cases if _applies(p, b, c))
+    if progress:
+        progress(sum(1 for p, b in runs for c in cases if _applies(p, b, c) and store.done(c, p, b)), total)
+    if config.task == "fidelity":
+        _run_fidelity(config, cases, runs, cache, store, progress)
+    else:
+        for policy, budget in runs:
+            pending = [c for c in cases if _applies(policy, budget, c) and not store.done(c, policy, budget)]
+            if pending:
+                _run_retrieval(cache.get(policy_for(policy, budget)), pending, policy, budget, chat, store, progress)
+    return list(store.records.values())
+
+
+def _applies(policy: str, budget: int | None, case: Case) -> bool:
+    """A budget at or above the prompt length compresses nothing; such cells are not run."""
+    return policy == "dense" or budget < case.length
+
+
+def _run_retrieval(folder: Path, cases: list[Case], policy: str, budget: int | None, chat: bool,
+                   store: ResultStore, progress) -> None:
+    from snapcompile.engine.engine import Engine
+    from snapcompile.engine.request import Request
+    engine = Engine.from_artifact(folder)
+    by_id = {}
+    for case in cases:
+        request = Request(engine.encode(case.prompt, chat), max_new_tokens=ANSWER_TOKENS,
+                          request_id=store.record_id(case, policy, budget))
+        by_id[request.request_id] = (case, request)
+    for event in engine.stream([r for _, r in by_id.values()]):
+        if not event.finished:
+            continue
+        case, request = by_id[event.request_id]
+        result = engine.result(event.request_id)
+        store.add({"id": event.request_id, "policy": policy, "budget": budget, **case.to_dict(),
+                   "prompt_tokens": result.prompt_tokens, "text": result.text, "error": result.error,
+                   "correct": result.error is None and case.answer in result.text})
+        if progress:
+            progress(1, None)
+
+
+def _run_fidelity(config: EvalConfig, cases: list[Case], runs, cache: ArtifactCache, store: ResultStore,
+                  progress) -> None:
+    from snapcompile.prompts import encode
+    from snapcompile.runtime.ort_backend import OrtBackend
+    pending = {(p, b): [c for c in cases if _applies(p, b, c) and not store.done(c, p, b)] for p, b in runs}
+    if not any(pending.values()):
+        return
+    dense_backend = OrtBackend(cache.dense())
+    tokenizer = _tokenizer(cache.dense())
+    prompts = {c.key: encode(tokenizer, c.prompt, chat=False) for c in cases}
+    dense = {c.key: _teacher_forced(dense_backend, prompts[c.key], None) for c in cases
+             if any(c in todo for todo in pending.values())}
+    del dense_backend
+    for (policy, budget), todo in pending.items():
+        backend = OrtBackend(cache.get(policy_for(policy, budget))) if policy != "dense" else None
+        for case in todo:
+            tokens, reference = dense[case.key]
+            logits = reference if backend is None else _teacher_forced(backend, prompts[case.key], tokens)[1]
+            store.add({"id": store.record_id(case, policy, budget), "policy": policy, "budget": budget,
+                       **case.to_dict(), "prompt_tokens": len(prompts[case.key]),
+                       "agreement": float(np.mean(np.argmax(logits, -1) == tokens)),
+                       "kl": float(np.mean(_kl(reference, logits)))})
+            if progress:
+                progress(1, None)
+
+
+def _tokenizer(folder: Path):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(str(folder))
+
+
+def _teacher_forced(backend, prompt: list[int], tokens: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    """Greedy continuation (tokens None) or teacher-forced logits; returns (tokens, logits [S, V])."""
+    result = backend.prefill(0, prompt)
+    logits, chosen = [result.logits], []
+    for g in range(FIDELITY_TOKENS):
+        token = int(np.argmax(logits[-1])) if tokens is None else int(tokens[g])
+        chosen.append(token)
+        if g == FIDELITY_TOKENS - 1:
+            break
+        logits.append(backend.decode({0: token}, {0: result.layout.step(g)})[0].copy())
+    return np.array(chosen), np.stack(logits)
+
+
+def _kl(reference: np.ndarray, other: np.ndarray) -> np.ndarray:
+    """KL(reference || other) per row of logits [S, V]."""
+    def log_softmax(x):
+        x = x.astype(np.float64)
+        x = x - x.max(-1, keepdims=True)
+        return x - np.log(np.exp(x).sum(-1, keepdims=True))
+    p_log, q_log = log_softmax(reference), log_softmax(other)
+    return (np.exp(p_log) * (p_log - q_log)).sum(-1)

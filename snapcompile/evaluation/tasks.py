@@ -1,0 +1,128 @@
+"""Evaluation cases generated in code from a seed (nothing is downloaded).
+
+passkey   a 5-digit key in filler text at a chosen depth, asked at the end; correct when the
+          key appears in the answer.
+multikey  several "The special number for <word> is <number>." lines among filler, one asked.
+fidelity  natural text (docstrings of the standard library), greedy continuation compared with
+          dense attention (token agreement and KL of the next-token distributions).
+"""
+from __future__ import annotations
+
+import inspect
+import random
+from dataclasses import asdict, dataclass
+
+from snapcompile.errors import SnapcompileError
+from snapcompile.prompts import FILLER, encode
+
+TASKS = ("passkey", "multikey", "fidelity")
+INTRO = ("There is an important piece of information hidden inside a lot of irrelevant text. "
+         "Find it and memorize it.\n\n")
+WORDS = ("apple", "river", "candle", "falcon", "marble", "violet", "harbor", "copper", "meadow", "lantern",
+         "glacier", "pepper", "saddle", "thunder", "orchid", "walnut")
+FIDELITY_MODULES = ("argparse", "collections", "typing", "functools", "itertools", "dataclasses", "pathlib",
+                    "json", "re", "logging", "unittest", "subprocess", "asyncio", "datetime", "decimal",
+                    "fractions", "statistics", "textwrap", "string", "csv", "sqlite3", "email", "http.client")
+
+
+@dataclass(frozen=True)
+class Case:
+    task: str
+    length: int          # target prompt length in tokens (chat template included)
+    depth: float         # where the needle sits, 0..1 (fidelity: unused, 0)
+    sample: int
+    prompt: str
+    answer: str          # expected substring of the answer ("" for fidelity)
+
+    @property
+    def key(self) -> str:
+        return f"{self.task}/L{self.length}/d{self.depth:.2f}/s{self.sample}"
+
+    def to_dict(self) -> dict:
+        return {k: v for k, v in asdict(self).items() if k != "prompt"}
+
+
+def _fit(tokenizer, build, length: int, chat: bool) -> str:
+    """The text build(repeats) whose token count is closest to `length` without exceeding it."""
+    per_repeat = max(1, len(encode(tokenizer, FILLER * 20, False)) // 20)
+    repeats = max(1, length // per_repeat)
+    for _ in range(8):
+        over = len(encode(tokenizer, build(repeats), chat)) - length
+        if -per_repeat < over <= 0:
+            break
+        if over > 0 and repeats == 1:
+            raise SnapcompileError(f"length {length} is too short for this task's prompt "
+                                   f"({length + over} tokens at least)")
+        repeats = max(1, repeats - (over // per_repeat) - (1 if over > 0 else 0))
+    return build(repeats)
+
+
+def passkey_case(tokenizer, length: int, depth: float, sample: int, seed: int, chat: bool) -> Case:
+    rng = random.Random(f"passkey/{seed}/{length}/{depth}/{sample}")
+    key = rng.randint(10000, 99999)
+    needle = f"The pass key is {key}. Remember it. {key} is the pass key. "
+
+    def build(repeats: int) -> str:
+        before = int(repeats * depth)
+        return (INTRO + FILLER * before + needle + FILLER * (repeats - before)
+                + "\n\nWhat is the pass key? Answer with the number only.")
+    return Case("passkey", length, depth, sample, _fit(tokenizer, build, length, chat), str(key))
+
+
+def multikey_case(tokenizer, length: int, depth: float, sample: int, seed: int, chat: bool, keys: int = 4) -> Case:
+    """`keys` needles spread around `depth`; the one at `depth` is asked."""
+    rng = random.Random(f"multikey/{seed}/{length}/{depth}/{sample}")
+    words = rng.sample(WORDS, keys)
+    numbers = [rng.randint(100000, 999999) for _ in words]
+    depths = sorted({depth, *(rng.random() for _ in range(keys - 1))})[:keys]
+    asked = words[depths.index(depth)]
+
+    def build(repeats: int) -> str:
+        parts, previous = [INTRO], 0
+        for word, number, where in zip(words, numbers, depths):
+            cut = int(repeats * where)
+            parts.append(FILLER * (cut - previous) + f"The special number for {word} is {number}. ")
+            previous = cut
+        parts.append(FILLER * (repeats - previous))
+        parts.append(f"\n\nWhat is the special number for {asked}? Answer with the number only.")
+        return "".join(parts)
+    return Case("multikey", length, depth, sample, _fit(tokenizer, build, length, chat),
+                str(numbers[words.index(asked)]))
+
+
+def fidelity_text() -> str:
+    """Long natural English: docstrings of standard-library modules and their public members."""
+    import importlib
+    import warnings
+    parts = []
+    with warnings.catch_warnings():          # typing.io / typing.re warn when their docs are read
+        warnings.simplefilter("ignore", DeprecationWarning)
+        for name in FIDELITY_MODULES:
+            module = importlib.import_module(name)
+            parts.append(inspect.getdoc(module) or "")
+            for member_name in sorted(vars(module)):
+                member = getattr(module, member_name)
+                if not member_name.startswith("_") and (inspect.isclass(member) or inspect.isfunction(member)):
+                    parts.append(inspect.getdoc(member) or "")
+    return "\n\n".join(p for p in parts if len(p) > 200)
+
+
+def fidelity_case(tokenizer, length: int, sample: int, seed: int) -> Case:
+    """A window of `length` tokens of fidelity_text(), at an offset chosen from the seed."""
+    ids = encode(tokenizer, fidelity_text(), chat=False)
+    rng = random.Random(f"fidelity/{seed}/{length}/{sample}")
+    start = rng.randint(0, max(0, len(ids) - length - 1))
+    return Case("fidelity", length, 0.0, sample, tokenizer.decode(ids[start:start + length]), "")
+
+
+def make_cases(task: str, tokenizer, lengths, depths, samples: int, seed: int, chat: bool) -> list[Case]:
+    cases = []
+    for length in lengths:
+        for sample in range(samples):
+            if task == "fidelity":
+                cases.append(fidelity_case(tokenizer, length, sample, seed))
+                continue
+            for depth in depths:
+                make = passkey_case if task == "passkey" else multikey_case
+                cases.append(make(tokenizer, length, depth, sample, seed, chat))
+    return cases
