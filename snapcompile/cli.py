@@ -178,12 +178,14 @@ def build(artifact, output, fp16, force):
     click.echo(f"wrote {output}: {', '.join(info['engines'])} engines (TensorRT {info['tensorrt']})")
 
 
-from snapcompile.cli_eval import eval_command  # noqa: E402  (commands with more options)
+from snapcompile.cli_bench import bench  # noqa: E402  (commands with more options)
+from snapcompile.cli_eval import eval_command  # noqa: E402
 from snapcompile.cli_run import run, validate  # noqa: E402
 
 main.add_command(run)
 main.add_command(validate)
 main.add_command(eval_command)
+main.add_command(bench)
 
 
 def _blocks(manifest) -> int:

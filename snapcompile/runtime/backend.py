@@ -8,6 +8,7 @@ CUDA memory); small per-step inputs are prepared in numpy and uploaded.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -71,6 +72,7 @@ class SlotBackend:
         self.select_graph = device.graph("select", m) if "select" in m.graphs else None
         self._init_prefill()
         self._init_decode()
+        self.last_prefill_seconds = {"chunks": 0.0, "select": 0.0}   # of the latest prefill, for benchmarks
 
     def _kv(self, batch: int, rows: int):
         return self.device.zeros((batch, self.manifest.spec.num_kv_heads, rows, self.manifest.spec.head_dim), "float32")
@@ -150,6 +152,7 @@ class SlotBackend:
             self.prefill_graph.bind(f"past_key.{i}", targets_k[i])
             self.prefill_graph.bind(f"past_value.{i}", targets_v[i])
         ids = np.zeros((1, self.chunk), np.int64)
+        began = time.perf_counter()
         for start in chunk_starts(length, self.chunk):
             count = min(self.chunk, length - start)
             ids[0, :count] = token_ids[start:start + count]
@@ -162,9 +165,11 @@ class SlotBackend:
                 targets_k[i][:, :, start:start + count] = self.p_new_k[i][:, :, :count]
                 targets_v[i][:, :, start:start + count] = self.p_new_v[i][:, :, :count]
             yield count
+        compressed_at = time.perf_counter()
         share = self.manifest.policy.resolved_prompt_share if self.manifest.policy.compressed else None
         layout = SlotLayout.for_prompt(length, self.capacity, share)
         kept = self._compress_into_slot(slot, layout) if self.manifest.policy.compressed else None
+        self.last_prefill_seconds = {"chunks": compressed_at - began, "select": time.perf_counter() - compressed_at}
         return PrefillResult(self.device.download(self.p_logits)[0].copy(), layout, kept)
 
     def prefill(self, slot: int, token_ids: list[int]) -> PrefillResult:

@@ -1,0 +1,1 @@
+"""Benchmarks: decode throughput, prefill time, KV memory and roofline, side by side in one run."""

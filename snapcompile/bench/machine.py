@@ -1,0 +1,48 @@
+"""Machine measurements: resident memory and memory bandwidth (Linux /proc, numpy)."""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+
+
+def rss_bytes() -> int:
+    """Current resident set size of this process."""
+    return _status_kib("VmRSS") * 1024
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size since the last reset_peak_rss()."""
+    return _status_kib("VmHWM") * 1024
+
+
+def reset_peak_rss() -> None:
+    """Reset the kernel's peak-RSS counter (Linux >= 4.0); ignored where not allowed."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
+
+
+def _status_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def memory_bandwidth(megabytes: int = 512, repeats: int = 5) -> float:
+    """Sustained copy bandwidth in bytes/s (bytes read + bytes written), best of `repeats`.
+
+    A multithreaded copy (torch, all intra-op threads) of an array much larger than the caches:
+    the kind of streaming a decode step does.
+    """
+    import torch
+    source = torch.ones(megabytes * 2**20 // 4, dtype=torch.float32)
+    target = torch.empty_like(source)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        target.copy_(source)
+        best = min(best, time.perf_counter() - start)
+    return 2 * source.numel() * 4 / best

@@ -1,0 +1,81 @@
+"""Benchmark tables (Markdown) and plots (PNG)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def markdown(result: dict) -> str:
+    eager = result["config"]["eager"]
+    head = ("| context | slots | snapstream tok/s | dense tok/s | " + ("eager tok/s | " if eager else "")
+            + "snap/dense | " + ("snap/eager | " if eager else "")
+            + "ms/step snap (dense) | % of bandwidth bound snap / dense | KV/slot snap / dense | prefill s snap / dense (selection share) |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for p in result["points"]:
+        s, r = p["systems"], p["ratios"]
+        tok = lambda name: _range(s[name]["tokens_per_s"])  # noqa: E731
+        cells = [str(p["context"]), str(p["slots"]), tok("snapstream"), tok("dense")]
+        if eager:
+            cells.append(tok("eager"))
+        cells.append(f"{r['snapstream_vs_dense']:.2f}x")
+        if eager:
+            cells.append(f"{r['snapstream_vs_eager']:.1f}x")
+        cells.append(f"{s['snapstream']['step_ms']['median']:.1f} ({s['dense']['step_ms']['median']:.1f})")
+        cells.append(f"{100 * s['snapstream']['fraction_of_bound']:.0f}% / {100 * s['dense']['fraction_of_bound']:.0f}%")
+        cells.append(f"{_mib(s['snapstream']['kv_bytes_per_slot'])} / {_mib(s['dense']['kv_bytes_per_slot'])}")
+        pre = p["prefill"]
+        cells.append(f"{pre['snapstream']['seconds']['median']:.2f} / {pre['dense']['seconds']['median']:.2f} "
+                     f"({100 * pre['snapstream']['selection_share']:.1f}%)")
+        lines.append("| " + " | ".join(cells) + " |")
+    bw = result["bandwidth_bytes_per_s"] / 1e9
+    lines.append("")
+    lines.append(f"Measured copy bandwidth {bw:.1f} GB/s; weights {result['weight_bytes'] / 2**20:.0f} MiB read per step. "
+                 "tok/s: median [min-max] over repeats.")
+    return "\n".join(lines) + "\n"
+
+
+def _range(stats: dict) -> str:
+    return f"{stats['median']:.1f} [{stats['min']:.1f}-{stats['max']:.1f}]"
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.0f} MiB" if n >= 2**20 else f"{n / 2**10:.0f} KiB"
+
+
+def plots(result: dict, stem: Path) -> list[Path]:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    points = result["points"]
+    slot_counts = sorted({p["slots"] for p in points})
+    systems = [s for s in ("snapstream", "dense", "eager") if s in points[0]["systems"]]
+    fig, axes = plt.subplots(1, len(slot_counts), figsize=(4 * len(slot_counts), 3.2), squeeze=False)
+    for ax, slots in zip(axes[0], slot_counts):
+        for name in systems:
+            xs = [(p["context"], p["systems"][name]["tokens_per_s"]["median"]) for p in points if p["slots"] == slots]
+            ax.plot(*zip(*sorted(xs)), marker="o", label=name)
+        ax.set(title=f"{slots} slots", xlabel="context (tokens)", ylabel="decode tok/s", xscale="log", yscale="log")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    paths = [stem.with_name(stem.name + "-decode.png")]
+    fig.savefig(paths[0], dpi=110)
+    plt.close(fig)
+
+    fig, (mem, fit) = plt.subplots(1, 2, figsize=(9, 3.2))
+    contexts = sorted({p["context"] for p in points})
+    per_token = result["kv_bytes_per_token"]
+    budget = result["config"]["budget"]
+    mem.plot(contexts, [c * per_token / 2**20 for c in contexts], marker="o", label="dense")
+    mem.plot(contexts, [min(budget, c) * per_token / 2**20 for c in contexts], marker="o", label=f"snapstream B={budget}")
+    mem.set(xlabel="context (tokens)", ylabel="KV MiB per slot", xscale="log", yscale="log", title="KV memory per slot")
+    mem.legend(fontsize=7)
+    fits = result["fits"]
+    fit.plot([f["context"] for f in fits], [f["dense_max_slots"] for f in fits], marker="o", label="dense")
+    fit.plot([f["context"] for f in fits], [f["snapstream_max_slots"] for f in fits], marker="o", label="snapstream")
+    fit.set(xlabel="context (tokens)", ylabel="max slots", xscale="log", yscale="log",
+            title=f"slots that fit in {result['config']['memory_limit_gib']:g} GiB")
+    fit.legend(fontsize=7)
+    fig.tight_layout()
+    paths.append(stem.with_name(stem.name + "-memory.png"))
+    fig.savefig(paths[1], dpi=110)
+    plt.close(fig)
+    return paths

@@ -1,0 +1,193 @@
+"""`snapcompile bench`: compressed vs dense static graphs vs PyTorch eager, in one process.
+
+For each slot count N and context T, the three systems are measured in turn, `repeats` times,
+their order rotating between repeats; figures are medians with min/max. Artifacts are built
+once and cached: one compressed artifact per N (its cost does not depend on T) and one dense
+artifact per (T, N), exported with max context T + new tokens so that the dense graph reads
+exactly the context it serves.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import statistics
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from snapcompile.bench import machine, measure
+from snapcompile.config import ExportConfig, PolicyConfig
+from snapcompile.errors import SnapcompileError
+
+SYSTEMS = ("snapstream", "dense", "eager")
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    source: str
+    contexts: tuple[int, ...] = (1024, 2048, 4096, 8192)
+    slots: tuple[int, ...] = (1, 4, 8, 16)
+    budget: int = 512
+    new_tokens: int = 64
+    repeats: int = 3
+    chunk: int = 256
+    eager: bool = True
+    memory_limit_gib: float = 16.0       # for the "largest slot count that fits" figure
+
+    def __post_init__(self):
+        if not self.contexts or not self.slots or min(self.contexts) < 64 or min(self.slots) < 1:
+            raise SnapcompileError("--contexts must be >= 64 tokens and --slots >= 1")
+        if self.repeats < 1 or self.new_tokens < 2:
+            raise SnapcompileError("--repeats must be >= 1 and --new-tokens >= 2")
+        PolicyConfig(budget=self.budget)     # validates the budget
+
+
+def _stats(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+class _Artifacts:
+    def __init__(self, config: BenchConfig, cache_dir: Path, log):
+        self.config, self.dir, self.log = config, Path(cache_dir), log
+        self._loaded = None
+
+    @property
+    def loaded(self):
+        if self._loaded is None:
+            from snapcompile.models import load_model
+            self._loaded = load_model(self.config.source)
+        return self._loaded
+
+    def _folder(self, kind: str, export: ExportConfig, policy: PolicyConfig) -> Path:
+        blob = json.dumps([self.config.source, export.to_dict(), policy.to_dict()], sort_keys=True)
+        return self.dir / f"{kind}-{hashlib.sha1(blob.encode()).hexdigest()[:12]}"
+
+    def get(self, policy: PolicyConfig, context: int, slots: int) -> Path:
+        from snapcompile.export import export_model
+        from snapcompile.passes.pipeline import compress_graphs
+        export = ExportConfig(slots=slots, max_context=context + self.config.new_tokens + 1,
+                              chunk=min(self.config.chunk, context))
+        folder = self._folder(policy.policy, export, policy)
+        if not (folder / "manifest.json").is_file():
+            self.log(f"building {policy.policy} artifact: {slots} slots, max context {export.max_context}")
+            transform = (lambda g, m: compress_graphs(g, m, policy)) if policy.compressed else None
+            export_model(self.loaded, export, folder, force=True, policy=policy, transform=transform)
+        return folder
+
+
+def _open(folder: Path):
+    """A backend whose cache pages are resident (so RSS shows what serving would hold)."""
+    from snapcompile.runtime.ort_backend import OrtBackend
+    backend = OrtBackend(folder)
+    for array in backend.keys + backend.values:
+        array.fill(0.0)
+    return backend
+
+
+def run_bench(config: BenchConfig, cache_dir: Path, progress: Callable[[int], None] | None = None,
+              log: Callable[[str], None] = print) -> dict:
+    bandwidth = machine.memory_bandwidth()
+    artifacts = _Artifacts(config, cache_dir, log)
+    compressed = PolicyConfig(budget=config.budget)
+    model = artifacts.loaded.model
+    model.config._attn_implementation = "sdpa"
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    points, prefill = [], {}
+    for slots in config.slots:
+        snap_backend = _open(artifacts.get(compressed, max(config.contexts), slots))
+        for context in config.contexts:
+            dense_backend = _open(artifacts.get(PolicyConfig(policy="dense"), context, slots))
+            systems = {"snapstream": snap_backend, "dense": dense_backend}
+            if config.eager:
+                systems["eager"] = model
+            points.append(_measure_point(config, systems, context, slots))
+            if context not in prefill:
+                prefill[context] = _measure_prefill(config, systems, context)
+            del systems, dense_backend
+            if progress:
+                progress(1)
+        del snap_backend
+    for point in points:
+        point["prefill"] = prefill[point["context"]]
+        _add_roofline(point, config, artifacts.loaded.spec, weight_bytes, bandwidth)
+        _add_ratios(point)
+    return {"config": asdict(config), "bandwidth_bytes_per_s": bandwidth, "weight_bytes": weight_bytes,
+            "kv_bytes_per_token": artifacts.loaded.spec.kv_bytes_per_token, "points": points,
+            "fits": _fits(config, artifacts.loaded.spec, weight_bytes)}
+
+
+def _measure_point(config: BenchConfig, systems: dict, context: int, slots: int) -> dict:
+    steps = {name: [] for name in systems}
+    rss = {}
+    names = list(systems)
+    for repeat in range(config.repeats):
+        order = names[repeat % len(names):] + names[:repeat % len(names)]
+        for name in order:
+            machine.reset_peak_rss()
+            before = machine.rss_bytes()
+            if name == "eager":
+                seconds = measure.eager_decode_seconds(systems[name], context, slots, config.new_tokens, repeat)
+            else:
+                seconds = measure.ort_decode_seconds(systems[name], context, slots, config.new_tokens, repeat)
+            steps[name].append(statistics.median(seconds[1:]))    # the first step warms caches up
+            rss[name] = max(rss.get(name, 0), machine.peak_rss_bytes() - before)
+    result = {"context": context, "slots": slots, "systems": {}}
+    for name, medians in steps.items():
+        kv = (systems[name].kv_bytes_in_use() if name != "eager"
+              else measure.eager_kv_bytes(systems[name], context + config.new_tokens, slots))
+        result["systems"][name] = {"step_ms": _stats([1000 * s for s in medians]),
+                                   "tokens_per_s": _stats([slots / s for s in medians]),
+                                   "kv_bytes_per_slot": kv // slots, "peak_rss_growth_bytes": rss[name]}
+    return result
+
+
+def _measure_prefill(config: BenchConfig, systems: dict, context: int) -> dict:
+    out = {}
+    for name, system in systems.items():
+        totals, selects = [], []
+        for repeat in range(config.repeats):
+            if name == "eager":
+                totals.append(measure.eager_prefill_seconds(system, context, repeat))
+                selects.append(0.0)
+            else:
+                total, select = measure.ort_prefill_seconds(system, context, repeat)
+                totals.append(total)
+                selects.append(select)
+        out[name] = {"seconds": _stats(totals), "selection_share": statistics.median(
+            [s / t for s, t in zip(selects, totals)])}
+    return out
+
+
+def _add_roofline(point: dict, config: BenchConfig, spec, weight_bytes: int, bandwidth: float) -> None:
+    """Bytes a decode step must move (weights once + the KV rows it reads) and the fraction of
+    the bandwidth bound achieved."""
+    rows = {"snapstream": min(config.budget, point["context"] + config.new_tokens),
+            "dense": point["context"] + config.new_tokens + 1, "eager": point["context"] + config.new_tokens // 2}
+    for name, figures in point["systems"].items():
+        step_bytes = weight_bytes + point["slots"] * rows[name] * spec.kv_bytes_per_token
+        bound_ms = 1000 * step_bytes / bandwidth
+        figures["bytes_per_step"] = step_bytes
+        figures["bound_ms"] = bound_ms
+        figures["fraction_of_bound"] = bound_ms / figures["step_ms"]["median"]
+
+
+def _add_ratios(point: dict) -> None:
+    s = point["systems"]
+    snap = s["snapstream"]["tokens_per_s"]["median"]
+    point["ratios"] = {"snapstream_vs_dense": snap / s["dense"]["tokens_per_s"]["median"]}
+    if "eager" in s:
+        point["ratios"]["snapstream_vs_eager"] = snap / s["eager"]["tokens_per_s"]["median"]
+    if "dense" in point.get("prefill", {}) and "snapstream" in point.get("prefill", {}):
+        p = point["prefill"]
+        point["ratios"]["prefill_snapstream_vs_dense"] = p["snapstream"]["seconds"]["median"] / p["dense"]["seconds"]["median"]
+
+
+def _fits(config: BenchConfig, spec, weight_bytes: int) -> list[dict]:
+    """Largest slot count whose KV cache fits in memory_limit minus the weights, per context."""
+    free = config.memory_limit_gib * 2**30 - weight_bytes
+    rows = []
+    for context in config.contexts:
+        dense = spec.kv_bytes_per_token * context
+        snap = spec.kv_bytes_per_token * min(config.budget, context)
+        rows.append({"context": context, "dense_max_slots": int(free // dense), "snapstream_max_slots": int(free // snap)})
+    return rows

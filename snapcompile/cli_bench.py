@@ -1,0 +1,59 @@
+"""`snapcompile bench`."""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import click
+
+from snapcompile.cli_eval import _csv
+
+
+@click.command()
+@click.argument("model")
+@click.option("--contexts", default="1024,2048,4096,8192", show_default=True, callback=_csv(int))
+@click.option("--slots", default="1,4,8,16", show_default=True, callback=_csv(int))
+@click.option("--budget", default=512, show_default=True, help="SnapStream KV budget B.")
+@click.option("--new-tokens", default=64, show_default=True, help="Decode steps timed per repeat.")
+@click.option("--repeats", default=3, show_default=True, help="Repeats per point (median, min, max).")
+@click.option("--no-eager", is_flag=True, help="Skip the PyTorch eager baseline.")
+@click.option("--memory-limit-gib", default=16.0, show_default=True,
+              help="Memory for the 'largest slot count that fits' figure.")
+@click.option("--cache-dir", type=click.Path(path_type=Path), default=None,
+              help="Where built artifacts are kept (default: $SNAPCOMPILE_CACHE/bench).")
+@click.option("-o", "--output", type=click.Path(path_type=Path), default=Path("bench.json"), show_default=True,
+              help="Results JSON; the Markdown table and plots are written beside it.")
+@click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
+def bench(model, contexts, slots, budget, new_tokens, repeats, no_eager, memory_limit_gib, cache_dir, output,
+          as_json):
+    """Decode throughput, prefill time, KV memory and roofline: SnapStream vs dense vs PyTorch.
+
+    MODEL is a built-in name, a Hugging Face folder or a GGUF file (artifacts are built and cached).
+    Every point (context x slots) measures the three systems in turn in this process, repeated.
+    """
+    from tqdm import tqdm
+
+    from snapcompile.atomic import write_json_atomic, write_text_atomic
+    from snapcompile.bench import report
+    from snapcompile.bench.runner import BenchConfig, run_bench
+    from snapcompile.models.loader import cache_root
+    config = BenchConfig(model, contexts, slots, budget, new_tokens, repeats, eager=not no_eager,
+                         memory_limit_gib=memory_limit_gib)
+    started = time.perf_counter()
+    with tqdm(total=len(contexts) * len(slots), desc="bench", unit="point", file=sys.stderr, disable=as_json) as bar:
+        result = run_bench(config, cache_dir or cache_root() / "bench", progress=bar.update,
+                           log=lambda msg: tqdm.write(msg, file=sys.stderr))
+    result["seconds"] = time.perf_counter() - started
+    table = report.markdown(result)
+    stem = output.with_suffix("")
+    write_json_atomic(output, result)
+    write_text_atomic(stem.with_suffix(".md"), table)
+    pictures = report.plots(result, stem)
+    if as_json:
+        click.echo(json.dumps(result))
+    else:
+        click.echo(table)
+        click.echo(f"wrote {output}, {stem.with_suffix('.md')}, {', '.join(map(str, pictures))} "
+                   f"({result['seconds']:.0f} s)")
