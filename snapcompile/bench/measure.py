@@ -8,6 +8,7 @@ the same forward call `generate` runs per step (sdpa attention, cache appended e
 """
 from __future__ import annotations
 
+import inspect
 import time
 
 import numpy as np
@@ -51,12 +52,14 @@ def eager_decode_seconds(model, context: int, slots: int, steps: int, seed: int 
     for layer in range(config.num_hidden_layers):
         k = torch.randn(slots, kv_heads, context, head_dim, generator=gen)
         cache.update(k, torch.randn_like(k), layer)
+    # transformers 5.x renamed past_key_values to cache
+    cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     seconds = []
     for g in range(steps):
         ids = torch.randint(0, config.vocab_size, (slots, 1), generator=gen)
         position = torch.full((slots, 1), context + g)
         start = time.perf_counter()
-        model(input_ids=ids, position_ids=position, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        model(input_ids=ids, position_ids=position, use_cache=True, logits_to_keep=1, **{cache_arg: cache})
         seconds.append(time.perf_counter() - start)
     return seconds
 

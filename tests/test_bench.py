@@ -1,0 +1,70 @@
+"""Benchmark plumbing on tiny-llama (figures are measured, so only their structure is asserted)."""
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from snapcompile.bench import machine
+from snapcompile.bench.report import markdown
+from snapcompile.bench.runner import BenchConfig, run_bench
+from snapcompile.cli import main
+from snapcompile.errors import SnapcompileError
+
+
+def test_machine_measurements():
+    assert machine.rss_bytes() > 10 * 2**20
+    machine.reset_peak_rss()
+    assert machine.peak_rss_bytes() >= machine.rss_bytes() * 0.5
+    assert machine.memory_bandwidth(megabytes=64, repeats=2) > 1e8
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory):
+    config = BenchConfig("tiny-llama", contexts=(256, 512), slots=(1, 3), budget=128, new_tokens=4, repeats=2)
+    return run_bench(config, tmp_path_factory.mktemp("bench"), log=lambda m: None)
+
+
+def test_every_point_measures_three_systems(result):
+    assert [(p["context"], p["slots"]) for p in result["points"]] == [(256, 1), (512, 1), (256, 3), (512, 3)]
+    for point in result["points"]:
+        assert set(point["systems"]) == {"snapstream", "dense", "eager"}
+        for figures in point["systems"].values():
+            stats = figures["tokens_per_s"]
+            assert 0 < stats["min"] <= stats["median"] <= stats["max"]
+            assert figures["bytes_per_step"] > result["weight_bytes"]
+            assert 0 < figures["fraction_of_bound"]
+        assert point["ratios"]["snapstream_vs_dense"] == pytest.approx(
+            point["systems"]["snapstream"]["tokens_per_s"]["median"] / point["systems"]["dense"]["tokens_per_s"]["median"])
+        assert 0.0 <= point["prefill"]["snapstream"]["selection_share"] < 1.0
+
+
+def test_kv_bytes_per_slot_is_budget_over_context(result):
+    per_token = result["kv_bytes_per_token"]
+    for point in result["points"]:
+        assert point["systems"]["snapstream"]["kv_bytes_per_slot"] == 128 * per_token
+        assert point["systems"]["dense"]["kv_bytes_per_slot"] == (point["context"] + 4 + 1) * per_token
+
+
+def test_memory_fit_favours_the_budget(result):
+    for row in result["fits"]:
+        assert row["snapstream_max_slots"] == pytest.approx(row["dense_max_slots"] * row["context"] / 128, rel=0.01)
+
+
+def test_markdown_table(result):
+    table = markdown(result)
+    assert table.count("\n| 256 |") == 2 and "snap/eager" in table and "GB/s" in table
+
+
+def test_bench_cli_and_bad_input(tmp_path):
+    out = tmp_path / "b.json"
+    ok = CliRunner().invoke(main, ["bench", "tiny-llama", "--contexts", "128", "--slots", "2", "--budget", "64",
+                                   "--new-tokens", "3", "--repeats", "1", "--no-eager", "--cache-dir",
+                                   str(tmp_path / "c"), "-o", str(out)])
+    assert ok.exit_code == 0, ok.output
+    payload = json.loads(out.read_text())
+    assert "eager" not in payload["points"][0]["systems"]
+    assert (tmp_path / "b-decode.png").is_file() and (tmp_path / "b-memory.png").is_file()
+    bad = CliRunner().invoke(main, ["bench", "tiny-llama", "--contexts", "10", "-o", str(out)])
+    assert bad.exit_code == 2 and "--contexts" in bad.output
+    with pytest.raises(SnapcompileError):
+        BenchConfig("tiny-llama", budget=8)
