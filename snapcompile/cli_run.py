@@ -43,12 +43,14 @@ def _percentile(values: list[float], q: float) -> float | None:
               help="ONNX Runtime execution provider.")
 @click.option("--backend", type=click.Choice(["ort", "trt"]), default="ort", show_default=True,
               help="ort: ONNX Runtime on an artifact folder; trt: TensorRT engines from `snapcompile build`.")
+@click.option("--slots", "max_slots", type=int, default=None,
+              help="Serve at most this many requests at once (default: all of the artifact's static slots).")
 @click.option("--prefill-tokens-per-step", type=int, default=None,
               help="Prompt tokens prefilled between two decode steps (default: one chunk).")
 @click.option("-o", "--output", type=click.Path(path_type=Path), help="Write results as JSONL.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (results and summary).")
 def run(artifact, prompt, prompts_file, demo, max_new_tokens, temperature, top_k, top_p, seed, stop, raw,
-        provider, backend, prefill_tokens_per_step, output, as_json):
+        provider, backend, max_slots, prefill_tokens_per_step, output, as_json):
     """Generate for prompts with continuous batching over the artifact's static slots."""
     from tqdm import tqdm
 
@@ -57,7 +59,7 @@ def run(artifact, prompt, prompts_file, demo, max_new_tokens, temperature, top_k
     from snapcompile.prompts import encode
     records = _load_prompt_records(prompt, prompts_file, demo)
     engine = Engine.from_artifact(artifact, provider=provider, prefill_tokens_per_step=prefill_tokens_per_step,
-                                  backend=backend)
+                                  backend=backend, max_slots=max_slots)
     chat = engine.backend.manifest.chat and not raw
     requests = []
     for index, record in enumerate(records):
@@ -105,7 +107,7 @@ def _summary(engine, results, elapsed: float) -> dict:
             "ttft_p50_s": _percentile(ttfts, 50), "ttft_p95_s": _percentile(ttfts, 95),
             "step_p50_ms": _ms(_percentile(steps, 50)), "step_p95_ms": _ms(_percentile(steps, 95)),
             "decode_steps": len(steps), "kv_bytes": engine.kv_bytes_in_use(),
-            "slots": engine.backend.slots, "policy": engine.backend.manifest.policy.policy}
+            "slots": engine.scheduler.pool.capacity, "policy": engine.backend.manifest.policy.policy}
 
 
 def _ms(seconds: float | None) -> float | None:

@@ -128,3 +128,15 @@ def test_kv_memory_is_slots_times_budget(tiny_snap_dir):
     assert engine.kv_bytes_in_use() == manifest.export.slots * manifest.policy.budget * spec.kv_bytes_per_token
     engine.generate([Request(p, max_new_tokens=2) for p in random_prompts([400, 30])])
     assert engine.kv_bytes_in_use() == manifest.export.slots * manifest.policy.budget * spec.kv_bytes_per_token
+
+
+def test_fewer_slots_than_the_artifact_has(tiny_snap_dir):
+    engine = _engine(tiny_snap_dir, max_slots=1)
+    requests = [Request(p, max_new_tokens=4) for p in random_prompts([50, 60, 70], seed=3)]
+    busy = []
+    for _ in engine.stream(requests):
+        busy.append(len(engine.scheduler.decoding) + len(engine.scheduler.prefilling))
+    assert max(busy) == 1
+    assert all(engine.result(r.request_id).finish_reason in ("length", "eos") for r in requests)
+    with pytest.raises(SnapcompileError, match="--slots must be in 1..3"):
+        _engine(tiny_snap_dir, max_slots=4)

@@ -61,3 +61,18 @@ def test_backend_selection_equals_reference(tiny_llama, tiny_snap_dir):
     for ours, theirs in zip(result.kept_positions, reference.selections()):
         assert (ours == theirs.indices.numpy()).all()
     assert result.layout.kept == backend.manifest.policy.resolved_prompt_share
+
+
+def test_near_ties_are_reported_and_real_differences_fail():
+    import numpy as np
+    import torch
+
+    from snapcompile.policy import Selection
+    from snapcompile.validate import compare_selection
+    scores = torch.tensor([[float("-inf"), 0.5, 0.5 + 1e-8, 0.1, 0.9, float("-inf")]])
+    reference = [Selection(torch.tensor([[0, 2, 4, 5]]), scores)]
+    tie, _ = compare_selection([np.array([[0, 1, 4, 5]])], reference, tie_gap=1e-6)
+    assert len(tie) == 1 and tie[0]["kept_by_backend"] == [1] and tie[0]["score_gap"] < 1e-6
+    _, mismatch = compare_selection([np.array([[0, 3, 4, 5]])], reference, tie_gap=1e-6)
+    assert len(mismatch) == 1 and mismatch[0]["score_gap"] == pytest.approx(0.4, abs=1e-6)
+    assert compare_selection([np.array([[0, 2, 4, 5]])], reference, 1e-6) == ([], [])

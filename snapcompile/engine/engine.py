@@ -43,25 +43,30 @@ class Engine:
     """Serves requests on a backend (see snapcompile.runtime.ort_backend.OrtBackend)."""
 
     def __init__(self, backend, tokenizer, eos_ids: Iterable[int], prefill_tokens_per_step: int | None = None,
-                 clock=time.perf_counter):
+                 clock=time.perf_counter, max_slots: int | None = None):
+        """max_slots: use at most this many of the backend's static slots (the others stay idle)."""
         self.backend, self.tokenizer, self.eos_ids = backend, tokenizer, set(eos_ids)
         self.clock = clock
+        if max_slots is not None and not 1 <= max_slots <= backend.slots:
+            raise SnapcompileError(f"--slots must be in 1..{backend.slots} (the artifact's static slots)")
         budget = prefill_tokens_per_step or backend.chunk
-        self.scheduler = Scheduler(backend.slots, max(budget, 1))
+        self.scheduler = Scheduler(max_slots or backend.slots, max(budget, 1))
         self.sequences: dict[str, Sequence] = {}
         self._rngs: dict[str, np.random.Generator] = {}
         self.decode_step_seconds: list[float] = []
 
     @classmethod
     def from_artifact(cls, folder, provider: str = "cpu", threads: int | None = None,
-                      prefill_tokens_per_step: int | None = None, backend: str = "ort") -> "Engine":
+                      prefill_tokens_per_step: int | None = None, backend: str = "ort",
+                      max_slots: int | None = None) -> "Engine":
         """An engine on an artifact folder (backend "ort") or a TensorRT engine folder ("trt")."""
         from transformers import AutoTokenizer
 
         from snapcompile.runtime import open_backend
         backend = open_backend(folder, backend, provider=provider, threads=threads)
         tokenizer = AutoTokenizer.from_pretrained(str(folder))
-        return cls(backend, tokenizer, backend.manifest.eos_token_ids, prefill_tokens_per_step)
+        return cls(backend, tokenizer, backend.manifest.eos_token_ids, prefill_tokens_per_step,
+                   max_slots=max_slots)
 
     # ------------------------------------------------------------------ API
     def encode(self, text: str, chat: bool | None = None) -> list[int]:
