@@ -83,6 +83,11 @@ def run(artifact, prompt, prompts_file, demo, max_new_tokens, temperature, top_k
     rows = [{"id": r.request_id, "prompt": rec["prompt"], "text": r.text, "finish_reason": r.finish_reason,
              "error": r.error, "prompt_tokens": r.prompt_tokens, "output_tokens": len(r.output_ids),
              "ttft_s": r.ttft_s} for r, rec in zip(results, records)]
+    for row, rec in zip(rows, records):      # prompts files may carry the expected answer
+        if "answer" in rec:
+            row["correct"] = str(rec["answer"]) in row["text"]
+    if any("correct" in row for row in rows):
+        summary["correct"] = sum(row.get("correct", False) for row in rows)
     if output:
         from snapcompile.atomic import write_text_atomic
         write_text_atomic(output, "".join(json.dumps(row) + "\n" for row in rows))
@@ -116,10 +121,11 @@ def _ms(seconds: float | None) -> float | None:
 
 def _format_summary(s: dict) -> str:
     fmt = lambda v, unit="": "n/a" if v is None else f"{v:.3g}{unit}"  # noqa: E731
+    answers = f" | answers correct {s['correct']}/{s['requests']}" if "correct" in s else ""
     return (f"{s['requests']} requests ({s['errors']} errors), {s['output_tokens']} tokens in {s['seconds']:.2f} s "
             f"= {fmt(s['tokens_per_s'])} tok/s | TTFT p50 {fmt(s['ttft_p50_s'], ' s')} p95 {fmt(s['ttft_p95_s'], ' s')}"
             f" | step p50 {fmt(s['step_p50_ms'], ' ms')} p95 {fmt(s['step_p95_ms'], ' ms')}"
-            f" | KV {s['kv_bytes'] / 2**20:.1f} MiB ({s['slots']} slots, {s['policy']})")
+            f" | KV {s['kv_bytes'] / 2**20:.1f} MiB ({s['slots']} slots, {s['policy']}){answers}")
 
 
 @click.command()

@@ -40,12 +40,15 @@ def test_convert_inspect_run_validate(tmp_path):
 
 def test_run_writes_jsonl(tiny_dense_dir, tmp_path):
     prompts = tmp_path / "p.jsonl"
-    prompts.write_text('{"prompt": "one", "id": "a", "max_new_tokens": 3}\n\n{"prompt": "two", "stop": ["zz"]}\n')
+    prompts.write_text('{"prompt": "one", "id": "a", "max_new_tokens": 3, "answer": "no such answer"}\n\n'
+                       '{"prompt": "two", "stop": ["zz"]}\n')
     out = tmp_path / "out.jsonl"
     result = invoke("run", tiny_dense_dir, "--prompts", prompts, "-o", out, "--max-new-tokens", 4)
     assert result.exit_code == 0, result.output
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["id"] for r in rows] == ["a", "1"] and rows[0]["output_tokens"] <= 3
+    assert rows[0]["correct"] is False and "correct" not in rows[1]
+    assert "answers correct 0/2" in result.output
 
 
 def test_missing_model(tmp_path):
