@@ -141,8 +141,10 @@ def _format_summary(s: dict) -> str:
               help="Fail when greedy-token agreement (0..1) is below this.")
 @click.option("--tie-gap", default=1e-6, show_default=True,
               help="Selection differences whose score gap is below this are reported as near-ties, not failures.")
+@click.option("--backend", type=click.Choice(["ort", "trt"]), default="ort", show_default=True,
+              help="ort: ONNX Runtime on an artifact folder; trt: TensorRT engines from `snapcompile build`.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def validate(artifact, prompt, prompts_file, demo, steps, raw, tolerance, min_agreement, tie_gap, as_json):
+def validate(artifact, prompt, prompts_file, demo, steps, raw, tolerance, min_agreement, tie_gap, backend, as_json):
     """Compare the artifact step by step with the PyTorch oracle (same cache policy).
 
     Both run teacher-forced on the oracle's greedy tokens. Exit 1 when max |logit diff| >
@@ -166,7 +168,8 @@ def validate(artifact, prompt, prompts_file, demo, steps, raw, tolerance, min_ag
     if too_long:
         raise SnapcompileError(f"a prompt of {too_long[0]} tokens leaves no room for {steps} steps within "
                                f"--max-context {manifest.export.max_context}")
-    validator = Validator(artifact, load_model(manifest.source or manifest.model_name).model, tie_gap=tie_gap)
+    validator = Validator(artifact, load_model(manifest.source or manifest.model_name).model, tie_gap=tie_gap,
+                          backend=backend)
     from tqdm import tqdm
     with tqdm(total=len(prompts), desc="validate", unit="prompt", file=sys.stderr, disable=as_json) as bar:
         reports = validator.run(prompts, steps, progress=bar.update)
