@@ -140,3 +140,10 @@ def test_fewer_slots_than_the_artifact_has(tiny_snap_dir):
     assert all(engine.result(r.request_id).finish_reason in ("length", "eos") for r in requests)
     with pytest.raises(SnapcompileError, match="--slots must be in 1..3"):
         _engine(tiny_snap_dir, max_slots=4)
+
+
+def test_compressed_sequence_stops_at_the_models_last_position(tiny_snap_dir):
+    engine = _engine(tiny_snap_dir)
+    engine.max_positions = 100 + 3          # as if the model had been trained on 103 positions
+    result = engine.generate([Request(random_prompts([100])[0], max_new_tokens=50)])[0]
+    assert result.finish_reason == "context" and len(result.output_ids) == 3

@@ -51,6 +51,7 @@ class Engine:
             raise SnapcompileError(f"--slots must be in 1..{backend.slots} (the artifact's static slots)")
         budget = prefill_tokens_per_step or backend.chunk
         self.scheduler = Scheduler(max_slots or backend.slots, max(budget, 1))
+        self.max_positions = backend.manifest.spec.max_positions
         self.sequences: dict[str, Sequence] = {}
         self._rngs: dict[str, np.random.Generator] = {}
         self.decode_step_seconds: list[float] = []
@@ -165,8 +166,9 @@ class Engine:
             return "stop"
         if len(seq.output_ids) >= seq.request.max_new_tokens:
             return "length"
-        if not seq.layout.can_feed(len(seq.output_ids) - 1):
-            return "context"
+        next_input = len(seq.output_ids) - 1
+        if not seq.layout.can_feed(next_input) or seq.layout.step(next_input).position >= self.max_positions:
+            return "context"      # a dense cache is full, or RoPE would leave the model's trained range
         return None
 
     def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
