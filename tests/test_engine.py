@@ -146,4 +146,5 @@ def test_compressed_sequence_stops_at_the_models_last_position(tiny_snap_dir):
     engine = _engine(tiny_snap_dir)
     engine.max_positions = 100 + 3          # as if the model had been trained on 103 positions
     result = engine.generate([Request(random_prompts([100])[0], max_new_tokens=50)])[0]
-    assert result.finish_reason == "context" and len(result.output_ids) == 3
+    # positions 100..102 can be fed: the prefill token plus 3 decode tokens
+    assert result.finish_reason == "context" and len(result.output_ids) == 4
