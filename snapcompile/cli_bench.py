@@ -18,7 +18,10 @@ from snapcompile.cli_eval import _csv
 @click.option("--budget", default=512, show_default=True, help="SnapStream KV budget B.")
 @click.option("--new-tokens", default=64, show_default=True, help="Decode steps timed per repeat.")
 @click.option("--repeats", default=3, show_default=True, help="Repeats per point (median, min, max).")
+@click.option("--prefill-repeats", type=int, default=None, help="Repeats of the prefill timings (default: --repeats).")
 @click.option("--no-eager", is_flag=True, help="Skip the PyTorch eager baseline.")
+@click.option("--eager-kv-limit-gib", default=4.0, show_default=True,
+              help="Skip eager points whose KV cache exceeds this (transformers copies it every step).")
 @click.option("--memory-limit-gib", default=16.0, show_default=True,
               help="Memory for the 'largest slot count that fits' figure.")
 @click.option("--cache-dir", type=click.Path(path_type=Path), default=None,
@@ -26,8 +29,8 @@ from snapcompile.cli_eval import _csv
 @click.option("-o", "--output", type=click.Path(path_type=Path), default=Path("bench.json"), show_default=True,
               help="Results JSON; the Markdown table and plots are written beside it.")
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
-def bench(model, contexts, slots, budget, new_tokens, repeats, no_eager, memory_limit_gib, cache_dir, output,
-          as_json):
+def bench(model, contexts, slots, budget, new_tokens, repeats, prefill_repeats, no_eager, eager_kv_limit_gib,
+          memory_limit_gib, cache_dir, output, as_json):
     """Decode throughput, prefill time, KV memory and roofline: SnapStream vs dense vs PyTorch.
 
     MODEL is a built-in name, a Hugging Face folder or a GGUF file (artifacts are built and cached).
@@ -40,7 +43,8 @@ def bench(model, contexts, slots, budget, new_tokens, repeats, no_eager, memory_
     from snapcompile.bench.runner import BenchConfig, run_bench
     from snapcompile.models.loader import cache_root
     config = BenchConfig(model, contexts, slots, budget, new_tokens, repeats, eager=not no_eager,
-                         memory_limit_gib=memory_limit_gib)
+                         memory_limit_gib=memory_limit_gib, eager_kv_limit_gib=eager_kv_limit_gib,
+                         prefill_repeats=prefill_repeats)
     started = time.perf_counter()
     with tqdm(total=len(contexts) * len(slots), desc="bench", unit="point", file=sys.stderr, disable=as_json) as bar:
         result = run_bench(config, cache_dir or cache_root() / "bench", progress=bar.update,

@@ -68,3 +68,13 @@ def test_bench_cli_and_bad_input(tmp_path):
     assert bad.exit_code == 2 and "--contexts" in bad.output
     with pytest.raises(SnapcompileError):
         BenchConfig("tiny-llama", budget=8)
+
+
+def test_eager_points_over_the_memory_limit_are_skipped(tmp_path):
+    config = BenchConfig("tiny-llama", contexts=(256,), slots=(2,), budget=128, new_tokens=3, repeats=1,
+                         eager_kv_limit_gib=1e-6, prefill_repeats=1)
+    messages = []
+    result = run_bench(config, tmp_path, log=messages.append)
+    assert "eager" not in result["points"][0]["systems"] and result["points"][0]["ratios"]["snapstream_vs_eager"] is None
+    assert any("eager skipped" in m for m in messages)
+    assert "skipped (memory)" in markdown(result)

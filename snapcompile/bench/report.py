@@ -8,23 +8,24 @@ def markdown(result: dict) -> str:
     eager = result["config"]["eager"]
     head = ("| context | slots | snapstream tok/s | dense tok/s | " + ("eager tok/s | " if eager else "")
             + "snap/dense | " + ("snap/eager | " if eager else "")
-            + "ms/step snap (dense) | % of bandwidth bound snap / dense | KV/slot snap / dense | prefill s snap / dense (selection share) |")
+            + "ms/step snap (dense) | % of bandwidth bound snap / dense | KV/slot snap / dense | prefill s snap / dense / eager (selection share) |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for p in result["points"]:
         s, r = p["systems"], p["ratios"]
         tok = lambda name: _range(s[name]["tokens_per_s"])  # noqa: E731
         cells = [str(p["context"]), str(p["slots"]), tok("snapstream"), tok("dense")]
         if eager:
-            cells.append(tok("eager"))
+            cells.append(tok("eager") if "eager" in s else "skipped (memory)")
         cells.append(f"{r['snapstream_vs_dense']:.2f}x")
         if eager:
-            cells.append(f"{r['snapstream_vs_eager']:.1f}x")
+            cells.append(f"{r['snapstream_vs_eager']:.1f}x" if r["snapstream_vs_eager"] else "—")
         cells.append(f"{s['snapstream']['step_ms']['median']:.1f} ({s['dense']['step_ms']['median']:.1f})")
         cells.append(f"{100 * s['snapstream']['fraction_of_bound']:.0f}% / {100 * s['dense']['fraction_of_bound']:.0f}%")
         cells.append(f"{_mib(s['snapstream']['kv_bytes_per_slot'])} / {_mib(s['dense']['kv_bytes_per_slot'])}")
         pre = p["prefill"]
-        cells.append(f"{pre['snapstream']['seconds']['median']:.2f} / {pre['dense']['seconds']['median']:.2f} "
-                     f"({100 * pre['snapstream']['selection_share']:.1f}%)")
+        eager_prefill = f" / {pre['eager']['seconds']['median']:.2f}" if "eager" in pre else ""
+        cells.append(f"{pre['snapstream']['seconds']['median']:.2f} / {pre['dense']['seconds']['median']:.2f}"
+                     f"{eager_prefill} ({100 * pre['snapstream']['selection_share']:.1f}%)")
         lines.append("| " + " | ".join(cells) + " |")
     bw = result["bandwidth_bytes_per_s"] / 1e9
     lines.append("")
@@ -47,12 +48,14 @@ def plots(result: dict, stem: Path) -> list[Path]:
     import matplotlib.pyplot as plt
     points = result["points"]
     slot_counts = sorted({p["slots"] for p in points})
-    systems = [s for s in ("snapstream", "dense", "eager") if s in points[0]["systems"]]
+    systems = [s for s in ("snapstream", "dense", "eager") if any(s in p["systems"] for p in points)]
     fig, axes = plt.subplots(1, len(slot_counts), figsize=(4 * len(slot_counts), 3.2), squeeze=False)
     for ax, slots in zip(axes[0], slot_counts):
         for name in systems:
-            xs = [(p["context"], p["systems"][name]["tokens_per_s"]["median"]) for p in points if p["slots"] == slots]
-            ax.plot(*zip(*sorted(xs)), marker="o", label=name)
+            xs = [(p["context"], p["systems"][name]["tokens_per_s"]["median"]) for p in points
+                  if p["slots"] == slots and name in p["systems"]]
+            if xs:
+                ax.plot(*zip(*sorted(xs)), marker="o", label=name)
         ax.set(title=f"{slots} slots", xlabel="context (tokens)", ylabel="decode tok/s", xscale="log", yscale="log")
         ax.legend(fontsize=7)
     fig.tight_layout()

@@ -33,6 +33,8 @@ class BenchConfig:
     chunk: int = 256
     eager: bool = True
     memory_limit_gib: float = 16.0       # for the "largest slot count that fits" figure
+    eager_kv_limit_gib: float = 4.0      # eager points whose cache exceeds this are skipped (it is copied per step)
+    prefill_repeats: int | None = None   # default: repeats
 
     def __post_init__(self):
         if not self.contexts or not self.slots or min(self.contexts) < 64 or min(self.slots) < 1:
@@ -98,10 +100,14 @@ def run_bench(config: BenchConfig, cache_dir: Path, progress: Callable[[int], No
         for context in config.contexts:
             dense_backend = _open(artifacts.get(PolicyConfig(policy="dense"), context, slots))
             systems = {"snapstream": snap_backend, "dense": dense_backend}
-            if config.eager:
+            eager_kv = measure.eager_kv_bytes(model, context + config.new_tokens, slots)
+            if config.eager and eager_kv <= config.eager_kv_limit_gib * 2**30:
                 systems["eager"] = model
+            elif config.eager:
+                log(f"eager skipped at context {context}, {slots} slots: {eager_kv / 2**30:.1f} GiB of KV "
+                    f"> --eager-kv-limit-gib {config.eager_kv_limit_gib:g}")
             points.append(_measure_point(config, systems, context, slots))
-            if context not in prefill:
+            if context not in prefill or len(prefill[context]) < len(systems):
                 prefill[context] = _measure_prefill(config, systems, context)
             del systems, dense_backend
             if progress:
@@ -145,7 +151,7 @@ def _measure_prefill(config: BenchConfig, systems: dict, context: int) -> dict:
     out = {}
     for name, system in systems.items():
         totals, selects = [], []
-        for repeat in range(config.repeats):
+        for repeat in range(config.prefill_repeats or config.repeats):
             if name == "eager":
                 totals.append(measure.eager_prefill_seconds(system, context, repeat))
                 selects.append(0.0)
@@ -175,8 +181,7 @@ def _add_ratios(point: dict) -> None:
     s = point["systems"]
     snap = s["snapstream"]["tokens_per_s"]["median"]
     point["ratios"] = {"snapstream_vs_dense": snap / s["dense"]["tokens_per_s"]["median"]}
-    if "eager" in s:
-        point["ratios"]["snapstream_vs_eager"] = snap / s["eager"]["tokens_per_s"]["median"]
+    point["ratios"]["snapstream_vs_eager"] = (snap / s["eager"]["tokens_per_s"]["median"]) if "eager" in s else None
     if "dense" in point.get("prefill", {}) and "snapstream" in point.get("prefill", {}):
         p = point["prefill"]
         point["ratios"]["prefill_snapstream_vs_dense"] = p["snapstream"]["seconds"]["median"] / p["dense"]["seconds"]["median"]
