@@ -97,3 +97,75 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
         BLOCK_B=min(block_rows, max(triton.next_power_of_2(budget), 16)),
         BLOCK_D=max(triton.next_power_of_2(head_dim), 16))
     return out
+
+
+@triton.jit
+def _window_row_stats_kernel(q_ptr, k_ptr, m_ptr, l_ptr, scale, length, window_start, window, rows, head_dim,
+                             stride_qh, stride_qr, stride_kh, stride_kl,
+                             BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Softmax statistics (running max m, sum l) of one window query row over its visible keys."""
+    head = tl.program_id(0)
+    row = tl.program_id(1)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < head_dim
+    q = tl.load(q_ptr + head * stride_qh + row * stride_qr + d, mask=d_ok, other=0.0).to(tl.float32)
+    last_visible = window_start + row % window
+    m_i = float("-inf")
+    l_i = 0.0
+    for start in range(0, length, BLOCK_L):
+        cols = start + tl.arange(0, BLOCK_L)
+        visible = cols <= last_visible
+        k = tl.load(k_ptr + head * stride_kh + cols[:, None] * stride_kl + d[None, :],
+                    mask=visible[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+        s = tl.where(visible, tl.sum(k * q[None, :], axis=1) * scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=0))
+        l_i = l_i * tl.exp(m_i - m_new) + tl.sum(tl.exp(s - m_new), axis=0)
+        m_i = m_new
+    tl.store(m_ptr + head * rows + row, m_i)
+    tl.store(l_ptr + head * rows + row, l_i)
+
+
+@triton.jit
+def _window_scores_kernel(q_ptr, k_ptr, m_ptr, l_ptr, out_ptr, scale, length, window_start, window, rows, head_dim,
+                          stride_qh, stride_qr, stride_kh, stride_kl,
+                          BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Mean softmax probability that the window rows give to one block of key positions."""
+    head = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_L + tl.arange(0, BLOCK_L)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < head_dim
+    k = tl.load(k_ptr + head * stride_kh + cols[:, None] * stride_kl + d[None, :],
+                mask=(cols < length)[:, None] & d_ok[None, :], other=0.0).to(tl.float32)     # [L, D]
+    acc = tl.zeros([BLOCK_L], tl.float32)
+    for start in range(0, rows, BLOCK_R):
+        r = start + tl.arange(0, BLOCK_R)
+        r_ok = r < rows
+        q = tl.load(q_ptr + head * stride_qh + r[:, None] * stride_qr + d[None, :],
+                    mask=r_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)           # [R, D]
+        m = tl.load(m_ptr + head * rows + r, mask=r_ok, other=0.0)
+        l = tl.load(l_ptr + head * rows + r, mask=r_ok, other=1.0)
+        s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale                          # [R, L]
+        visible = (cols[None, :] <= (window_start + r % window)[:, None]) & r_ok[:, None]
+        p = tl.where(visible, tl.exp(s - m[:, None]) / l[:, None], 0.0)
+        acc += tl.sum(p, axis=0)
+    tl.store(out_ptr + head * length + cols, acc / rows, mask=cols < length)
+
+
+def window_scores(window_query: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
+    """Triton version of snapcompile.policy.window_scores: [H, W, D] queries, [Hkv, T, D] keys
+    -> [Hkv, T-W] mean window attention per prefix position (float32)."""
+    heads, window, head_dim = window_query.shape
+    kv_heads, length, _ = keys.shape
+    rows = heads // kv_heads * window
+    q = window_query.reshape(kv_heads, rows, head_dim).contiguous()
+    keys = keys.contiguous()
+    m = torch.empty(kv_heads, rows, dtype=torch.float32, device=keys.device)
+    l_sum = torch.empty_like(m)
+    out = torch.empty(kv_heads, length, dtype=torch.float32, device=keys.device)
+    block_d = max(triton.next_power_of_2(head_dim), 16)
+    common = (float(scale), length, length - window, window, rows, head_dim,
+              q.stride(0), q.stride(1), keys.stride(0), keys.stride(1))
+    _window_row_stats_kernel[(kv_heads, rows)](q, keys, m, l_sum, *common, BLOCK_L=64, BLOCK_D=block_d)
+    _window_scores_kernel[(kv_heads, triton.cdiv(length, 64))](q, keys, m, l_sum, out, *common,
+                                                               BLOCK_L=64, BLOCK_R=16, BLOCK_D=block_d)
+    return out[:, : length - window]

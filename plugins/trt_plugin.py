@@ -1,8 +1,9 @@
 """TensorRT plugins for the two custom ops, via TensorRT 10's `tensorrt.plugin` Python API (QDP).
 
 `register()` registers "snapcompile::SnapKVDecodeAttention" (its impl launches the Triton kernel
-of plugins/triton_kernels.py on TensorRT's stream) and "snapcompile::SnapKVSelect" (its impl runs
-the PyTorch reference on the GPU; selection runs once per request). TensorRT's ONNX parser maps
+of plugins/triton_kernels.py on TensorRT's stream) and "snapcompile::SnapKVSelect" (window
+scores by the Triton kernel, pooling / top-k / gather by PyTorch ops on the GPU; selection runs
+once per request). TensorRT's ONNX parser maps
 the plugin-lowered nodes to them by op type, plugin_version and plugin_namespace.
 
 Written against the documented API (tensorrt.plugin.register / impl, TensorDesc.like,
@@ -84,11 +85,12 @@ def _register_select(trtp, trt) -> None:
              outputs: tuple[trtp.Tensor, trtp.Tensor, trtp.Tensor], stream: int) -> None:
         import torch
 
-        from snapcompile.plugins import reference
+        from snapcompile.plugins import reference, triton_kernels
         policy = reference.policy_from_attrs(sinks, window, kernel, prompt_share, pooling, scope)
         q, k, v, length, out_k, out_v, out_i = _torch_views(window_query, key, value, prompt_len, *outputs)
         with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
-            picked_k, picked_v, index = reference.select(q, k, v, int(length[0].item()), policy, scale)
+            picked_k, picked_v, index = reference.select(q, k, v, int(length[0].item()), policy, scale,
+                                                         scorer=triton_kernels.window_scores)
             out_k.copy_(picked_k)
             out_v.copy_(picked_v)
             out_i.copy_(index)

@@ -4,7 +4,8 @@
 Needs only a CUDA GPU, PyTorch and Triton (no ONNX Runtime, no install of this repo):
     python scripts/gpu_check.py [--quick] [--json OUT.json]
 1. the Triton fused decode-attention kernel vs the PyTorch reference on CUDA (fp32, fp16;
-   several budgets, GQA ratios, ring wrapped and not), and the selection reference on CUDA vs CPU;
+   several budgets, GQA ratios, ring wrapped and not), and selection on CUDA (reference and with
+   the Triton window-score kernel) vs CPU;
 2. timings (CUDA events, median of repeats): the fused kernel vs the standard-op path (the same
    ops as the ONNX subgraph, run as PyTorch ops) over the budget, and vs dense attention over the
    full context; GB/s counts the K/V bytes each step must read;
@@ -56,15 +57,22 @@ def check_parity(quick: bool) -> list[dict]:
 
 
 def check_selection_on_cuda() -> dict:
+    """Selection on CUDA (PyTorch reference, and with the Triton window-score kernel) vs CPU."""
     from snapcompile.config import PolicyConfig
-    from snapcompile.policy import snapkv_select
+    from snapcompile.plugins import triton_kernels
+    from snapcompile.policy import snapkv_select, window_scores
     policy = PolicyConfig(budget=256, window=32)
     gen = torch.Generator().manual_seed(0)
     query, keys = torch.randn(9, 32, 64, generator=gen), torch.randn(3, 2000, 64, generator=gen)
     cpu = snapkv_select(query, keys, policy, 0.125).indices
     gpu = snapkv_select(query.cuda(), keys.cuda(), policy, 0.125).indices.cpu()
+    kernel = snapkv_select(query.cuda(), keys.cuda(), policy, 0.125, scorer=triton_kernels.window_scores).indices.cpu()
+    score_err = (triton_kernels.window_scores(query.cuda(), keys.cuda(), 0.125).cpu()
+                 - window_scores(query, keys, 0.125)).abs().max().item()
     return {"selection_equal_cpu_cuda": bool(torch.equal(cpu, gpu)),
-            "positions_differing": int((cpu != gpu).sum())}
+            "positions_differing": int((cpu != gpu).sum()),
+            "triton_scorer_positions_differing": int((cpu != kernel).sum()),
+            "triton_window_score_max_abs_err": score_err}
 
 
 def _time_us(fn, repeats: int) -> float:
@@ -130,7 +138,9 @@ def main() -> int:
         print(f"  FAIL {r}")
     selection = check_selection_on_cuda()
     print(f"[selection] CUDA vs CPU reference equal: {selection['selection_equal_cpu_cuda']} "
-          f"({selection['positions_differing']} positions differ)")
+          f"({selection['positions_differing']} positions differ); Triton scorer: "
+          f"{selection['triton_scorer_positions_differing']} positions differ, window-score error "
+          f"{selection['triton_window_score_max_abs_err']:.2e}")
     timings = time_decode(args.quick)
     print(f"\n{'model':<14}{'path':<14}{'budget':>7}{'context':>9}{'slots':>6}{'us':>10}{'GB/s':>9}")
     for r in timings:

@@ -62,11 +62,14 @@ def top_positions(candidate_scores: torch.Tensor, count: int) -> torch.Tensor:
 
 
 def snapkv_select(window_query: torch.Tensor, keys: torch.Tensor, cfg: PolicyConfig,
-                  scale: float) -> Selection:
-    """SnapKV selection of one layer for a prompt of T > P tokens (DESIGN.md, "Prefill")."""
+                  scale: float, scorer=window_scores) -> Selection:
+    """SnapKV selection of one layer for a prompt of T > P tokens (DESIGN.md, "Prefill").
+
+    scorer: the window_scores implementation (the Triton kernel passes its own).
+    """
     kv_heads, length, _ = keys.shape
     share, sinks, window = cfg.resolved_prompt_share, cfg.sinks, cfg.window
-    prefix = window_scores(window_query, keys, scale)                  # [Hkv, T-W]
+    prefix = scorer(window_query, keys, scale)                         # [Hkv, T-W]
     if cfg.scope == "layer":
         prefix = prefix.sum(dim=0, keepdim=True)                       # [1, T-W], summed before pooling
     prefix = pool_scores(prefix, cfg.kernel, cfg.pooling)

@@ -52,3 +52,24 @@ def test_idle_slot_attends_only_to_itself():
     args[6] = torch.tensor([0, 5])     # slot 0 idle
     got = triton_kernels.decode_attention(*args, scale=0.25)
     torch.testing.assert_close(got[0], args[2][0].expand(1, 2, 16))
+
+
+@pytest.mark.parametrize("length, group, window", [(100, 3, 8), (257, 1, 16), (64, 4, 4)])
+def test_window_scores_kernel_matches_reference(length, group, window):
+    from snapcompile.policy import window_scores
+    gen = torch.Generator().manual_seed(length)
+    query = torch.randn(2 * group, window, 32, generator=gen)
+    keys = torch.randn(2, length, 32, generator=gen)
+    got = triton_kernels.window_scores(query, keys, 0.2)
+    torch.testing.assert_close(got, window_scores(query, keys, 0.2), atol=1e-6, rtol=1e-4)
+
+
+def test_selection_with_the_triton_scorer_equals_reference():
+    from snapcompile.config import PolicyConfig
+    from snapcompile.policy import snapkv_select
+    policy = PolicyConfig(budget=48, window=8, kernel=5)
+    gen = torch.Generator().manual_seed(1)
+    query, keys = torch.randn(6, 8, 32, generator=gen) * 2, torch.randn(2, 300, 32, generator=gen) * 2
+    expected = snapkv_select(query, keys, policy, 0.2).indices
+    got = snapkv_select(query, keys, policy, 0.2, scorer=triton_kernels.window_scores).indices
+    assert torch.equal(got, expected)
