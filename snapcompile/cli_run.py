@@ -55,22 +55,13 @@ def run(artifact, prompt, prompts_file, demo, max_new_tokens, temperature, top_k
     from tqdm import tqdm
 
     from snapcompile.engine.engine import Engine
-    from snapcompile.engine.request import Request, SamplingParams
-    from snapcompile.prompts import encode
     records = _load_prompt_records(prompt, prompts_file, demo)
     engine = Engine.from_artifact(artifact, provider=provider, prefill_tokens_per_step=prefill_tokens_per_step,
                                   backend=backend, max_slots=max_slots)
     chat = engine.backend.manifest.chat and not raw
-    requests = []
-    for index, record in enumerate(records):
-        sampling = SamplingParams(
-            temperature=float(record.get("temperature", temperature)), top_k=int(record.get("top_k", top_k)),
-            top_p=float(record.get("top_p", top_p)),
-            seed=record.get("seed", None if seed is None else seed + index))
-        requests.append(Request(encode(engine.tokenizer, record["prompt"], chat),
-                                max_new_tokens=int(record.get("max_new_tokens", max_new_tokens)),
-                                stop=tuple(record.get("stop", stop)), sampling=sampling,
-                                request_id=str(record.get("id", f"{index}"))))
+    defaults = dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, max_new_tokens=max_new_tokens,
+                    stop=stop)
+    requests = [_request(engine, record, index, chat, defaults) for index, record in enumerate(records)]
     start = engine.clock()
     with tqdm(total=len(requests), desc="requests", unit="req", file=sys.stderr,
               disable=not sys.stderr.isatty() and as_json) as bar:
@@ -101,6 +92,23 @@ def run(artifact, prompt, prompts_file, demo, max_new_tokens, temperature, top_k
         click.echo(_format_summary(summary), err=True)
     if summary["errors"]:
         sys.exit(1)   # every result was written; some requests could not be served
+
+
+def _request(engine, record: dict, index: int, chat: bool, defaults: dict):
+    """A Request from one prompts-file record; fields it lacks come from the command line."""
+    from snapcompile.engine.request import Request, SamplingParams
+    from snapcompile.prompts import encode
+    get = lambda key: record.get(key, defaults[key])  # noqa: E731
+    seed = record.get("seed", None if defaults["seed"] is None else defaults["seed"] + index)
+    try:
+        sampling = SamplingParams(temperature=float(get("temperature")), top_k=int(get("top_k")),
+                                  top_p=float(get("top_p")), seed=None if seed is None else int(seed))
+        stop = get("stop")
+        return Request(encode(engine.tokenizer, record["prompt"], chat), max_new_tokens=int(get("max_new_tokens")),
+                       stop=(stop,) if isinstance(stop, str) else tuple(stop), sampling=sampling,
+                       request_id=str(record.get("id", index)))
+    except (TypeError, ValueError) as err:
+        raise SnapcompileError(f"prompt {index + 1}: bad field value ({err})") from None
 
 
 def _summary(engine, results, elapsed: float) -> dict:

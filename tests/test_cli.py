@@ -137,3 +137,11 @@ def test_bad_prompts_file(tiny_dense_dir, tmp_path):
 def test_missing_execution_provider(tiny_dense_dir):
     assert_user_error(invoke("run", tiny_dense_dir, "--prompt", "hi", "--provider", "cuda"),
                       "no CUDAExecutionProvider")
+
+
+def test_bad_field_in_prompts_file(tiny_dense_dir, tmp_path):
+    bad = tmp_path / "p.jsonl"
+    bad.write_text('{"prompt": "ok", "max_new_tokens": "many"}\n')
+    assert_user_error(invoke("run", tiny_dense_dir, "--prompts", bad), "prompt 1: bad field value")
+    bad.write_text('{"prompt": "ok", "temperature": -2}\n')
+    assert_user_error(invoke("run", tiny_dense_dir, "--prompts", bad), "temperature must be >= 0")
