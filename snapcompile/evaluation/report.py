@@ -76,6 +76,9 @@ def plots(rows: list[dict], records: list[dict], task: str, stem: Path) -> list[
         if dense:
             ax.axhline(dense[0], color="gray", linestyle="--", label="dense")
         ax.set(title=f"{length} tokens", xlabel="budget B", ylabel=metric, ylim=(-0.05, 1.05), xscale="log")
+        budgets = sorted({r["budget"] for r in rows if r["budget"] and r["length"] == length})
+        ax.set_xticks(budgets, [str(b) for b in budgets])
+        ax.minorticks_off()
         ax.legend(fontsize=7)
     fig.tight_layout()
     written = [stem.with_name(stem.name + "-budget.png")]
