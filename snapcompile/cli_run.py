@@ -115,8 +115,11 @@ def _summary(engine, results, elapsed: float) -> dict:
     tokens = sum(len(r.output_ids) for r in results)
     ttfts = [r.ttft_s for r in results if r.ttft_s is not None]
     steps = engine.decode_step_seconds
+    prompt_tokens = sum(r.prompt_tokens for r in results if r.error is None)
     return {"requests": len(results), "errors": sum(r.error is not None for r in results),
-            "output_tokens": tokens, "seconds": elapsed, "tokens_per_s": tokens / elapsed if elapsed else None,
+            "prompt_tokens": prompt_tokens, "output_tokens": tokens, "seconds": elapsed,
+            "tokens_per_s": tokens / elapsed if elapsed else None,
+            "prompt_tokens_per_s": prompt_tokens / elapsed if elapsed else None,
             "ttft_p50_s": _percentile(ttfts, 50), "ttft_p95_s": _percentile(ttfts, 95),
             "step_p50_ms": _ms(_percentile(steps, 50)), "step_p95_ms": _ms(_percentile(steps, 95)),
             "decode_steps": len(steps), "kv_bytes": engine.kv_bytes_in_use(),
@@ -130,8 +133,9 @@ def _ms(seconds: float | None) -> float | None:
 def _format_summary(s: dict) -> str:
     fmt = lambda v, unit="": "n/a" if v is None else f"{v:.3g}{unit}"  # noqa: E731
     answers = f" | answers correct {s['correct']}/{s['requests']}" if "correct" in s else ""
-    return (f"{s['requests']} requests ({s['errors']} errors), {s['output_tokens']} tokens in {s['seconds']:.2f} s "
-            f"= {fmt(s['tokens_per_s'])} tok/s | TTFT p50 {fmt(s['ttft_p50_s'], ' s')} p95 {fmt(s['ttft_p95_s'], ' s')}"
+    return (f"{s['requests']} requests ({s['errors']} errors), {s['prompt_tokens']} prompt + {s['output_tokens']} "
+            f"generated tokens in {s['seconds']:.2f} s = {fmt(s['prompt_tokens_per_s'])} prompt tok/s, "
+            f"{fmt(s['tokens_per_s'])} generated tok/s | TTFT p50 {fmt(s['ttft_p50_s'], ' s')} p95 {fmt(s['ttft_p95_s'], ' s')}"
             f" | step p50 {fmt(s['step_p50_ms'], ' ms')} p95 {fmt(s['step_p95_ms'], ' ms')}"
             f" | KV {s['kv_bytes'] / 2**20:.1f} MiB ({s['slots']} slots, {s['policy']}){answers}")
 

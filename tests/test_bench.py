@@ -78,3 +78,9 @@ def test_eager_points_over_the_memory_limit_are_skipped(tmp_path):
     assert "eager" not in result["points"][0]["systems"] and result["points"][0]["ratios"]["snapstream_vs_eager"] is None
     assert any("eager skipped" in m for m in messages)
     assert "skipped (memory)" in markdown(result)
+
+
+def test_contexts_beyond_the_models_positions_are_refused(tmp_path):
+    config = BenchConfig("tiny-llama", contexts=(4090,), slots=(1,), budget=128, new_tokens=8, repeats=1)
+    with pytest.raises(SnapcompileError, match="exceeds the model's 4096 positions"):
+        run_bench(config, tmp_path, log=lambda m: None)

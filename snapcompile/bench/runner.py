@@ -91,6 +91,10 @@ def run_bench(config: BenchConfig, cache_dir: Path, progress: Callable[[int], No
     bandwidth = machine.memory_bandwidth()
     artifacts = _Artifacts(config, cache_dir, log)
     compressed = PolicyConfig(budget=config.budget)
+    positions = artifacts.loaded.spec.max_positions
+    if max(config.contexts) + config.new_tokens + 1 > positions:
+        raise SnapcompileError(f"context {max(config.contexts)} + {config.new_tokens} new tokens exceeds the "
+                               f"model's {positions} positions")
     model = artifacts.loaded.model
     model.config._attn_implementation = "sdpa"
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
