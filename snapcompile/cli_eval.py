@@ -32,14 +32,16 @@ def _csv(kind):
               help="Needle depths in [0, 1] (passkey, multikey).")
 @click.option("--samples", default=3, show_default=True, help="Cases per (length, depth).")
 @click.option("--seed", default=0, show_default=True)
+@click.option("--scope", type=click.Choice(["head", "layer"]), default="head", show_default=True,
+              help="SnapStream selection scope.")
 @click.option("--slots", default=4, show_default=True, help="Engine slots (continuous batching).")
 @click.option("--cache-dir", type=click.Path(path_type=Path), default=None,
               help="Where built artifacts are kept (default: $SNAPCOMPILE_CACHE/eval).")
 @click.option("-o", "--output", type=click.Path(path_type=Path), default=Path("results.json"), show_default=True,
               help="Results JSON; the Markdown table and plots are written beside it.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
-def eval_command(model_or_dir, task, policies, budgets, lengths, depths, samples, seed, slots, cache_dir, output,
-                 as_json):
+def eval_command(model_or_dir, task, policies, budgets, lengths, depths, samples, seed, scope, slots, cache_dir,
+                 output, as_json):
     """Accuracy of dense, StreamingLLM and SnapStream artifacts on generated tasks.
 
     Builds (or reuses) the artifacts, runs every case through the engine, and writes OUTPUT
@@ -55,7 +57,8 @@ def eval_command(model_or_dir, task, policies, budgets, lengths, depths, samples
     unknown = set(policies) - {"dense", "streamingllm", "snapstream"}
     if unknown:
         raise SnapcompileError(f"unknown policies: {', '.join(sorted(unknown))}")
-    config = EvalConfig(model_or_dir, task, policies, budgets, lengths, depths, samples, seed, slots=slots)
+    config = EvalConfig(model_or_dir, task, policies, budgets, lengths, depths, samples, seed, slots=slots,
+                        scope=scope)
     started = time.perf_counter()
     with tqdm(desc=f"eval {task}", unit="case", file=sys.stderr, disable=as_json) as bar:
         def progress(advance, total=None):

@@ -103,3 +103,19 @@ def test_eval_cli_writes_json_markdown_and_plots(tmp_path):
 def test_eval_bad_input(tmp_path, args, message):
     result = CliRunner().invoke(main, ["eval", "tiny-llama", "-o", str(tmp_path / "x.json"), *args])
     assert result.exit_code == 2 and message in result.output and "Traceback" not in result.output
+
+
+def test_results_written_before_a_new_field_still_resume(tmp_path):
+    import json as _json
+    from dataclasses import asdict
+
+    from snapcompile.evaluation.runner import ResultStore
+    config = EvalConfig("tiny-llama", "passkey", ("dense",), (128,), (400,), (0.5,), 1, seed=1)
+    old = asdict(config)
+    del old["scope"]                                   # as written before --scope existed
+    path = tmp_path / "r.json.partial.jsonl"
+    path.write_text(_json.dumps(old) + "\n" + _json.dumps({"id": "x", "policy": "dense"}) + "\n")
+    assert list(ResultStore(path, config).records) == ["x"]
+    layer = EvalConfig("tiny-llama", "passkey", ("dense",), (128,), (400,), (0.5,), 1, seed=1, scope="layer")
+    with pytest.raises(SnapcompileError, match="another configuration"):
+        ResultStore(path, layer)

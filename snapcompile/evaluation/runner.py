@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 
 import numpy as np
@@ -37,6 +37,7 @@ class EvalConfig:
     seed: int
     slots: int = 4
     chunk: int = 256
+    scope: str = "head"              # SnapStream selection scope (head | layer)
 
     def __post_init__(self):
         if self.task not in TASKS:
@@ -59,8 +60,10 @@ class EvalConfig:
         return pairs + [(p, b) for p in self.policies if p != "dense" for b in self.budgets]
 
 
-def policy_for(name: str, budget: int | None) -> PolicyConfig:
-    return PolicyConfig(policy="dense") if name == "dense" else PolicyConfig(policy=name, budget=budget)
+def policy_for(name: str, budget: int | None, scope: str = "head") -> PolicyConfig:
+    if name == "dense":
+        return PolicyConfig(policy="dense")
+    return PolicyConfig(policy=name, budget=budget, scope=scope if name == "snapstream" else "head")
 
 
 class ArtifactCache:
@@ -110,7 +113,7 @@ class ResultStore:
         self.records: dict[str, dict] = {}
         if self.path.is_file():
             lines = self.path.read_text().splitlines()
-            if lines and lines[0] != self.config_json:
+            if lines and not _same_config(json.loads(lines[0]), config):
                 raise SnapcompileError(f"{self.path} belongs to another configuration: delete it or change -o")
             for line in lines[1:]:
                 if line.strip():
@@ -131,6 +134,13 @@ class ResultStore:
         self.records[record["id"]] = record
         with open(self.path, "a") as handle:
             handle.write(json.dumps(record) + "\n")
+
+
+def _same_config(stored: dict, config: EvalConfig) -> bool:
+    """Whether a stored configuration is `config`; fields it predates count as their defaults."""
+    current = json.loads(json.dumps(asdict(config)))
+    defaults = {f.name: f.default for f in fields(EvalConfig) if f.default is not MISSING}
+    return set(stored) <= set(current) and all(stored.get(k, defaults.get(k)) == v for k, v in current.items())
 
 
 def run_eval(config: EvalConfig, results_path: Path, cache_dir: Path, progress=None,
@@ -154,7 +164,8 @@ def run_eval(config: EvalConfig, results_path: Path, cache_dir: Path, progress=N
         for policy, budget in runs:
             pending = [c for c in cases if _applies(policy, budget, c) and not store.done(c, policy, budget)]
             if pending:
-                _run_retrieval(cache.get(policy_for(policy, budget)), pending, policy, budget, chat, store, progress)
+                folder = cache.get(policy_for(policy, budget, config.scope))
+                _run_retrieval(folder, pending, policy, budget, chat, store, progress)
     return list(store.records.values())
 
 
@@ -199,7 +210,7 @@ def _run_fidelity(config: EvalConfig, cases: list[Case], runs, cache: ArtifactCa
              if any(c in todo for todo in pending.values())}
     del dense_backend
     for (policy, budget), todo in pending.items():
-        backend = OrtBackend(cache.get(policy_for(policy, budget))) if policy != "dense" else None
+        backend = OrtBackend(cache.get(policy_for(policy, budget, config.scope))) if policy != "dense" else None
         for case in todo:
             tokens, reference = dense[case.key]
             logits = reference if backend is None else _teacher_forced(backend, prompts[case.key], tokens)[1]
