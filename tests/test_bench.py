@@ -16,6 +16,7 @@ def test_machine_measurements():
     machine.reset_peak_rss()
     assert machine.peak_rss_bytes() >= machine.rss_bytes() * 0.5
     assert machine.memory_bandwidth(megabytes=64, repeats=2) > 1e8
+    assert machine.matmul_flops(size=256, repeats=2) > 1e8
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +33,8 @@ def test_every_point_measures_three_systems(result):
             stats = figures["tokens_per_s"]
             assert 0 < stats["min"] <= stats["median"] <= stats["max"]
             assert figures["bytes_per_step"] > result["weight_bytes"]
-            assert 0 < figures["fraction_of_bound"]
+            assert figures["bound_ms"] == max(figures["memory_bound_ms"], figures["compute_bound_ms"])
+            assert figures["bound"] in ("memory", "compute") and 0 < figures["fraction_of_bound"]
         assert point["ratios"]["snapstream_vs_dense"] == pytest.approx(
             point["systems"]["snapstream"]["tokens_per_s"]["median"] / point["systems"]["dense"]["tokens_per_s"]["median"])
         assert 0.0 <= point["prefill"]["snapstream"]["selection_share"] < 1.0

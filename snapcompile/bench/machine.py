@@ -46,3 +46,16 @@ def memory_bandwidth(megabytes: int = 512, repeats: int = 5) -> float:
         target.copy_(source)
         best = min(best, time.perf_counter() - start)
     return 2 * source.numel() * 4 / best
+
+
+def matmul_flops(size: int = 1536, repeats: int = 5) -> float:
+    """Sustained float32 matrix-multiply throughput in FLOP/s (all intra-op threads), best of `repeats`."""
+    import torch
+    a = torch.randn(size, size)
+    b = torch.randn(size, size)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - start)
+    return 2 * size ** 3 / best

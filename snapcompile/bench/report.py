@@ -8,7 +8,7 @@ def markdown(result: dict) -> str:
     eager = result["config"]["eager"]
     head = ("| context | slots | snapstream tok/s | dense tok/s | " + ("eager tok/s | " if eager else "")
             + "snap/dense | " + ("snap/eager | " if eager else "")
-            + "ms/step snap (dense) | % of bandwidth bound snap / dense | KV/slot snap / dense | prefill s snap / dense / eager (selection share) |")
+            + "ms/step snap (dense) | % of roofline bound snap / dense | KV/slot snap / dense | prefill s snap / dense / eager (selection share) |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for p in result["points"]:
         s, r = p["systems"], p["ratios"]
@@ -20,7 +20,8 @@ def markdown(result: dict) -> str:
         if eager:
             cells.append(f"{r['snapstream_vs_eager']:.1f}x" if r["snapstream_vs_eager"] else "—")
         cells.append(f"{s['snapstream']['step_ms']['median']:.1f} ({s['dense']['step_ms']['median']:.1f})")
-        cells.append(f"{100 * s['snapstream']['fraction_of_bound']:.0f}% / {100 * s['dense']['fraction_of_bound']:.0f}%")
+        cells.append(f"{100 * s['snapstream']['fraction_of_bound']:.0f}% ({s['snapstream']['bound']}) / "
+                     f"{100 * s['dense']['fraction_of_bound']:.0f}% ({s['dense']['bound']})")
         cells.append(f"{_mib(s['snapstream']['kv_bytes_per_slot'])} / {_mib(s['dense']['kv_bytes_per_slot'])}")
         pre = p["prefill"]
         eager_prefill = f" / {pre['eager']['seconds']['median']:.2f}" if "eager" in pre else ""
@@ -29,8 +30,10 @@ def markdown(result: dict) -> str:
         lines.append("| " + " | ".join(cells) + " |")
     bw = result["bandwidth_bytes_per_s"] / 1e9
     lines.append("")
-    lines.append(f"Measured copy bandwidth {bw:.1f} GB/s; weights {result['weight_bytes'] / 2**20:.0f} MiB read per step. "
-                 "tok/s: median [min-max] over repeats.")
+    lines.append(f"Measured in the same run: copy bandwidth {bw:.1f} GB/s, float32 matmul "
+                 f"{result['matmul_flops_per_s'] / 1e9:.0f} GFLOP/s; weights {result['weight_bytes'] / 2**20:.0f} MiB "
+                 "read per step. Roofline bound = max(bytes / bandwidth, FLOPs / matmul rate), which one binds in "
+                 "parentheses. tok/s: median [min-max] over repeats.")
     return "\n".join(lines) + "\n"
 
 

@@ -89,6 +89,7 @@ def _open(folder: Path):
 def run_bench(config: BenchConfig, cache_dir: Path, progress: Callable[[int], None] | None = None,
               log: Callable[[str], None] = print) -> dict:
     bandwidth = machine.memory_bandwidth()
+    flops = machine.matmul_flops()
     artifacts = _Artifacts(config, cache_dir, log)
     compressed = PolicyConfig(budget=config.budget)
     positions = artifacts.loaded.spec.max_positions
@@ -119,9 +120,10 @@ def run_bench(config: BenchConfig, cache_dir: Path, progress: Callable[[int], No
         del snap_backend
     for point in points:
         point["prefill"] = prefill[point["context"]]
-        _add_roofline(point, config, artifacts.loaded.spec, weight_bytes, bandwidth)
+        _add_roofline(point, config, artifacts.loaded.spec, weight_bytes, bandwidth, flops)
         _add_ratios(point)
-    return {"config": asdict(config), "bandwidth_bytes_per_s": bandwidth, "weight_bytes": weight_bytes,
+    return {"config": asdict(config), "bandwidth_bytes_per_s": bandwidth, "matmul_flops_per_s": flops,
+            "weight_bytes": weight_bytes,
             "kv_bytes_per_token": artifacts.loaded.spec.kv_bytes_per_token, "points": points,
             "fits": _fits(config, artifacts.loaded.spec, weight_bytes)}
 
@@ -168,17 +170,23 @@ def _measure_prefill(config: BenchConfig, systems: dict, context: int) -> dict:
     return out
 
 
-def _add_roofline(point: dict, config: BenchConfig, spec, weight_bytes: int, bandwidth: float) -> None:
-    """Bytes a decode step must move (weights once + the KV rows it reads) and the fraction of
-    the bandwidth bound achieved."""
+def _add_roofline(point: dict, config: BenchConfig, spec, weight_bytes: int, bandwidth: float,
+                  flops: float) -> None:
+    """Per decode step: bytes it must move (weights once + the KV rows it reads) and FLOPs it
+    must do (2 per weight per sequence, plus the attention products); the roofline bound is the
+    larger of bytes / bandwidth and FLOPs / matmul throughput; fraction_of_bound = bound / measured."""
     rows = {"snapstream": min(config.budget, point["context"] + config.new_tokens),
             "dense": point["context"] + config.new_tokens + 1, "eager": point["context"] + config.new_tokens // 2}
+    slots = point["slots"]
     for name, figures in point["systems"].items():
-        step_bytes = weight_bytes + point["slots"] * rows[name] * spec.kv_bytes_per_token
-        bound_ms = 1000 * step_bytes / bandwidth
-        figures["bytes_per_step"] = step_bytes
-        figures["bound_ms"] = bound_ms
-        figures["fraction_of_bound"] = bound_ms / figures["step_ms"]["median"]
+        step_bytes = weight_bytes + slots * rows[name] * spec.kv_bytes_per_token
+        attention = 4 * slots * spec.num_layers * spec.num_heads * rows[name] * spec.head_dim
+        step_flops = 2 * slots * weight_bytes // 4 + attention
+        memory_ms, compute_ms = 1000 * step_bytes / bandwidth, 1000 * step_flops / flops
+        figures.update(bytes_per_step=step_bytes, flops_per_step=step_flops, memory_bound_ms=memory_ms,
+                       compute_bound_ms=compute_ms, bound_ms=max(memory_ms, compute_ms),
+                       bound="memory" if memory_ms >= compute_ms else "compute")
+        figures["fraction_of_bound"] = figures["bound_ms"] / figures["step_ms"]["median"]
 
 
 def _add_ratios(point: dict) -> None:
