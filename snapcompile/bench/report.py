@@ -60,6 +60,7 @@ def plots(result: dict, stem: Path) -> list[Path]:
             if xs:
                 ax.plot(*zip(*sorted(xs)), marker="o", label=name)
         ax.set(title=f"{slots} slots", xlabel="context (tokens)", ylabel="decode tok/s", xscale="log", yscale="log")
+        _context_ticks(ax, points)
         ax.legend(fontsize=7)
     fig.tight_layout()
     paths = [stem.with_name(stem.name + "-decode.png")]
@@ -73,15 +74,23 @@ def plots(result: dict, stem: Path) -> list[Path]:
     mem.plot(contexts, [c * per_token / 2**20 for c in contexts], marker="o", label="dense")
     mem.plot(contexts, [min(budget, c) * per_token / 2**20 for c in contexts], marker="o", label=f"snapstream B={budget}")
     mem.set(xlabel="context (tokens)", ylabel="KV MiB per slot", xscale="log", yscale="log", title="KV memory per slot")
+    _context_ticks(mem, points)
     mem.legend(fontsize=7)
     fits = result["fits"]
     fit.plot([f["context"] for f in fits], [f["dense_max_slots"] for f in fits], marker="o", label="dense")
     fit.plot([f["context"] for f in fits], [f["snapstream_max_slots"] for f in fits], marker="o", label="snapstream")
     fit.set(xlabel="context (tokens)", ylabel="max slots", xscale="log", yscale="log",
             title=f"slots that fit in {result['config']['memory_limit_gib']:g} GiB")
+    _context_ticks(fit, points)
     fit.legend(fontsize=7)
     fig.tight_layout()
     paths.append(stem.with_name(stem.name + "-memory.png"))
     fig.savefig(paths[1], dpi=110)
     plt.close(fig)
     return paths
+
+
+def _context_ticks(ax, points: list[dict]) -> None:
+    contexts = sorted({p["context"] for p in points})
+    ax.set_xticks(contexts, [str(c) for c in contexts])
+    ax.minorticks_off()
