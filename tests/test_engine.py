@@ -9,7 +9,8 @@ from snapcompile.engine.sampling import sample
 from snapcompile.engine.scheduler import Scheduler
 from snapcompile.engine.slots import SlotPool
 from snapcompile.errors import SnapcompileError
-from snapcompile.runtime.ort_backend import OrtBackend, chunk_starts
+from snapcompile.runtime.backend import chunk_starts
+from snapcompile.runtime.ort_backend import OrtBackend
 from tests.conftest import random_prompts
 
 

@@ -7,9 +7,7 @@ import numpy as np
 
 from snapcompile.artifact import Manifest, load_graph
 from snapcompile.errors import SnapcompileError
-from snapcompile.runtime.backend import PrefillResult, SlotBackend, chunk_starts
-
-__all__ = ["OrtBackend", "PrefillResult", "chunk_starts"]
+from snapcompile.runtime.backend import SlotBackend
 
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider",
              "tensorrt": "TensorrtExecutionProvider"}
