@@ -82,6 +82,13 @@ class Manifest:
                    lowering=d.get("lowering", "standard"), source=source)
 
 
+def artifact_key(source: str, export: ExportConfig, policy: PolicyConfig) -> str:
+    """A folder name that changes whenever the model, the export shapes or the policy change
+    (eval and bench cache their built artifacts under it)."""
+    blob = json.dumps([source, export.to_dict(), policy.to_dict()], sort_keys=True)
+    return f"{policy.policy}-{hashlib.sha1(blob.encode()).hexdigest()[:12]}"
+
+
 def read_manifest(folder: Path) -> Manifest:
     """Load and validate folder/manifest.json (one-line errors for every way it can be wrong)."""
     folder = Path(folder)

@@ -8,13 +8,12 @@ exactly the context it serves.
 """
 from __future__ import annotations
 
-import hashlib
-import json
 import statistics
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from snapcompile.artifact import artifact_key
 from snapcompile.bench import machine, measure
 from snapcompile.config import ExportConfig, PolicyConfig
 from snapcompile.errors import SnapcompileError
@@ -60,16 +59,12 @@ class _Artifacts:
             self._loaded = load_model(self.config.source)
         return self._loaded
 
-    def _folder(self, kind: str, export: ExportConfig, policy: PolicyConfig) -> Path:
-        blob = json.dumps([self.config.source, export.to_dict(), policy.to_dict()], sort_keys=True)
-        return self.dir / f"{kind}-{hashlib.sha1(blob.encode()).hexdigest()[:12]}"
-
     def get(self, policy: PolicyConfig, context: int, slots: int) -> Path:
         from snapcompile.export import export_model
         from snapcompile.passes.pipeline import compress_graphs
         export = ExportConfig(slots=slots, max_context=context + self.config.new_tokens + 1,
                               chunk=min(self.config.chunk, context))
-        folder = self._folder(policy.policy, export, policy)
+        folder = self.dir / artifact_key(self.config.source, export, policy)
         if not (folder / "manifest.json").is_file():
             self.log(f"building {policy.policy} artifact: {slots} slots, max context {export.max_context}")
             transform = (lambda g, m: compress_graphs(g, m, policy)) if policy.compressed else None

@@ -8,7 +8,6 @@ policy's backend to compare next-token distributions. Every finished case is app
 """
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Callable
 from dataclasses import MISSING, asdict, dataclass, fields
@@ -16,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from snapcompile.artifact import read_manifest
+from snapcompile.artifact import artifact_key, read_manifest
 from snapcompile.config import ExportConfig, PolicyConfig
 from snapcompile.errors import SnapcompileError
 from snapcompile.evaluation.tasks import TASKS, Case, make_cases
@@ -73,10 +72,6 @@ class ArtifactCache:
         self.source, self.export, self.dir, self.log = source, export, Path(cache_dir), log
         self._loaded = None
 
-    def _key(self, policy: PolicyConfig) -> str:
-        blob = json.dumps([self.source, self.export.to_dict(), policy.to_dict()], sort_keys=True)
-        return f"{policy.policy}-{hashlib.sha1(blob.encode()).hexdigest()[:12]}"
-
     def dense(self) -> Path:
         source = Path(self.source)
         if (source / "manifest.json").is_file():
@@ -85,7 +80,7 @@ class ArtifactCache:
                 raise SnapcompileError(f"{source} must be a dense artifact with --max-context >= "
                                        f"{self.export.max_context} to evaluate these lengths")
             return source
-        folder = self.dir / self._key(PolicyConfig(policy="dense"))
+        folder = self.dir / artifact_key(self.source, self.export, PolicyConfig(policy="dense"))
         if not (folder / "manifest.json").is_file():
             from snapcompile.export import export_model
             from snapcompile.models import load_model
@@ -96,7 +91,7 @@ class ArtifactCache:
     def get(self, policy: PolicyConfig) -> Path:
         if not policy.compressed:
             return self.dense()
-        folder = self.dir / self._key(policy)
+        folder = self.dir / artifact_key(self.source, self.export, policy)
         if not (folder / "manifest.json").is_file():
             from snapcompile.compress import compress_artifact
             self.log(f"compressing for {policy.policy} budget {policy.budget} into {folder}")
