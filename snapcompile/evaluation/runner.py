@@ -154,7 +154,7 @@ def run_eval(config: EvalConfig, results_path: Path, cache_dir: Path, progress=N
     if progress:
         progress(sum(1 for p, b in runs for c in cases if _applies(p, b, c) and store.done(c, p, b)), total)
     if config.task == "fidelity":
-        _run_fidelity(config, cases, runs, cache, store, progress)
+        _run_fidelity(config, cases, runs, cache, store, tokenizer, progress)
     else:
         for policy, budget in runs:
             pending = [c for c in cases if _applies(policy, budget, c) and not store.done(c, policy, budget)]
@@ -182,7 +182,7 @@ def _run_retrieval(folder: Path, cases: list[Case], policy: str, budget: int | N
     for event in engine.stream([r for _, r in by_id.values()]):
         if not event.finished:
             continue
-        case, request = by_id[event.request_id]
+        case, _ = by_id[event.request_id]
         result = engine.result(event.request_id)
         store.add({"id": event.request_id, "policy": policy, "budget": budget, **case.to_dict(),
                    "prompt_tokens": result.prompt_tokens, "text": result.text, "error": result.error,
@@ -192,14 +192,13 @@ def _run_retrieval(folder: Path, cases: list[Case], policy: str, budget: int | N
 
 
 def _run_fidelity(config: EvalConfig, cases: list[Case], runs, cache: ArtifactCache, store: ResultStore,
-                  progress) -> None:
+                  tokenizer, progress) -> None:
     from snapcompile.prompts import encode
     from snapcompile.runtime.ort_backend import OrtBackend
     pending = {(p, b): [c for c in cases if _applies(p, b, c) and not store.done(c, p, b)] for p, b in runs}
     if not any(pending.values()):
         return
     dense_backend = OrtBackend(cache.dense())
-    tokenizer = _tokenizer(cache.dense())
     prompts = {c.key: encode(tokenizer, c.prompt, chat=False) for c in cases}
     dense = {c.key: _teacher_forced(dense_backend, prompts[c.key], None) for c in cases
              if any(c in todo for todo in pending.values())}
@@ -215,11 +214,6 @@ def _run_fidelity(config: EvalConfig, cases: list[Case], runs, cache: ArtifactCa
                        "kl": float(np.mean(_kl(reference, logits)))})
             if progress:
                 progress(1, None)
-
-
-def _tokenizer(folder: Path):
-    from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(str(folder))
 
 
 def _teacher_forced(backend, prompt: list[int], tokens: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
