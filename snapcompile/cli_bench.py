@@ -1,20 +1,19 @@
 """`snapcompile bench`."""
 from __future__ import annotations
 
-import json
 import sys
 import time
 from pathlib import Path
 
 import click
 
-from snapcompile.cli_eval import _csv
+from snapcompile.cli_report import csv_option, write_report
 
 
 @click.command()
 @click.argument("model")
-@click.option("--contexts", default="1024,2048,4096,8192", show_default=True, callback=_csv(int))
-@click.option("--slots", default="1,4,8,16", show_default=True, callback=_csv(int))
+@click.option("--contexts", default="1024,2048,4096,8192", show_default=True, callback=csv_option(int))
+@click.option("--slots", default="1,4,8,16", show_default=True, callback=csv_option(int))
 @click.option("--budget", default=512, show_default=True, help="SnapStream KV budget B.")
 @click.option("--new-tokens", default=64, show_default=True, help="Decode steps timed per repeat.")
 @click.option("--repeats", default=3, show_default=True, help="Repeats per point (median, min, max).")
@@ -38,7 +37,6 @@ def bench(model, contexts, slots, budget, new_tokens, repeats, prefill_repeats, 
     """
     from tqdm import tqdm
 
-    from snapcompile.atomic import write_json_atomic, write_text_atomic
     from snapcompile.bench import report
     from snapcompile.bench.runner import BenchConfig, run_bench
     from snapcompile.models.loader import cache_root
@@ -50,14 +48,5 @@ def bench(model, contexts, slots, budget, new_tokens, repeats, prefill_repeats, 
         result = run_bench(config, cache_dir or cache_root() / "bench", progress=bar.update,
                            log=lambda msg: tqdm.write(msg, file=sys.stderr))
     result["seconds"] = time.perf_counter() - started
-    table = report.markdown(result)
-    stem = output.with_suffix("")
-    write_json_atomic(output, result)
-    write_text_atomic(stem.with_suffix(".md"), table)
-    pictures = report.plots(result, stem)
-    if as_json:
-        click.echo(json.dumps(result))
-    else:
-        click.echo(table)
-        click.echo(f"wrote {output}, {stem.with_suffix('.md')}, {', '.join(map(str, pictures))} "
-                   f"({result['seconds']:.0f} s)")
+    write_report(output, result, report.markdown(result), lambda stem: report.plots(result, stem), result,
+                 as_json, f"{result['seconds']:.0f} s")

@@ -8,27 +8,19 @@ from pathlib import Path
 
 import click
 
+from snapcompile.cli_report import csv_option, write_report
 from snapcompile.errors import SnapcompileError
-
-
-def _csv(kind):
-    def parse(ctx, param, value):
-        try:
-            return tuple(kind(v) for v in value.split(",") if v.strip())
-        except ValueError:
-            raise click.BadParameter(f"expected comma-separated {kind.__name__} values, got {value!r}") from None
-    return parse
 
 
 @click.command(name="eval")
 @click.argument("model_or_dir")
 @click.option("--task", type=click.Choice(["passkey", "multikey", "fidelity"]), default="passkey", show_default=True)
-@click.option("--policies", default="dense,streamingllm,snapstream", show_default=True, callback=_csv(str))
-@click.option("--budgets", default="256,512,1024,2048", show_default=True, callback=_csv(int),
+@click.option("--policies", default="dense,streamingllm,snapstream", show_default=True, callback=csv_option(str))
+@click.option("--budgets", default="256,512,1024,2048", show_default=True, callback=csv_option(int),
               help="KV budgets; a budget >= a prompt's length compresses nothing and is skipped for it.")
-@click.option("--lengths", default="1000,2000,4000,7500", show_default=True, callback=_csv(int),
+@click.option("--lengths", default="1000,2000,4000,7500", show_default=True, callback=csv_option(int),
               help="Prompt lengths in tokens (chat template included).")
-@click.option("--depths", default="0.1,0.5,0.9", show_default=True, callback=_csv(float),
+@click.option("--depths", default="0.1,0.5,0.9", show_default=True, callback=csv_option(float),
               help="Needle depths in [0, 1] (passkey, multikey).")
 @click.option("--samples", default=3, show_default=True, help="Cases per (length, depth).")
 @click.option("--seed", default=0, show_default=True)
@@ -50,7 +42,6 @@ def eval_command(model_or_dir, task, policies, budgets, lengths, depths, samples
     """
     from tqdm import tqdm
 
-    from snapcompile.atomic import write_json_atomic, write_text_atomic
     from snapcompile.evaluation import report
     from snapcompile.evaluation.runner import EvalConfig, run_eval
     from snapcompile.models.loader import cache_root
@@ -69,15 +60,7 @@ def eval_command(model_or_dir, task, policies, budgets, lengths, depths, samples
                            log=lambda msg: tqdm.write(msg, file=sys.stderr))
     seconds = time.perf_counter() - started
     rows = report.summarize(records, task)
-    table = report.markdown(rows, task)
-    stem = output.with_suffix("")
-    write_json_atomic(output, {"config": json.loads(json.dumps(config.__dict__)), "summary": rows,
-                               "records": sorted(records, key=lambda r: r["id"]), "seconds_this_run": seconds})
-    write_text_atomic(stem.with_suffix(".md"), table)
-    pictures = report.plots(rows, records, task, stem)
-    if as_json:
-        click.echo(json.dumps({"summary": rows, "seconds_this_run": seconds}))
-    else:
-        click.echo(table)
-        click.echo(f"wrote {output}, {stem.with_suffix('.md')}, {', '.join(map(str, pictures))} "
-                   f"({seconds:.0f} s this run)")
+    payload = {"config": json.loads(json.dumps(config.__dict__)), "summary": rows,
+               "records": sorted(records, key=lambda r: r["id"]), "seconds_this_run": seconds}
+    write_report(output, payload, report.markdown(rows, task), lambda stem: report.plots(rows, records, task, stem),
+                 {"summary": rows, "seconds_this_run": seconds}, as_json, f"{seconds:.0f} s this run")
