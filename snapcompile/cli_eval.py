@@ -11,13 +11,19 @@ import click
 from snapcompile.cli_report import csv_option, write_report
 from snapcompile.errors import SnapcompileError
 
+DEFAULT_BUDGETS = "256,512,1024,2048"
+
 
 @click.command(name="eval")
 @click.argument("model_or_dir")
 @click.option("--task", type=click.Choice(["passkey", "multikey", "fidelity"]), default="passkey", show_default=True)
 @click.option("--policies", default="dense,streamingllm,snapstream", show_default=True, callback=csv_option(str))
-@click.option("--budgets", default="256,512,1024,2048", show_default=True, callback=csv_option(int),
-              help="KV budgets; a budget >= a prompt's length compresses nothing and is skipped for it.")
+@click.option("--budgets", default=None, callback=csv_option(int),
+              help="KV budgets; a budget >= a prompt's length compresses nothing and is skipped for it. "
+                   f"[default: {DEFAULT_BUDGETS}, or none when --ratios is given]")
+@click.option("--ratios", default="", callback=csv_option(int),
+              help="Compression ratios: at each length L, also evaluate budget L // ratio "
+                   "(--ratios 4 is budget = context/4 at every length).")
 @click.option("--lengths", default="1000,2000,4000,7500", show_default=True, callback=csv_option(int),
               help="Prompt lengths in tokens (chat template included).")
 @click.option("--depths", default="0.1,0.5,0.9", show_default=True, callback=csv_option(float),
@@ -32,7 +38,7 @@ from snapcompile.errors import SnapcompileError
 @click.option("-o", "--output", type=click.Path(path_type=Path), default=Path("results.json"), show_default=True,
               help="Results JSON; the Markdown table and plots are written beside it.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
-def eval_command(model_or_dir, task, policies, budgets, lengths, depths, samples, seed, scope, slots, cache_dir,
+def eval_command(model_or_dir, task, policies, budgets, ratios, lengths, depths, samples, seed, scope, slots, cache_dir,
                  output, as_json):
     """Accuracy of dense, StreamingLLM and SnapStream artifacts on generated tasks.
 
@@ -48,8 +54,10 @@ def eval_command(model_or_dir, task, policies, budgets, lengths, depths, samples
     unknown = set(policies) - {"dense", "streamingllm", "snapstream"}
     if unknown:
         raise SnapcompileError(f"unknown policies: {', '.join(sorted(unknown))}")
+    if budgets is None:
+        budgets = () if ratios else tuple(int(b) for b in DEFAULT_BUDGETS.split(","))
     config = EvalConfig(model_or_dir, task, policies, budgets, lengths, depths, samples, seed, slots=slots,
-                        scope=scope)
+                        scope=scope, ratios=ratios)
     started = time.perf_counter()
     with tqdm(desc=f"eval {task}", unit="case", file=sys.stderr, disable=as_json) as bar:
         def progress(advance, total=None):
@@ -59,7 +67,7 @@ def eval_command(model_or_dir, task, policies, budgets, lengths, depths, samples
         records = run_eval(config, output, cache_dir or cache_root() / "eval", progress=progress,
                            log=lambda msg: tqdm.write(msg, file=sys.stderr))
     seconds = time.perf_counter() - started
-    rows = report.summarize(records, task)
+    rows = report.summarize(records, task, config.ratios)
     payload = {"config": json.loads(json.dumps(config.__dict__)), "summary": rows,
                "records": sorted(records, key=lambda r: r["id"]), "seconds_this_run": seconds}
     write_report(output, payload, report.markdown(rows, task), lambda stem: report.plots(rows, records, task, stem),

@@ -10,6 +10,8 @@ import click
 def csv_option(kind):
     """A click callback parsing "a,b,c" into a tuple of `kind`."""
     def parse(ctx, param, value):
+        if value is None:
+            return None
         try:
             return tuple(kind(v) for v in value.split(",") if v.strip())
         except ValueError:

@@ -49,19 +49,42 @@ def test_fidelity_text_is_long_natural_text():
 
 
 def test_summary_and_markdown_by_hand():
+    def rec(policy, budget, length, sample, correct):
+        return {"policy": policy, "budget": budget, "length": length, "depth": 0.5, "sample": sample,
+                "correct": correct}
     records = [
-        {"policy": "dense", "budget": None, "length": 100, "depth": 0.5, "correct": True},
-        {"policy": "dense", "budget": None, "length": 100, "depth": 0.5, "correct": True},
-        {"policy": "snapstream", "budget": 32, "length": 100, "depth": 0.5, "correct": True},
-        {"policy": "snapstream", "budget": 32, "length": 100, "depth": 0.5, "correct": False},
-        {"policy": "dense", "budget": None, "length": 200, "depth": 0.5, "correct": False},
+        rec("dense", None, 100, 0, True), rec("dense", None, 100, 1, True), rec("dense", None, 100, 2, False),
+        rec("snapstream", 32, 100, 0, True), rec("snapstream", 32, 100, 1, False), rec("snapstream", 32, 100, 2, True),
+        rec("dense", None, 200, 0, False),
+        rec("snapstream", 50, 200, 0, True),
     ]
-    rows = report.summarize(records, "passkey")
-    snap = [r for r in rows if r["policy"] == "snapstream"][0]
-    assert snap["accuracy"] == 0.5 and snap["retained_vs_dense"] == 0.5
-    assert [r for r in rows if r["length"] == 200][0]["retained_vs_dense"] is None
+    rows = report.summarize(records, "passkey", ratios=(4,))
+    snap = [r for r in rows if r["policy"] == "snapstream" and r["length"] == 100][0]
+    assert snap["accuracy"] == pytest.approx(2 / 3) and snap["retained_vs_dense"] == pytest.approx(1.0)
+    assert snap["kept_of_dense_correct"] == 0.5, "paired: sample 1 was right under dense, wrong here"
+    assert snap["ratio"] is None
+    at_quarter = [r for r in rows if r["length"] == 200 and r["policy"] == "snapstream"][0]
+    assert at_quarter["ratio"] == 4
+    assert at_quarter["retained_vs_dense"] is None and at_quarter["kept_of_dense_correct"] is None
     table = report.markdown(rows, "passkey")
-    assert "| snapstream B=32 | 50% (2) | — |" in table and "| dense | 100% (2) | 0% (1) |" in table
+    assert "| snapstream B=32 | 67% (3) | — |" in table and "| dense | 67% (3) | 0% (1) |" in table
+    assert "| snapstream B=L/4 | — | 100% (1), B=50 |" in table
+    assert "| snapstream B=32 | 100% (50%) | — |" in table
+
+
+def test_ratios_give_one_budget_per_length():
+    config = EvalConfig("tiny-llama", "passkey", ("dense", "snapstream"), (300,), (1000, 2000), (0.5,), 1,
+                        seed=0, ratios=(4,))
+    assert config.budgets_for(1000) == [250, 300] and config.budgets_for(2000) == [300, 500]
+    assert config.runs() == [("dense", None), ("snapstream", 250), ("snapstream", 300), ("snapstream", 500)]
+    case_1000, case_2000 = make_cases("passkey", load_model("tiny-llama").tokenizer, [1000, 2000], [0.5], 1, 0,
+                                      chat=False)
+    assert config.applies("snapstream", 250, case_1000) and not config.applies("snapstream", 250, case_2000)
+    assert config.applies("snapstream", 500, case_2000) and not config.applies("snapstream", 500, case_1000)
+    with pytest.raises(SnapcompileError, match="--ratios"):
+        EvalConfig("tiny-llama", "passkey", ("snapstream",), (), (1000,), (0.5,), 1, seed=0, ratios=(1,))
+    with pytest.raises(SnapcompileError, match="--budgets or --ratios"):
+        EvalConfig("tiny-llama", "passkey", ("snapstream",), (), (1000,), (0.5,), 1, seed=0)
 
 
 def test_run_is_resumable_and_reproducible(tmp_path):
@@ -84,7 +107,7 @@ def test_run_is_resumable_and_reproducible(tmp_path):
 def test_eval_cli_writes_json_markdown_and_plots(tmp_path):
     out = tmp_path / "fid.json"
     result = CliRunner().invoke(main, ["eval", "tiny-llama", "--task", "fidelity", "--policies", "snapstream",
-                                       "--budgets", "128", "--lengths", "300", "--samples", "1",
+                                       "--ratios", "3", "--lengths", "300", "--samples", "1",
                                        "--cache-dir", str(tmp_path / "c"), "-o", str(out)])
     assert result.exit_code == 0, result.output
     payload = json.loads(out.read_text())
@@ -92,6 +115,7 @@ def test_eval_cli_writes_json_markdown_and_plots(tmp_path):
     assert dense["agreement"] == 1.0 and dense["kl"] == pytest.approx(0.0, abs=1e-9)
     snap = [r for r in payload["summary"] if r["policy"] == "snapstream"][0]
     assert 0.0 <= snap["agreement"] <= 1.0 and snap["kl"] >= 0.0
+    assert (snap["budget"], snap["ratio"]) == (100, 3), "--ratios alone: budget = length // ratio"
     assert (tmp_path / "fid.md").is_file() and (tmp_path / "fid-budget.png").stat().st_size > 1000
 
 

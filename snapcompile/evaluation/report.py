@@ -5,46 +5,67 @@ from collections import defaultdict
 from pathlib import Path
 
 
-def _label(policy: str, budget) -> str:
-    return "dense" if policy == "dense" else f"{policy} B={budget}"
+def _label(row: dict) -> str:
+    if row["policy"] == "dense":
+        return "dense"
+    if row.get("ratio"):
+        return f"{row['policy']} B=L/{row['ratio']}"
+    return f"{row['policy']} B={row['budget']}"
 
 
-def summarize(records: list[dict], task: str) -> list[dict]:
-    """One row per (policy, budget, length): accuracy for retrieval, agreement/KL for fidelity."""
+def _case_key(record: dict) -> tuple:
+    return record["length"], record["depth"], record.get("sample", 0)
+
+
+def summarize(records: list[dict], task: str, ratios=()) -> list[dict]:
+    """One row per (policy, budget, length): accuracy for retrieval, agreement/KL for fidelity.
+
+    A budget equal to length // r for one of `ratios` is labelled by its ratio (row["ratio"]).
+    """
     groups = defaultdict(list)
     for r in records:
         groups[(r["policy"], r["budget"], r["length"])].append(r)
     rows = []
     for (policy, budget, length), group in sorted(groups.items(), key=lambda kv: (kv[0][0] != "dense", kv[0][0],
                                                                                    kv[0][1] or 0, kv[0][2])):
-        row = {"policy": policy, "budget": budget, "length": length, "cases": len(group)}
+        ratio = next((q for q in ratios if budget is not None and length // q == budget), None)
+        row = {"policy": policy, "budget": budget, "length": length, "ratio": ratio, "cases": len(group)}
         if task == "fidelity":
             row["agreement"] = sum(r["agreement"] for r in group) / len(group)
             row["kl"] = sum(r["kl"] for r in group) / len(group)
         else:
             row["accuracy"] = sum(r["correct"] for r in group) / len(group)
         rows.append(row)
-    _add_retention(rows, task)
+    if task != "fidelity":
+        _add_retention(rows, groups)
     return rows
 
 
-def _add_retention(rows: list[dict], task: str) -> None:
-    """accuracy / dense accuracy at the same length (where dense got something right)."""
-    if task == "fidelity":
-        return
+def _add_retention(rows: list[dict], groups: dict) -> None:
+    """retained_vs_dense: accuracy / dense accuracy at the same length (None where dense got
+    nothing right). kept_of_dense_correct: of the cases dense answered correctly, the share this
+    row answered correctly too (paired by case; None without such cases)."""
     dense = {r["length"]: r["accuracy"] for r in rows if r["policy"] == "dense"}
     for r in rows:
         base = dense.get(r["length"])
         r["retained_vs_dense"] = r["accuracy"] / base if base else None
+        dense_right = {_case_key(c) for c in groups.get(("dense", None, r["length"]), []) if c["correct"]}
+        mine = [c for c in groups[(r["policy"], r["budget"], r["length"])] if _case_key(c) in dense_right]
+        r["kept_of_dense_correct"] = sum(c["correct"] for c in mine) / len(mine) if mine else None
+
+
+def _percent(value) -> str:
+    return "—" if value is None else f"{100 * value:.0f}%"
 
 
 def markdown(rows: list[dict], task: str) -> str:
+    """The results table; for retrieval tasks a second table of accuracy retained vs dense."""
     lengths = sorted({r["length"] for r in rows})
-    labels = list(dict.fromkeys(_label(r["policy"], r["budget"]) for r in rows))
-    cells = {(_label(r["policy"], r["budget"]), r["length"]): r for r in rows}
+    labels = list(dict.fromkeys(_label(r) for r in rows))
+    cells = {(_label(r), r["length"]): r for r in rows}
     metric = "greedy agreement / KL" if task == "fidelity" else "accuracy (cases)"
-    lines = [f"| {task}: {metric} | " + " | ".join(f"{n} tokens" for n in lengths) + " |",
-             "|---|" + "---|" * len(lengths)]
+    header = " | ".join(f"{n} tokens" for n in lengths)
+    lines = [f"| {task}: {metric} | {header} |", "|---|" + "---|" * len(lengths)]
     for label in labels:
         out = []
         for length in lengths:
@@ -52,11 +73,26 @@ def markdown(rows: list[dict], task: str) -> str:
             if r is None:
                 out.append("—")
             elif task == "fidelity":
-                out.append(f"{r['agreement']:.3f} / {r['kl']:.3f}")
+                out.append(f"{r['agreement']:.3f} / {r['kl']:.3f}" + _budget_note(r))
             else:
-                out.append(f"{100 * r['accuracy']:.0f}% ({r['cases']})")
+                out.append(f"{100 * r['accuracy']:.0f}% ({r['cases']})" + _budget_note(r))
+        lines.append(f"| {label} | " + " | ".join(out) + " |")
+    if task == "fidelity":
+        return "\n".join(lines) + "\n"
+    lines += ["", f"| {task}: retained vs dense (paired: kept of dense-correct) | {header} |",
+              "|---|" + "---|" * len(lengths)]
+    for label in labels[1:] if labels and labels[0] == "dense" else labels:
+        out = []
+        for length in lengths:
+            r = cells.get((label, length))
+            out.append("—" if r is None else
+                       f"{_percent(r['retained_vs_dense'])} ({_percent(r['kept_of_dense_correct'])})")
         lines.append(f"| {label} | " + " | ".join(out) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _budget_note(row: dict) -> str:
+    return f", B={row['budget']}" if row.get("ratio") else ""
 
 
 def plots(rows: list[dict], records: list[dict], task: str, stem: Path) -> list[Path]:
@@ -94,7 +130,8 @@ def _depth_plot(records: list[dict], stem: Path, plt) -> Path:
     series = defaultdict(lambda: defaultdict(list))
     for r in records:
         if r["policy"] == "dense" or _nearest_quarter(records, r):
-            series[_label(r["policy"], "~L/4" if r["policy"] != "dense" else None)][r["depth"]].append(r["correct"])
+            label = "dense" if r["policy"] == "dense" else f"{r['policy']} B~L/4"
+            series[label][r["depth"]].append(r["correct"])
     fig, ax = plt.subplots(figsize=(5, 3.2))
     for label, by_depth in sorted(series.items()):
         depths = sorted(by_depth)

@@ -37,6 +37,7 @@ class EvalConfig:
     slots: int = 4
     chunk: int = 256
     scope: str = "head"              # SnapStream selection scope (head | layer)
+    ratios: tuple[int, ...] = ()     # compression ratios: budget = length // ratio, per length
 
     def __post_init__(self):
         if self.task not in TASKS:
@@ -47,16 +48,30 @@ class EvalConfig:
             raise SnapcompileError("--depths must lie in [0, 1]")
         if self.samples < 1:
             raise SnapcompileError("--samples must be >= 1")
+        if any(r < 2 for r in self.ratios):
+            raise SnapcompileError("--ratios must be integers >= 2 (budget = length // ratio)")
+        if not self.budgets and not self.ratios and set(self.policies) != {"dense"}:
+            raise SnapcompileError("give --budgets or --ratios for the compressed policies")
 
     @property
     def max_context(self) -> int:
         extra = FIDELITY_TOKENS if self.task == "fidelity" else ANSWER_TOKENS
         return max(self.lengths) + extra + 8
 
+    def budgets_for(self, length: int) -> list[int]:
+        """Budgets evaluated at `length`: the fixed budgets below it (a budget >= the prompt
+        compresses nothing) and length // ratio for each ratio."""
+        return sorted({b for b in self.budgets if b < length} | {length // r for r in self.ratios})
+
     def runs(self) -> list[tuple[str, int | None]]:
         """(policy, budget) pairs; dense has no budget and runs first."""
         pairs = [("dense", None)] if "dense" in self.policies or self.task == "fidelity" else []
-        return pairs + [(p, b) for p in self.policies if p != "dense" for b in self.budgets]
+        budgets = sorted({b for length in self.lengths for b in self.budgets_for(length)})
+        return pairs + [(p, b) for p in self.policies if p != "dense" for b in budgets]
+
+    def applies(self, policy: str, budget: int | None, case: Case) -> bool:
+        """Whether the (policy, budget) cell is evaluated on `case`."""
+        return policy == "dense" or budget in self.budgets_for(case.length)
 
 
 def policy_for(name: str, budget: int | None, scope: str = "head") -> PolicyConfig:
@@ -134,7 +149,7 @@ class ResultStore:
 def _same_config(stored: dict, config: EvalConfig) -> bool:
     """Whether a stored configuration is `config`; fields it predates count as their defaults."""
     current = json.loads(json.dumps(asdict(config)))
-    defaults = {f.name: f.default for f in fields(EvalConfig) if f.default is not MISSING}
+    defaults = json.loads(json.dumps({f.name: f.default for f in fields(EvalConfig) if f.default is not MISSING}))
     return set(stored) <= set(current) and all(stored.get(k, defaults.get(k)) == v for k, v in current.items())
 
 
@@ -149,24 +164,19 @@ def run_eval(config: EvalConfig, results_path: Path, cache_dir: Path, progress=N
     tokenizer = AutoTokenizer.from_pretrained(str(dense_dir))
     cases = make_cases(config.task, tokenizer, config.lengths, config.depths, config.samples, config.seed, chat)
     store = ResultStore(Path(str(results_path) + ".partial.jsonl"), config)
-    runs = [(p, b) for p, b in config.runs() if p == "dense" or b is None or b < max(config.lengths)]
-    total = sum(1 for p, b in runs for c in cases if _applies(p, b, c))
+    runs = config.runs()
+    total = sum(1 for p, b in runs for c in cases if config.applies(p, b, c))
     if progress:
-        progress(sum(1 for p, b in runs for c in cases if _applies(p, b, c) and store.done(c, p, b)), total)
+        progress(sum(1 for p, b in runs for c in cases if config.applies(p, b, c) and store.done(c, p, b)), total)
     if config.task == "fidelity":
         _run_fidelity(config, cases, runs, cache, store, tokenizer, progress)
     else:
         for policy, budget in runs:
-            pending = [c for c in cases if _applies(policy, budget, c) and not store.done(c, policy, budget)]
+            pending = [c for c in cases if config.applies(policy, budget, c) and not store.done(c, policy, budget)]
             if pending:
                 folder = cache.get(policy_for(policy, budget, config.scope))
                 _run_retrieval(folder, pending, policy, budget, chat, store, progress)
     return list(store.records.values())
-
-
-def _applies(policy: str, budget: int | None, case: Case) -> bool:
-    """A budget at or above the prompt length compresses nothing; such cells are not run."""
-    return policy == "dense" or budget < case.length
 
 
 def _run_retrieval(folder: Path, cases: list[Case], policy: str, budget: int | None, chat: bool,
@@ -195,7 +205,7 @@ def _run_fidelity(config: EvalConfig, cases: list[Case], runs, cache: ArtifactCa
                   tokenizer, progress) -> None:
     from snapcompile.prompts import encode
     from snapcompile.runtime.ort_backend import OrtBackend
-    pending = {(p, b): [c for c in cases if _applies(p, b, c) and not store.done(c, p, b)] for p, b in runs}
+    pending = {(p, b): [c for c in cases if config.applies(p, b, c) and not store.done(c, p, b)] for p, b in runs}
     if not any(pending.values()):
         return
     dense_backend = OrtBackend(cache.dense())
