@@ -18,32 +18,57 @@ from snapcompile.policy import Selection, ring_decode_attention, snapkv_select, 
 ATTENTION_NAME = "snapcompile_reference"
 
 
-class _LayerCache:
-    """One layer's cache for one sequence: K/V [Hkv, capacity, D] laid out as in the runner."""
+@dataclass(frozen=True)
+class LayerPrefill:
+    """One layer's recorded prefill: window_query [H, W, D] (the last W prompt queries, post-RoPE),
+    keys / values [Hkv, T, D] (post-RoPE keys), and the attention scale."""
 
-    def __init__(self, policy: PolicyConfig, capacity: int, forced: torch.Tensor | None):
+    window_query: torch.Tensor
+    keys: torch.Tensor
+    values: torch.Tensor
+    scale: float
+
+
+class _LayerCache:
+    """One layer's cache for one sequence: K/V [Hkv, capacity, D] laid out as in the runner.
+
+    record_window: when > 0, prefill keeps a LayerPrefill with that many trailing queries.
+    """
+
+    def __init__(self, policy: PolicyConfig, capacity: int, forced: torch.Tensor | None, record_window: int = 0):
         self.policy, self.capacity, self.forced = policy, capacity, forced
         self.keys = self.values = None
         self.layout: SlotLayout | None = None
         self.selection: Selection | None = None
         self.generated = 0
+        self.record_window = record_window
+        self.recorded: LayerPrefill | None = None
 
     def prefill(self, query, key, value, scale):
         """query [1, H, T, D], key/value [1, Hkv, T, D]; returns dense causal attention [1, H, T, D]."""
         length = key.shape[2]
         out = _attend(query, key, value, scale, torch.ones(length, length).tril().bool())
+        if self.record_window:
+            self.recorded = LayerPrefill(query[0, :, -self.record_window:].clone(), key[0].clone(),
+                                         value[0].clone(), scale)
+        self.load(query[0, :, -self.policy.window:], key[0], value[0], scale)
+        return out
+
+    def load(self, window_query, key, value, scale) -> None:
+        """Select the kept prompt rows and lay them out: window_query [H, >=W, D] (the last
+        prompt queries), key/value [Hkv, T, D]."""
+        length = key.shape[1]
         share = self.policy.resolved_prompt_share if self.policy.compressed else None
         self.layout = SlotLayout.for_prompt(length, self.capacity, share)
-        kept = self._kept_positions(query[0], key[0], scale)                   # [Hkv, kept]
-        hkv, _, d = key[0].shape
+        kept = self._kept_positions(window_query, key, scale)                  # [Hkv, kept]
+        hkv, _, d = key.shape
         self.keys = torch.zeros(hkv, self.capacity, d)
         self.values = torch.zeros(hkv, self.capacity, d)
         index = kept[:, :, None].expand(-1, -1, d)
-        self.keys[:, : self.layout.kept] = torch.gather(key[0], 1, index)
-        self.values[:, : self.layout.kept] = torch.gather(value[0], 1, index)
-        return out
+        self.keys[:, : self.layout.kept] = torch.gather(key, 1, index)
+        self.values[:, : self.layout.kept] = torch.gather(value, 1, index)
 
-    def _kept_positions(self, query, key, scale) -> torch.Tensor:
+    def _kept_positions(self, window_query, key, scale) -> torch.Tensor:
         hkv, length, _ = key.shape
         if not self.layout.compressed:
             return torch.arange(length).expand(hkv, -1)
@@ -52,8 +77,7 @@ class _LayerCache:
         elif self.policy.policy == "streamingllm":
             self.selection = streaming_select(length, hkv, self.policy)
         else:
-            window = query[:, length - self.policy.window:]
-            self.selection = snapkv_select(window, key, self.policy, scale)
+            self.selection = snapkv_select(window_query[:, -self.policy.window:], key, self.policy, scale)
         return self.selection.indices
 
     def decode(self, query, key, value, scale):
@@ -108,16 +132,36 @@ class ReferenceSequence:
     capacity: cache rows (the budget for compressed policies; for dense, enough for the run).
     forced_selection: optional per-layer [Hkv, P] positions that replace the policy's own
     selection (validate uses it to continue past a reported near-tie with the backend's choice).
+    record_window: keep the prompt's K/V and last record_window queries per layer, so other
+    policies can start from this prefill (`from_prefill`).
     """
 
     def __init__(self, model, policy: PolicyConfig, capacity: int,
-                 forced_selection: list[torch.Tensor] | None = None):
+                 forced_selection: list[torch.Tensor] | None = None, record_window: int = 0):
         _register()
         self.model = model
         layers = model.model.layers
-        self.caches = [_LayerCache(policy, capacity, forced_selection[i] if forced_selection else None)
-                       for i in range(len(layers))]
+        self.caches = [_LayerCache(policy, capacity, forced_selection[i] if forced_selection else None,
+                                   record_window) for i in range(len(layers))]
         self.position = 0
+
+    @classmethod
+    def from_prefill(cls, model, prefill: list[LayerPrefill], policy: PolicyConfig,
+                     capacity: int) -> "ReferenceSequence":
+        """A sequence whose prompt was already run (and recorded, see `recorded_prefill`),
+        compressed under `policy` and ready for decode: the same state `feed(prompt)` under
+        `policy` leaves, without running the prompt again (prefill attention is dense either way)."""
+        sequence = cls(model, policy, capacity)
+        for cache, layer in zip(sequence.caches, prefill):
+            cache.load(layer.window_query, layer.keys, layer.values, layer.scale)
+        sequence.position = prefill[0].keys.shape[1]
+        return sequence
+
+    def recorded_prefill(self) -> list[LayerPrefill]:
+        """Per-layer prefill tensors (needs record_window >= the policies' window)."""
+        if any(cache.recorded is None for cache in self.caches):
+            raise ValueError("no prefill was recorded: create the sequence with record_window > 0 and feed a prompt")
+        return [cache.recorded for cache in self.caches]
 
     @contextlib.contextmanager
     def _installed(self):

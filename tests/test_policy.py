@@ -124,3 +124,31 @@ def test_ring_overwrites_oldest_generated_token(tiny_llama):
     # ring of 4 after 10 tokens holds tokens 6..9: row 36 + (g % 4)
     for g in range(6, 10):
         assert torch.equal(cache.keys[:, 36 + g % 4], history[g])
+
+
+@pytest.mark.parametrize("policy", [
+    PolicyConfig(policy="snapstream", budget=48, sinks=4, window=8, kernel=5),
+    PolicyConfig(policy="snapstream", budget=40, sinks=2, window=16, kernel=7, scope="layer"),
+    PolicyConfig(policy="streamingllm", budget=32, sinks=4, window=8),
+])
+def test_from_prefill_equals_running_the_prompt_under_the_policy(tiny_llama, policy):
+    prompt = random_prompts([120], seed=9)[0]
+    recorder = ReferenceSequence(tiny_llama.model, PolicyConfig(policy="dense"), 200, record_window=16)
+    first = recorder.feed(prompt)
+    started = ReferenceSequence.from_prefill(tiny_llama.model, recorder.recorded_prefill(), policy, policy.budget)
+    direct = ReferenceSequence(tiny_llama.model, policy, policy.budget)
+    assert torch.allclose(direct.feed(prompt), first, atol=1e-5)
+    for a, b in zip(started.selections(), direct.selections()):
+        assert torch.equal(a.indices, b.indices)
+    token = int(first.argmax())
+    for _ in range(40):                             # past the ring wrap
+        a, b = started.feed([token]), direct.feed([token])
+        assert torch.allclose(a, b, atol=1e-5)
+        token = int(b.argmax())
+
+
+def test_recorded_prefill_needs_a_recording(tiny_llama):
+    sequence = ReferenceSequence(tiny_llama.model, PolicyConfig(policy="dense"), 64)
+    sequence.feed(random_prompts([20])[0])
+    with pytest.raises(ValueError, match="record_window"):
+        sequence.recorded_prefill()
