@@ -16,6 +16,11 @@ from snapcompile.export import verify_graph
 LOWERINGS = ("standard", "plugin")
 
 
+def prefill_graphs(graphs) -> list[str]:
+    """Names of the prefill graphs: "prefill" and its buckets "prefill_<rows>"."""
+    return [name for name in graphs if name == "prefill" or name.startswith("prefill_")]
+
+
 def compress_graphs(graphs: dict[str, onnx.ModelProto], manifest: Manifest,
                     policy: PolicyConfig, lowering: str = "standard") -> dict[str, onnx.ModelProto]:
     """Rewrite dense prefill/decode graphs for `policy`; updates manifest.policy, .lowering and
@@ -37,8 +42,9 @@ def compress_graphs(graphs: dict[str, onnx.ModelProto], manifest: Manifest,
         out["decode"], report = compress_decode(graphs["decode"], spec.num_layers, policy.budget)
         manifest.passes.append(report)
         if policy.policy == "snapstream":
-            out["prefill"], report = add_window_queries(graphs["prefill"], spec, policy.window)
-            manifest.passes.append(report)
+            for name in prefill_graphs(graphs):
+                out[name], report = add_window_queries(graphs[name], spec, policy.window, name)
+                manifest.passes.append(report)
             out["select"] = SelectionWriter(spec, policy, manifest.export.max_context).build()
             verify_graph(out["select"], "select")
             manifest.passes.append({"pass": "snapkv_select", "graph": "select",

@@ -16,9 +16,11 @@ from snapcompile.passes.match import find_attention_blocks
 from snapcompile.models.spec import ModelSpec
 
 
-def add_window_queries(model: onnx.ModelProto, spec: ModelSpec, window: int) -> tuple[onnx.ModelProto, dict]:
+def add_window_queries(model: onnx.ModelProto, spec: ModelSpec, window: int,
+                       name: str = "prefill") -> tuple[onnx.ModelProto, dict]:
+    """Rewrite the prefill graph `name` (the full one or a bucket)."""
     graph = gs.import_onnx(model)
-    blocks = find_attention_blocks(graph, spec.num_layers, "prefill")
+    blocks = find_attention_blocks(graph, spec.num_layers, name)
     chunk = graph_input(graph, "input_ids").shape[1]
     chunk_len = graph_input(graph, "chunk_len")
     first = add_node(graph, "Sub", [chunk_len, constant([window])])
@@ -30,5 +32,5 @@ def add_window_queries(model: onnx.ModelProto, spec: ModelSpec, window: int) -> 
         named = gs.Variable(f"window_query.{i}", dtype=np.float32, shape=out.shape)
         graph.nodes.append(gs.Node("Identity", f"WindowQuery{i}", inputs=[out], outputs=[named]))
         graph.outputs.append(named)
-    return finalize(graph, "prefill"), {"pass": "add_window_queries", "graph": "prefill",
-                                        "blocks_rewritten": len(blocks), "window": window}
+    return finalize(graph, name), {"pass": "add_window_queries", "graph": name,
+                                   "blocks_rewritten": len(blocks), "window": window}

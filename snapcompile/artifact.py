@@ -24,6 +24,7 @@ from snapcompile.models.spec import ModelSpec
 MANIFEST = "manifest.json"
 WEIGHTS = "weights.bin"
 FORMAT_VERSION = 1
+GRAPHS_REVISION = 2     # bumped whenever the exported graphs change (2: prefill buckets)
 METADATA_KEY = "snapcompile.config"
 EXTERNAL_MIN_BYTES = 1024
 
@@ -83,9 +84,9 @@ class Manifest:
 
 
 def artifact_key(source: str, export: ExportConfig, policy: PolicyConfig) -> str:
-    """A folder name that changes whenever the model, the export shapes or the policy change
-    (eval and bench cache their built artifacts under it)."""
-    blob = json.dumps([source, export.to_dict(), policy.to_dict()], sort_keys=True)
+    """A folder name that changes whenever the model, the export shapes, the policy or the graphs
+    this version writes change (eval and bench cache their built artifacts under it)."""
+    blob = json.dumps([source, export.to_dict(), policy.to_dict(), GRAPHS_REVISION], sort_keys=True)
     return f"{policy.policy}-{hashlib.sha1(blob.encode()).hexdigest()[:12]}"
 
 

@@ -1,4 +1,4 @@
-"""`snapcompile export`: a loaded model -> a dense-cache artifact folder (prefill + decode graphs)."""
+"""`snapcompile export`: a loaded model -> a dense-cache artifact folder (prefill graphs + decode graph)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -9,7 +9,7 @@ from snapcompile.artifact import Manifest, save_graphs
 from snapcompile.atomic import atomic_directory
 from snapcompile.config import ExportConfig, PolicyConfig
 from snapcompile.errors import SnapcompileError
-from snapcompile.llama_graph import DecodeWriter, PrefillWriter, Weights
+from snapcompile.llama_graph import DecodeWriter, PrefillWriter, Weights, prefill_buckets, prefill_graph_name
 from snapcompile.models.loader import LoadedModel
 
 
@@ -42,6 +42,8 @@ def build_dense_graphs(loaded: LoadedModel, export: ExportConfig) -> dict[str, o
     weights = Weights(loaded.model, loaded.spec)
     graphs = {"prefill": PrefillWriter(loaded.spec, weights, export).build().model(),
               "decode": DecodeWriter(loaded.spec, weights, export).build().model()}
+    for rows in prefill_buckets(export):
+        graphs[prefill_graph_name(rows, export)] = PrefillWriter(loaded.spec, weights, export, rows).build().model()
     for name, model in graphs.items():
         verify_graph(model, name)
     return graphs

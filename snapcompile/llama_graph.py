@@ -2,10 +2,12 @@
 
 Graph contracts (L = max_context, C = chunk, N = slots, Hkv KV heads, D head dim, V vocab):
 
-prefill (one sequence, one chunk of C tokens):
+prefill (one sequence, one chunk of C tokens, against a cache of R rows: R = L for the graph
+  "prefill", R = Lb for the bucket graphs "prefill_<Lb>" that serve prompts of at most Lb tokens
+  without attending over L rows):
   inputs  input_ids [1, C] int64; start [1] int64 (position of the chunk's first token; cache
           rows [0, start) are valid); chunk_len [1] int64 (valid tokens, the rest is padding);
-          past_key.{i}, past_value.{i} [1, Hkv, L, D] float32
+          past_key.{i}, past_value.{i} [1, Hkv, R, D] float32
   outputs logits [1, V] (of token chunk_len-1); key.{i}, value.{i} [1, Hkv, C, D] (the chunk's
           post-RoPE K/V, for the caller to write at rows [start, start+C))
 decode (N slots, one token each):
@@ -54,6 +56,23 @@ class Weights:
             if p + key + ".bias" in state:
                 names[short + "_bias"] = self._add(f"l{i}.{short}.bias", state[p + key + ".bias"])
         return names
+
+
+def prefill_buckets(export: ExportConfig) -> list[int]:
+    """Cache lengths of the bucket prefill graphs: 2C, 4C, 8C, ... up to 3/4 of max_context
+    (a bucket closer to max_context would save too little to be worth its graph).
+
+    A prompt of T tokens runs on the smallest bucket >= T, so its chunks attend over fewer than
+    2T rows (or 2C) instead of max_context: prefill cost no longer grows with --max-context."""
+    buckets, rows = [], 2 * export.chunk
+    while rows <= 3 * export.max_context // 4:
+        buckets.append(rows)
+        rows *= 2
+    return buckets
+
+
+def prefill_graph_name(cache_rows: int, export: ExportConfig) -> str:
+    return "prefill" if cache_rows == export.max_context else f"prefill_{cache_rows}"
 
 
 class LlamaGraphWriter:
@@ -110,10 +129,16 @@ class LlamaGraphWriter:
 
 
 class PrefillWriter(LlamaGraphWriter):
+    """The prefill graph against a cache of `cache_rows` rows (default: max_context)."""
+
+    def __init__(self, spec: ModelSpec, weights: Weights, export: ExportConfig, cache_rows: int | None = None):
+        super().__init__(spec, weights, export)
+        self.cache_rows = cache_rows or export.max_context
+
     def build(self) -> GraphBuilder:
-        s, c, L = self.spec, self.export.chunk, self.export.max_context
+        s, c, L = self.spec, self.export.chunk, self.cache_rows
         hkv, g, d = s.num_kv_heads, s.group_size, s.head_dim
-        b = GraphBuilder("prefill")
+        b = GraphBuilder(prefill_graph_name(L, self.export))
         self._attach_weights(b)
         ids = b.input("input_ids", np.int64, [1, c])
         start = b.input("start", np.int64, [1])

@@ -41,8 +41,32 @@ def test_weights_are_stored_once(tiny_dense_dir, tiny_llama):
     params = sum(p.numel() for p in tiny_llama.model.parameters()) * 4
     size = (tiny_dense_dir / "weights.bin").stat().st_size
     assert params <= size < params * 1.1
-    for graph in ("prefill.onnx", "decode.onnx"):
+    for graph in ("prefill.onnx", "prefill_128.onnx", "prefill_256.onnx", "decode.onnx"):
         assert (tiny_dense_dir / graph).stat().st_size < 100_000
+
+
+def test_prefill_buckets_double_from_two_chunks_below_max_context(tiny_dense_dir):
+    from snapcompile.llama_graph import prefill_buckets
+    assert prefill_buckets(ExportConfig(max_context=8224, chunk=256)) == [512, 1024, 2048, 4096]
+    assert prefill_buckets(ExportConfig(max_context=512, chunk=256)) == []
+    manifest = read_manifest(tiny_dense_dir)
+    assert sorted(manifest.graphs) == ["decode", "prefill", "prefill_128", "prefill_256"]
+    past = {i["name"]: i["shape"] for i in manifest.graphs["prefill_128"]["inputs"]}["past_key.0"]
+    assert past == [1, 2, 128, 16]
+
+
+def test_prefill_runs_on_the_smallest_bucket_that_holds_the_prompt(tiny_dense_dir):
+    from snapcompile.runtime.ort_backend import OrtBackend
+    from tests.conftest import random_prompts
+    backend = OrtBackend(tiny_dense_dir)
+    assert [backend.prefill_rows(n) for n in (1, 128, 129, 256, 257, 511)] == [128, 128, 256, 256, 512, 512]
+    prompt = random_prompts([200], seed=3)[0]
+    on_bucket = backend.prefill(0, prompt).logits
+    full_only = OrtBackend(tiny_dense_dir)
+    full_only.bucket_graphs = {}                        # as an artifact exported without buckets
+    on_full = full_only.prefill(0, prompt).logits
+    np.testing.assert_allclose(on_bucket, on_full, atol=1e-5)
+    np.testing.assert_allclose(backend.keys[1][0, :, :200], full_only.keys[1][0, :, :200], atol=1e-6)
 
 
 def test_existing_output_needs_force(tiny_llama, tmp_path):

@@ -17,10 +17,10 @@ def _validate(folder, model, prompts, steps):
 def test_dense_parity_each_architecture(name, tmp_path):
     loaded = load_model(name)
     folder = build_artifact(loaded, tmp_path / name)
-    summary = _validate(folder, loaded.model, random_prompts([7, 90, 200], seed=1), steps=32)
+    summary = _validate(folder, loaded.model, random_prompts([7, 90, 200, 300], seed=1), steps=32)  # buckets + full
     assert summary["max_abs_logit_diff"] <= 1e-4
     assert summary["greedy_agreement"] == 1.0
-    assert summary["steps"] == 32 and summary["prompts"] == 3
+    assert summary["steps"] == 32 and summary["prompts"] == 4
 
 
 @pytest.mark.parametrize("policy", [

@@ -95,8 +95,9 @@ def test_compressing_twice_is_refused(dense_graphs, tiny_llama):
     manifest = new_manifest(tiny_llama, EXPORT, PolicyConfig(policy="dense"))
     policy = PolicyConfig(budget=48, window=8, kernel=5)
     graphs = compress_graphs(dict(dense_graphs), manifest, policy)
-    assert set(graphs) == {"prefill", "decode", "select"}
-    assert [p["pass"] for p in manifest.passes] == ["compress_decode", "add_window_queries", "snapkv_select"]
+    assert set(graphs) == {"prefill", "prefill_64", "decode", "select"}
+    assert [p["pass"] for p in manifest.passes] == ["compress_decode", "add_window_queries", "add_window_queries",
+                                                   "snapkv_select"]
     with pytest.raises(SnapcompileError, match="already compressed"):
         compress_graphs(graphs, manifest, policy)
 

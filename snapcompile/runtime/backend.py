@@ -1,7 +1,9 @@
 """The slot backend: the only runtime code that touches tensors.
 
 It owns the N static cache slots ([N, Hkv, capacity, D] per layer, allocated once and bound to
-the decode graph once by address) and a prefill scratch cache for one sequence. A decode step
+the decode graph once by address) and a prefill scratch cache for one sequence. A prompt is
+prefilled on the smallest bucket graph whose cache holds it (or the full graph), so short prompts
+do not pay attention over max_context rows. A decode step
 moves only the new tokens' K/V into the slots; nothing copies a whole cache. Where the tensors
 live and how a graph runs is the Device's business (ONNX Runtime on host memory, TensorRT on
 CUDA memory); small per-step inputs are prepared in numpy and uploaded.
@@ -68,6 +70,8 @@ class SlotBackend:
         self.keys = [self._kv(self.slots, self.capacity) for _ in self._layers]
         self.values = [self._kv(self.slots, self.capacity) for _ in self._layers]
         self.prefill_graph = device.graph("prefill", m)
+        self.bucket_graphs = {int(name.split("_")[1]): device.graph(name, m)     # rows -> graph
+                              for name in m.graphs if name.startswith("prefill_")}
         self.decode_graph = device.graph("decode", m)
         self.select_graph = device.graph("select", m) if "select" in m.graphs else None
         self._init_prefill()
@@ -87,15 +91,43 @@ class SlotBackend:
         if m.policy.compressed:    # the full prompt lives here until it is compressed into a slot
             self.scratch_k = [self._kv(1, m.export.max_context) for _ in self._layers]
             self.scratch_v = [self._kv(1, m.export.max_context) for _ in self._layers]
-        g = self.prefill_graph
-        for name, array in (("input_ids", self.p_ids), ("start", self.p_start), ("chunk_len", self.p_len)):
-            g.bind(name, array)
-        g.bind("logits", self.p_logits, output=True)
-        for i in self._layers:
-            g.bind(f"key.{i}", self.p_new_k[i], output=True)
-            g.bind(f"value.{i}", self.p_new_v[i], output=True)
+        for g in self._all_prefill_graphs():
+            for name, array in (("input_ids", self.p_ids), ("start", self.p_start), ("chunk_len", self.p_len)):
+                g.bind(name, array)
+            g.bind("logits", self.p_logits, output=True)
+            for i in self._layers:
+                g.bind(f"key.{i}", self.p_new_k[i], output=True)
+                g.bind(f"value.{i}", self.p_new_v[i], output=True)
+        self._init_buckets()
         if self.select_graph is not None:
             self._init_select()
+
+    def _all_prefill_graphs(self) -> list[Graph]:
+        return [self.prefill_graph, *self.bucket_graphs.values()]
+
+    def _init_buckets(self) -> None:
+        """One K and one V buffer per layer, as large as the largest bucket; each bucket graph
+        sees its prefix as [1, Hkv, rows, D] (one prefill runs at a time)."""
+        self.bucket_k, self.bucket_v = {}, {}
+        if not self.bucket_graphs:
+            return
+        hkv, d = self.manifest.spec.num_kv_heads, self.manifest.spec.head_dim
+        size = hkv * max(self.bucket_graphs) * d
+        flat_k = [self.device.zeros((size,), "float32") for _ in self._layers]
+        flat_v = [self.device.zeros((size,), "float32") for _ in self._layers]
+        for rows, g in self.bucket_graphs.items():
+            shape = (1, hkv, rows, d)
+            self.bucket_k[rows] = [flat[: hkv * rows * d].reshape(shape) for flat in flat_k]
+            self.bucket_v[rows] = [flat[: hkv * rows * d].reshape(shape) for flat in flat_v]
+            for i in self._layers:
+                g.bind(f"past_key.{i}", self.bucket_k[rows][i])
+                g.bind(f"past_value.{i}", self.bucket_v[rows][i])
+
+    def prefill_rows(self, prompt_len: int) -> int:
+        """Cache rows the prefill of a prompt attends over: the smallest bucket that holds it,
+        else max_context (the full prefill graph)."""
+        fitting = [rows for rows in self.bucket_graphs if rows >= prompt_len]
+        return min(fitting) if fitting else self.manifest.export.max_context
 
     def _init_select(self) -> None:
         m, zeros = self.manifest, self.device.zeros
@@ -109,7 +141,8 @@ class SlotBackend:
         s = self.select_graph
         s.bind("prompt_len", self.sel_len)
         for i in self._layers:
-            self.prefill_graph.bind(f"window_query.{i}", self.window_q[i], output=True)
+            for g in self._all_prefill_graphs():
+                g.bind(f"window_query.{i}", self.window_q[i], output=True)
             s.bind(f"window_query.{i}", self.window_q[i])
             s.bind(f"key.{i}", self.scratch_k[i])
             s.bind(f"value.{i}", self.scratch_v[i])
@@ -148,9 +181,14 @@ class SlotBackend:
             raise SnapcompileError(f"prompt of {length} tokens does not fit: the artifact's "
                                    f"--max-context allows 1..{self.max_prompt_len()} prompt tokens")
         targets_k, targets_v = self._prefill_targets(slot)
-        for i in self._layers:
-            self.prefill_graph.bind(f"past_key.{i}", targets_k[i])
-            self.prefill_graph.bind(f"past_value.{i}", targets_v[i])
+        rows = self.prefill_rows(length)
+        if rows in self.bucket_graphs:           # the bucket's own cache, mirrored into the targets
+            graph, mirrors = self.bucket_graphs[rows], (self.bucket_k[rows], self.bucket_v[rows])
+        else:
+            graph, mirrors = self.prefill_graph, None
+            for i in self._layers:
+                graph.bind(f"past_key.{i}", targets_k[i])
+                graph.bind(f"past_value.{i}", targets_v[i])
         ids = np.zeros((1, self.chunk), np.int64)
         began = time.perf_counter()
         for start in chunk_starts(length, self.chunk):
@@ -160,10 +198,13 @@ class SlotBackend:
             self.device.upload(self.p_ids, ids)
             self.device.upload(self.p_start, np.array([start], np.int64))
             self.device.upload(self.p_len, np.array([count], np.int64))
-            self.prefill_graph.run()
+            graph.run()
             for i in self._layers:
                 targets_k[i][:, :, start:start + count] = self.p_new_k[i][:, :, :count]
                 targets_v[i][:, :, start:start + count] = self.p_new_v[i][:, :, :count]
+                if mirrors:
+                    mirrors[0][i][:, :, start:start + count] = self.p_new_k[i][:, :, :count]
+                    mirrors[1][i][:, :, start:start + count] = self.p_new_v[i][:, :, :count]
             yield count
         compressed_at = time.perf_counter()
         share = self.manifest.policy.resolved_prompt_share if self.manifest.policy.compressed else None

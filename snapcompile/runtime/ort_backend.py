@@ -5,7 +5,7 @@ from pathlib import Path
 
 import numpy as np
 
-from snapcompile.artifact import Manifest, load_graph
+from snapcompile.artifact import WEIGHTS, Manifest, load_graph
 from snapcompile.errors import SnapcompileError
 from snapcompile.runtime.backend import SlotBackend
 
@@ -16,9 +16,12 @@ PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider",
 class OrtGraph:
     """An InferenceSession plus an IOBinding whose inputs/outputs point into numpy buffers."""
 
-    def __init__(self, path: Path, providers: list[str], threads: int | None, custom_ops: bool):
+    def __init__(self, path: Path, providers: list[str], threads: int | None, custom_ops: bool,
+                 shared: "SharedWeights | None" = None):
         import onnxruntime as ort
         options = ort.SessionOptions()
+        if shared is not None:
+            shared.add_to(options, path)
         if custom_ops:
             from snapcompile.plugins import ort_ops
             ort_ops.add_to(options)
@@ -43,11 +46,48 @@ class OrtGraph:
         self.session.run_with_iobinding(self.binding)
 
 
+class SharedWeights:
+    """An artifact's weights.bin, memory-mapped once and given to sessions as user-provided
+    initializers, with MatMul pre-packing off: such a session keeps no weight copy of its own
+    (~10 MiB instead of ~600 MiB per SmolLM2 prefill graph, measured). Used for the prefill
+    graphs, which are many (buckets) and run once per chunk; decode keeps ORT's pre-packed
+    copy, which its per-token matmuls benefit from."""
+
+    def __init__(self, folder: Path):
+        self.path = Path(folder) / WEIGHTS
+        self._blob = None
+        self._values = {}                     # (offset, length, dtype, dims) -> OrtValue
+
+    def add_to(self, options, graph_path: Path) -> None:
+        import onnx
+        from onnx import TensorProto
+        model = onnx.load(str(graph_path), load_external_data=False)
+        for tensor in model.graph.initializer:
+            if tensor.data_location == TensorProto.EXTERNAL:
+                options.add_initializer(tensor.name, self._value(tensor))
+        options.add_session_config_entry("session.disable_prepacking", "1")
+
+    def _value(self, tensor):
+        import onnxruntime as ort
+        from onnx import helper
+        info = {entry.key: entry.value for entry in tensor.external_data}
+        offset, length = int(info.get("offset", 0)), int(info["length"])
+        dtype = np.dtype(helper.tensor_dtype_to_np_dtype(tensor.data_type))
+        key = (offset, length, dtype.str, tuple(tensor.dims))
+        if key not in self._values:
+            if self._blob is None:
+                self._blob = np.memmap(self.path, dtype=np.uint8, mode="r")
+            array = np.frombuffer(self._blob, dtype, length // dtype.itemsize, offset).reshape(key[3])
+            self._values[key] = ort.OrtValue.ortvalue_from_numpy(array)
+        return self._values[key]
+
+
 class OrtDevice:
     def __init__(self, folder: Path, provider: str = "cpu", threads: int | None = None):
         import onnxruntime as ort
         self.folder, self.threads = Path(folder), threads
         self.providers = _providers(provider, ort.get_available_providers())
+        self.shared = SharedWeights(self.folder) if provider == "cpu" else None
 
     def check(self, folder: Path, manifest: Manifest) -> None:
         for name in manifest.graphs:
@@ -57,8 +97,10 @@ class OrtDevice:
         return np.zeros(shape, np.dtype(dtype))
 
     def graph(self, name: str, manifest: Manifest) -> OrtGraph:
+        prefill = name.startswith("prefill")
         return OrtGraph(self.folder / manifest.graphs[name]["file"], self.providers, self.threads,
-                        custom_ops=manifest.lowering == "plugin" and name != "prefill")
+                        custom_ops=manifest.lowering == "plugin" and not prefill,
+                        shared=self.shared if prefill else None)
 
     def upload(self, target: np.ndarray, host: np.ndarray) -> None:
         target[...] = host
