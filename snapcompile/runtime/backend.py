@@ -180,15 +180,8 @@ class SlotBackend:
         if not 0 < length <= self.max_prompt_len():
             raise SnapcompileError(f"prompt of {length} tokens does not fit: the artifact's "
                                    f"--max-context allows 1..{self.max_prompt_len()} prompt tokens")
-        targets_k, targets_v = self._prefill_targets(slot)
-        rows = self.prefill_rows(length)
-        if rows in self.bucket_graphs:           # the bucket's own cache, mirrored into the targets
-            graph, mirrors = self.bucket_graphs[rows], (self.bucket_k[rows], self.bucket_v[rows])
-        else:
-            graph, mirrors = self.prefill_graph, None
-            for i in self._layers:
-                graph.bind(f"past_key.{i}", targets_k[i])
-                graph.bind(f"past_value.{i}", targets_v[i])
+        targets = self._prefill_targets(slot)
+        graph, caches = self._prefill_graph_for(length, targets)
         ids = np.zeros((1, self.chunk), np.int64)
         began = time.perf_counter()
         for start in chunk_starts(length, self.chunk):
@@ -199,12 +192,10 @@ class SlotBackend:
             self.device.upload(self.p_start, np.array([start], np.int64))
             self.device.upload(self.p_len, np.array([count], np.int64))
             graph.run()
-            for i in self._layers:
-                targets_k[i][:, :, start:start + count] = self.p_new_k[i][:, :, :count]
-                targets_v[i][:, :, start:start + count] = self.p_new_v[i][:, :, :count]
-                if mirrors:
-                    mirrors[0][i][:, :, start:start + count] = self.p_new_k[i][:, :, :count]
-                    mirrors[1][i][:, :, start:start + count] = self.p_new_v[i][:, :, :count]
+            for keys, values in caches:
+                for i in self._layers:
+                    keys[i][:, :, start:start + count] = self.p_new_k[i][:, :, :count]
+                    values[i][:, :, start:start + count] = self.p_new_v[i][:, :, :count]
             yield count
         compressed_at = time.perf_counter()
         share = self.manifest.policy.resolved_prompt_share if self.manifest.policy.compressed else None
@@ -220,6 +211,17 @@ class SlotBackend:
                 next(gen)
             except StopIteration as stop:
                 return stop.value
+
+    def _prefill_graph_for(self, length: int, targets):
+        """The prefill graph for a prompt of `length` tokens, and the (keys, values) caches each
+        chunk's K/V is written to: the targets, plus the bucket's own cache when a bucket runs."""
+        rows = self.prefill_rows(length)
+        if rows in self.bucket_graphs:
+            return self.bucket_graphs[rows], [targets, (self.bucket_k[rows], self.bucket_v[rows])]
+        for i in self._layers:
+            self.prefill_graph.bind(f"past_key.{i}", targets[0][i])
+            self.prefill_graph.bind(f"past_value.{i}", targets[1][i])
+        return self.prefill_graph, [targets]
 
     def _prefill_targets(self, slot: int):
         if self.manifest.policy.compressed:
