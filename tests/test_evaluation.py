@@ -117,6 +117,7 @@ def test_eval_cli_writes_json_markdown_and_plots(tmp_path):
     assert 0.0 <= snap["agreement"] <= 1.0 and snap["kl"] >= 0.0
     assert (snap["budget"], snap["ratio"]) == (100, 3), "--ratios alone: budget = length // ratio"
     assert (tmp_path / "fid.md").is_file() and (tmp_path / "fid-budget.png").stat().st_size > 1000
+    assert (tmp_path / "fid-length.png").stat().st_size > 1000, "--ratios rows get an accuracy-vs-length plot"
 
 
 @pytest.mark.parametrize("args, message", [

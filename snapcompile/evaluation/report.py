@@ -96,11 +96,41 @@ def _budget_note(row: dict) -> str:
 
 
 def plots(rows: list[dict], records: list[dict], task: str, stem: Path) -> list[Path]:
-    """accuracy (or agreement) vs budget per policy and length; for retrieval also vs depth."""
+    """accuracy (or agreement) vs budget per policy and length, and vs length for the rows whose
+    budget is a ratio of the length; for retrieval also vs depth."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     metric = "agreement" if task == "fidelity" else "accuracy"
+    written = [_budget_plot(rows, metric, stem, plt)]
+    if any(r.get("ratio") for r in rows):
+        written.append(_length_plot(rows, metric, stem, plt))
+    if task != "fidelity":
+        written.append(_depth_plot(records, stem, plt))
+    return written
+
+
+def _length_plot(rows: list[dict], metric: str, stem: Path, plt) -> Path:
+    """`metric` vs prompt length: dense and every budget-ratio row (B = L/ratio)."""
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    for label in dict.fromkeys(_label(r) for r in rows if r["policy"] == "dense" or r.get("ratio")):
+        points = sorted((r["length"], r[metric]) for r in rows if _label(r) == label)
+        style = ({"color": "gray", "linestyle": "--", "marker": "s", "markerfacecolor": "none", "zorder": 3}
+                 if label == "dense" else {"marker": "o"})
+        ax.plot(*zip(*points), label=label, **style)
+    lengths = sorted({r["length"] for r in rows})
+    ax.set(xlabel="prompt tokens", ylabel=metric, ylim=(-0.05, 1.05), title=f"{metric} vs length", xscale="log")
+    ax.set_xticks(lengths, [str(n) for n in lengths])
+    ax.minorticks_off()
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    path = stem.with_name(stem.name + "-length.png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _budget_plot(rows: list[dict], metric: str, stem: Path, plt) -> Path:
     lengths = sorted({r["length"] for r in rows})
     fig, axes = plt.subplots(1, len(lengths), figsize=(4 * len(lengths), 3.2), squeeze=False)
     for ax, length in zip(axes[0], lengths):
@@ -117,12 +147,10 @@ def plots(rows: list[dict], records: list[dict], task: str, stem: Path) -> list[
         ax.minorticks_off()
         ax.legend(fontsize=7)
     fig.tight_layout()
-    written = [stem.with_name(stem.name + "-budget.png")]
-    fig.savefig(written[0], dpi=110)
+    path = stem.with_name(stem.name + "-budget.png")
+    fig.savefig(path, dpi=110)
     plt.close(fig)
-    if task != "fidelity":
-        written.append(_depth_plot(records, stem, plt))
-    return written
+    return path
 
 
 def _depth_plot(records: list[dict], stem: Path, plt) -> Path:
