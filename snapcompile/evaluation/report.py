@@ -118,16 +118,10 @@ def _length_plot(rows: list[dict], metric: str, stem: Path, plt) -> Path:
         style = ({"color": "gray", "linestyle": "--", "marker": "s", "markerfacecolor": "none", "zorder": 3}
                  if label == "dense" else {"marker": "o"})
         ax.plot(*zip(*points), label=label, **style)
-    lengths = sorted({r["length"] for r in rows})
-    ax.set(xlabel="prompt tokens", ylabel=metric, ylim=(-0.05, 1.05), title=f"{metric} vs length", xscale="log")
-    ax.set_xticks(lengths, [str(n) for n in lengths])
-    ax.minorticks_off()
+    ax.set(xlabel="prompt tokens", ylabel=metric, ylim=(-0.05, 1.05), title=f"{metric} vs length")
+    _log_ticks(ax, {r["length"] for r in rows})
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    path = stem.with_name(stem.name + "-length.png")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, stem, "length", plt)
 
 
 def _budget_plot(rows: list[dict], metric: str, stem: Path, plt) -> Path:
@@ -141,13 +135,23 @@ def _budget_plot(rows: list[dict], metric: str, stem: Path, plt) -> Path:
         dense = [r[metric] for r in rows if r["policy"] == "dense" and r["length"] == length]
         if dense:
             ax.axhline(dense[0], color="gray", linestyle="--", label="dense")
-        ax.set(title=f"{length} tokens", xlabel="budget B", ylabel=metric, ylim=(-0.05, 1.05), xscale="log")
-        budgets = sorted({r["budget"] for r in rows if r["budget"] and r["length"] == length})
-        ax.set_xticks(budgets, [str(b) for b in budgets])
-        ax.minorticks_off()
+        ax.set(title=f"{length} tokens", xlabel="budget B", ylabel=metric, ylim=(-0.05, 1.05))
+        _log_ticks(ax, {r["budget"] for r in rows if r["budget"] and r["length"] == length})
         ax.legend(fontsize=7)
+    return _save(fig, stem, "budget", plt)
+
+
+def _log_ticks(ax, values) -> None:
+    """A log x axis ticked at exactly `values`."""
+    values = sorted(values)
+    ax.set_xscale("log")
+    ax.set_xticks(values, [str(v) for v in values])
+    ax.minorticks_off()
+
+
+def _save(fig, stem: Path, kind: str, plt) -> Path:
     fig.tight_layout()
-    path = stem.with_name(stem.name + "-budget.png")
+    path = stem.with_name(f"{stem.name}-{kind}.png")
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
@@ -166,11 +170,7 @@ def _depth_plot(records: list[dict], stem: Path, plt) -> Path:
         ax.plot(depths, [sum(by_depth[d]) / len(by_depth[d]) for d in depths], marker="o", label=label)
     ax.set(xlabel="needle depth", ylabel="accuracy", ylim=(-0.05, 1.05), title="accuracy vs depth")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    path = stem.with_name(stem.name + "-depth.png")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, stem, "depth", plt)
 
 
 def _nearest_quarter(records: list[dict], record: dict) -> bool:
