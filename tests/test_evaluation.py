@@ -124,6 +124,8 @@ def test_eval_cli_writes_json_markdown_and_plots(tmp_path):
     (["--task", "passkey", "--lengths", "10"], "--lengths"),
     (["--policies", "dense,h2o"], "unknown policies"),
     (["--depths", "1.5"], "--depths"),
+    (["--ratios", "1"], "--ratios"),
+    (["--ratios", "four"], "comma-separated int"),
 ])
 def test_eval_bad_input(tmp_path, args, message):
     result = CliRunner().invoke(main, ["eval", "tiny-llama", "-o", str(tmp_path / "x.json"), *args])
