@@ -7,18 +7,13 @@ from snapcompile.passes.compress_decode import compress_decode
 from snapcompile.passes.match import MatchFailure
 from snapcompile.passes.snapkv_prefill import add_window_queries
 from snapcompile.passes.snapkv_select import SelectionWriter
-from snapcompile.artifact import Manifest
+from snapcompile.artifact import Manifest, is_prefill_graph
 from snapcompile.config import PolicyConfig
 from snapcompile.errors import SnapcompileError
 from snapcompile.export import verify_graph
 
 
 LOWERINGS = ("standard", "plugin")
-
-
-def prefill_graphs(graphs) -> list[str]:
-    """Names of the prefill graphs: "prefill" and its buckets "prefill_<rows>"."""
-    return [name for name in graphs if name == "prefill" or name.startswith("prefill_")]
 
 
 def compress_graphs(graphs: dict[str, onnx.ModelProto], manifest: Manifest,
@@ -42,7 +37,7 @@ def compress_graphs(graphs: dict[str, onnx.ModelProto], manifest: Manifest,
         out["decode"], report = compress_decode(graphs["decode"], spec.num_layers, policy.budget)
         manifest.passes.append(report)
         if policy.policy == "snapstream":
-            for name in prefill_graphs(graphs):
+            for name in filter(is_prefill_graph, graphs):
                 out[name], report = add_window_queries(graphs[name], spec, policy.window, name)
                 manifest.passes.append(report)
             out["select"] = SelectionWriter(spec, policy, manifest.export.max_context).build()

@@ -83,6 +83,21 @@ class Manifest:
                    lowering=d.get("lowering", "standard"), source=source)
 
 
+def prefill_graph_name(cache_rows: int, max_context: int) -> str:
+    """"prefill" for the graph against max_context rows, "prefill_<rows>" for a bucket."""
+    return "prefill" if cache_rows == max_context else f"prefill_{cache_rows}"
+
+
+def is_prefill_graph(name: str) -> bool:
+    return name == "prefill" or bucket_rows(name) is not None
+
+
+def bucket_rows(name: str) -> int | None:
+    """The cache rows of a bucket prefill graph "prefill_<rows>"; None for any other graph."""
+    prefix, _, rows = name.partition("_")
+    return int(rows) if prefix == "prefill" and rows.isdigit() else None
+
+
 def artifact_key(source: str, export: ExportConfig, policy: PolicyConfig) -> str:
     """A folder name that changes whenever the model, the export shapes, the policy or the graphs
     this version writes change (eval and bench cache their built artifacts under it)."""

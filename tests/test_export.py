@@ -49,6 +49,9 @@ def test_prefill_buckets_double_from_two_chunks_below_max_context(tiny_dense_dir
     from snapcompile.llama_graph import prefill_buckets
     assert prefill_buckets(ExportConfig(max_context=8224, chunk=256)) == [512, 1024, 2048, 4096]
     assert prefill_buckets(ExportConfig(max_context=512, chunk=256)) == []
+    from snapcompile.artifact import bucket_rows, is_prefill_graph
+    assert [bucket_rows(n) for n in ("prefill_128", "prefill", "decode", "select")] == [128, None, None, None]
+    assert [is_prefill_graph(n) for n in ("prefill", "prefill_128", "decode")] == [True, True, False]
     manifest = read_manifest(tiny_dense_dir)
     assert sorted(manifest.graphs) == ["decode", "prefill", "prefill_128", "prefill_256"]
     past = {i["name"]: i["shape"] for i in manifest.graphs["prefill_128"]["inputs"]}["past_key.0"]

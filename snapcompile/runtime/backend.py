@@ -17,7 +17,7 @@ from typing import Protocol
 
 import numpy as np
 
-from snapcompile.artifact import Manifest, read_manifest
+from snapcompile.artifact import Manifest, bucket_rows, read_manifest
 from snapcompile.errors import SnapcompileError
 from snapcompile.layout import DecodeStep, SlotLayout
 
@@ -70,8 +70,8 @@ class SlotBackend:
         self.keys = [self._kv(self.slots, self.capacity) for _ in self._layers]
         self.values = [self._kv(self.slots, self.capacity) for _ in self._layers]
         self.prefill_graph = device.graph("prefill", m)
-        self.bucket_graphs = {int(name.split("_")[1]): device.graph(name, m)     # rows -> graph
-                              for name in m.graphs if name.startswith("prefill_")}
+        self.bucket_graphs = {bucket_rows(name): device.graph(name, m)           # rows -> graph
+                              for name in m.graphs if bucket_rows(name) is not None}
         self.decode_graph = device.graph("decode", m)
         self.select_graph = device.graph("select", m) if "select" in m.graphs else None
         self._init_prefill()

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import numpy as np
 
-from snapcompile.artifact import WEIGHTS, Manifest, load_graph
+from snapcompile.artifact import WEIGHTS, Manifest, is_prefill_graph, load_graph
 from snapcompile.errors import SnapcompileError
 from snapcompile.runtime.backend import SlotBackend
 
@@ -17,11 +17,15 @@ class OrtGraph:
     """An InferenceSession plus an IOBinding whose inputs/outputs point into numpy buffers."""
 
     def __init__(self, path: Path, providers: list[str], threads: int | None, custom_ops: bool,
-                 shared: "SharedWeights | None" = None):
+                 initializers: dict | None = None):
+        """initializers: name -> OrtValue the session uses instead of reading the weights
+        itself (SharedWeights); MatMul pre-packing is then off, so it keeps no copy either."""
         import onnxruntime as ort
         options = ort.SessionOptions()
-        if shared is not None:
-            shared.add_to(options, path)
+        if initializers:
+            for name, value in initializers.items():
+                options.add_initializer(name, value)
+            options.add_session_config_entry("session.disable_prepacking", "1")
         if custom_ops:
             from snapcompile.plugins import ort_ops
             ort_ops.add_to(options)
@@ -58,14 +62,12 @@ class SharedWeights:
         self._blob = None
         self._values = {}                     # (offset, length, dtype, dims) -> OrtValue
 
-    def add_to(self, options, graph_path: Path) -> None:
-        import onnx
+    def initializers(self, model) -> dict:
+        """name -> OrtValue viewing weights.bin, for every external initializer of `model`
+        (an onnx.ModelProto loaded without its data)."""
         from onnx import TensorProto
-        model = onnx.load(str(graph_path), load_external_data=False)
-        for tensor in model.graph.initializer:
-            if tensor.data_location == TensorProto.EXTERNAL:
-                options.add_initializer(tensor.name, self._value(tensor))
-        options.add_session_config_entry("session.disable_prepacking", "1")
+        return {tensor.name: self._value(tensor) for tensor in model.graph.initializer
+                if tensor.data_location == TensorProto.EXTERNAL}
 
     def _value(self, tensor):
         import onnxruntime as ort
@@ -88,19 +90,20 @@ class OrtDevice:
         self.folder, self.threads = Path(folder), threads
         self.providers = _providers(provider, ort.get_available_providers())
         self.shared = SharedWeights(self.folder) if provider == "cpu" else None
+        self.models = {}                      # graph name -> ModelProto without weights, from check()
 
     def check(self, folder: Path, manifest: Manifest) -> None:
-        for name in manifest.graphs:
-            load_graph(folder, manifest, name)   # fingerprint and I/O checks
+        """Fingerprint and I/O checks of every graph (SlotBackend calls it before `graph`)."""
+        self.models = {name: load_graph(folder, manifest, name) for name in manifest.graphs}
 
     def zeros(self, shape, dtype: str) -> np.ndarray:
         return np.zeros(shape, np.dtype(dtype))
 
     def graph(self, name: str, manifest: Manifest) -> OrtGraph:
-        prefill = name.startswith("prefill")
+        prefill = is_prefill_graph(name)
+        shared = self.shared.initializers(self.models[name]) if prefill and self.shared else None
         return OrtGraph(self.folder / manifest.graphs[name]["file"], self.providers, self.threads,
-                        custom_ops=manifest.lowering == "plugin" and not prefill,
-                        shared=self.shared if prefill else None)
+                        custom_ops=manifest.lowering == "plugin" and not prefill, initializers=shared)
 
     def upload(self, target: np.ndarray, host: np.ndarray) -> None:
         target[...] = host
