@@ -11,7 +11,7 @@ import click
 from snapcompile.cli_report import csv_option, write_report
 from snapcompile.errors import SnapcompileError
 
-DEFAULT_BUDGETS = "256,512,1024,2048"
+DEFAULT_BUDGETS = (256, 512, 1024, 2048)
 
 
 @click.command(name="eval")
@@ -20,7 +20,7 @@ DEFAULT_BUDGETS = "256,512,1024,2048"
 @click.option("--policies", default="dense,streamingllm,snapstream", show_default=True, callback=csv_option(str))
 @click.option("--budgets", default=None, callback=csv_option(int),
               help="KV budgets; a budget >= a prompt's length compresses nothing and is skipped for it. "
-                   f"[default: {DEFAULT_BUDGETS}, or none when --ratios is given]")
+                   f"[default: {','.join(map(str, DEFAULT_BUDGETS))}, or none when --ratios is given]")
 @click.option("--ratios", default="", callback=csv_option(int),
               help="Compression ratios: at each length L, also evaluate budget L // ratio "
                    "(--ratios 4 is budget = context/4 at every length).")
@@ -55,7 +55,7 @@ def eval_command(model_or_dir, task, policies, budgets, ratios, lengths, depths,
     if unknown:
         raise SnapcompileError(f"unknown policies: {', '.join(sorted(unknown))}")
     if budgets is None:
-        budgets = () if ratios else tuple(int(b) for b in DEFAULT_BUDGETS.split(","))
+        budgets = () if ratios else DEFAULT_BUDGETS
     config = EvalConfig(model_or_dir, task, policies, budgets, lengths, depths, samples, seed, slots=slots,
                         scope=scope, ratios=ratios)
     started = time.perf_counter()

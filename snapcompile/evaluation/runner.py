@@ -164,18 +164,17 @@ def run_eval(config: EvalConfig, results_path: Path, cache_dir: Path, progress=N
     tokenizer = AutoTokenizer.from_pretrained(str(dense_dir))
     cases = make_cases(config.task, tokenizer, config.lengths, config.depths, config.samples, config.seed, chat)
     store = ResultStore(Path(str(results_path) + ".partial.jsonl"), config)
-    runs = config.runs()
-    total = sum(1 for p, b in runs for c in cases if config.applies(p, b, c))
+    cells = {(p, b): [c for c in cases if config.applies(p, b, c)] for p, b in config.runs()}
+    pending = {(p, b): [c for c in applied if not store.done(c, p, b)] for (p, b), applied in cells.items()}
     if progress:
-        progress(sum(1 for p, b in runs for c in cases if config.applies(p, b, c) and store.done(c, p, b)), total)
+        progress(sum(map(len, cells.values())) - sum(map(len, pending.values())), sum(map(len, cells.values())))
     if config.task == "fidelity":
-        _run_fidelity(config, cases, runs, cache, store, tokenizer, progress)
+        _run_fidelity(config, cases, pending, cache, store, tokenizer, progress)
     else:
-        for policy, budget in runs:
-            pending = [c for c in cases if config.applies(policy, budget, c) and not store.done(c, policy, budget)]
-            if pending:
+        for (policy, budget), todo in pending.items():
+            if todo:
                 folder = cache.get(policy_for(policy, budget, config.scope))
-                _run_retrieval(folder, pending, policy, budget, chat, store, progress)
+                _run_retrieval(folder, todo, policy, budget, chat, store, progress)
     return list(store.records.values())
 
 
@@ -201,11 +200,11 @@ def _run_retrieval(folder: Path, cases: list[Case], policy: str, budget: int | N
             progress(1, None)
 
 
-def _run_fidelity(config: EvalConfig, cases: list[Case], runs, cache: ArtifactCache, store: ResultStore,
+def _run_fidelity(config: EvalConfig, cases: list[Case], pending: dict, cache: ArtifactCache, store: ResultStore,
                   tokenizer, progress) -> None:
+    """pending: (policy, budget) -> the cases still to run for it."""
     from snapcompile.prompts import encode
     from snapcompile.runtime.ort_backend import OrtBackend
-    pending = {(p, b): [c for c in cases if config.applies(p, b, c) and not store.done(c, p, b)] for p, b in runs}
     if not any(pending.values()):
         return
     dense_backend = OrtBackend(cache.dense())
@@ -214,6 +213,8 @@ def _run_fidelity(config: EvalConfig, cases: list[Case], runs, cache: ArtifactCa
              if any(c in todo for todo in pending.values())}
     del dense_backend
     for (policy, budget), todo in pending.items():
+        if not todo:
+            continue
         backend = OrtBackend(cache.get(policy_for(policy, budget, config.scope))) if policy != "dense" else None
         for case in todo:
             tokens, reference = dense[case.key]
