@@ -68,7 +68,9 @@ def eval_command(model_or_dir, task, policies, budgets, ratios, lengths, depths,
                            log=lambda msg: tqdm.write(msg, file=sys.stderr))
     seconds = time.perf_counter() - started
     rows = report.summarize(records, task, config.ratios)
-    payload = {"config": json.loads(json.dumps(config.__dict__)), "summary": rows,
+    lost = report.lost_cases(records) if task != "fidelity" else []
+    payload = {"config": json.loads(json.dumps(config.__dict__)), "summary": rows, "lost": lost,
                "records": sorted(records, key=lambda r: r["id"]), "seconds_this_run": seconds}
-    write_report(output, payload, report.markdown(rows, task), lambda stem: report.plots(rows, records, task, stem),
+    write_report(output, payload, report.markdown(rows, task) + report.lost_markdown(lost),
+                 lambda stem: report.plots(rows, records, task, stem),
                  {"summary": rows, "seconds_this_run": seconds}, as_json, f"{seconds:.0f} s this run")

@@ -5,7 +5,7 @@ from transformers import AutoTokenizer
 
 from snapcompile.engine.engine import Engine
 from snapcompile.engine.request import Request, SamplingParams, Sequence, Status
-from snapcompile.engine.sampling import sample
+from snapcompile.engine.sampling import sample, top_logprobs
 from snapcompile.engine.scheduler import Scheduler
 from snapcompile.engine.slots import SlotPool
 from snapcompile.errors import SnapcompileError
@@ -58,6 +58,28 @@ def test_sampling_greedy_and_seeded():
 def test_invalid_sampling_params(kwargs):
     with pytest.raises(SnapcompileError):
         SamplingParams(**kwargs)
+
+
+def test_top_logprobs_are_the_likeliest_tokens_in_order():
+    logits = np.array([0.5, 3.0, 3.0, -2.0, 1.0], np.float32)
+    expected = np.log(np.exp(logits.astype(np.float64)) / np.exp(logits.astype(np.float64)).sum())
+    top = top_logprobs(logits, 3)
+    assert [i for i, _ in top] == [1, 2, 4], "ties go to the lower id, as greedy sampling's"
+    assert [lp for _, lp in top] == pytest.approx(expected[[1, 2, 4]])
+    assert len(top_logprobs(logits, 99)) == 5
+    with pytest.raises(SnapcompileError, match="top_logprobs"):
+        Request([1, 2], top_logprobs=-1)
+
+
+def test_results_carry_top_logprobs_of_every_token_only_when_asked(tiny_snap_dir):
+    prompt = random_prompts([60], seed=5)[0]
+    asked, plain = _engine(tiny_snap_dir).generate([Request(prompt, max_new_tokens=6, top_logprobs=3),
+                                                    Request(prompt, max_new_tokens=6)])
+    assert asked.output_ids == plain.output_ids and plain.top_logprobs == []
+    assert len(asked.top_logprobs) == len(asked.output_ids)
+    for token, top in zip(asked.output_ids, asked.top_logprobs):
+        assert top[0][0] == token and len(top) == 3, "greedy picks the likeliest token"
+        assert top[0][1] >= top[1][1] >= top[2][1] and top[0][1] <= 0.0
 
 
 def _engine(folder, **kwargs):

@@ -69,7 +69,7 @@ def test_summary_and_markdown_by_hand():
     table = report.markdown(rows, "passkey")
     assert "| snapstream B=32 | 67% (3) | — |" in table and "| dense | 67% (3) | 0% (1) |" in table
     assert "| snapstream B=L/4 | — | 100% (1), B=50 |" in table
-    assert "| snapstream B=32 | 100% (50%) | — |" in table
+    assert "| snapstream B=32 | 100% / 50% | — |" in table and "Dense-sure" not in table, "no margins recorded"
 
 
 def test_ratios_give_one_budget_per_length():
@@ -99,8 +99,15 @@ def test_run_is_resumable_and_reproducible(tmp_path):
     assert sorted(r["id"] for r in first) == sorted(r["id"] for r in second)
     fresh = run_eval(config, tmp_path / "again.json", tmp_path / "cache", log=lambda m: None)
     assert sorted((r["id"], r["text"]) for r in fresh) == sorted((r["id"], r["text"]) for r in first)
-    other = EvalConfig("tiny-llama", "passkey", ("dense",), (128,), (400,), (0.5,), 1, seed=1)
-    with pytest.raises(SnapcompileError, match="another configuration"):
+    for record in first:
+        margin = record["answer_margin"]
+        assert (margin is None) != record["correct"] and (margin is None or 0.0 <= margin <= 1.0)
+    more = EvalConfig("tiny-llama", "passkey", ("dense",), (128,), (400,), (0.5,), 3, seed=1)
+    extended = run_eval(more, out, tmp_path / "cache", log=lambda m: None)
+    assert len(partial.read_text().splitlines()) == 6, "a wider grid runs only its new cases"
+    assert sorted(r["id"] for r in extended) == [f"dense@-/passkey/L400/d0.50/s{s}" for s in range(3)]
+    other = EvalConfig("tiny-llama", "passkey", ("dense",), (128,), (400,), (0.5,), 1, seed=2)
+    with pytest.raises(SnapcompileError, match="another model, task, seed"):
         run_eval(other, out, tmp_path / "cache", log=lambda m: None)
 
 
@@ -144,8 +151,49 @@ def test_results_written_before_a_new_field_still_resume(tmp_path):
     path.write_text(_json.dumps(old) + "\n" + _json.dumps({"id": "x", "policy": "dense"}) + "\n")
     assert list(ResultStore(path, config).records) == ["x"]
     layer = EvalConfig("tiny-llama", "passkey", ("dense",), (128,), (400,), (0.5,), 1, seed=1, scope="layer")
-    with pytest.raises(SnapcompileError, match="another configuration"):
+    with pytest.raises(SnapcompileError, match="another model"):
         ResultStore(path, layer)
+    longer = EvalConfig("tiny-llama", "passkey", ("dense",), (128,), (400, 800), (0.5,), 1, seed=1)
+    with pytest.raises(SnapcompileError, match="artifact shape"):
+        ResultStore(path, longer)
+
+
+def test_answer_margin_reads_the_tokens_that_spell_the_answer():
+    import math
+
+    from snapcompile.engine.engine import Result
+    from snapcompile.evaluation.runner import answer_margin
+
+    class Chars:                      # token id i decodes to chr(i)
+        def decode(self, ids, skip_special_tokens=True):
+            return "".join(map(chr, ids))
+    text = "n: 42."
+    ids = [ord(c) for c in text]
+    gaps = [0.9, 0.9, 0.9, 0.3, 0.2, 0.05]          # p1 - p2 at each token; "4" 0.3, "2" 0.2
+    top = [[(i, math.log((1 + g) / 2)), (0, math.log((1 - g) / 2))] for i, g in zip(ids, gaps)]
+    result = Result("r", 3, ids, text, "length", None, None, 0.0, top)
+    assert answer_margin(Chars(), result, "42") == pytest.approx(0.2)
+    assert answer_margin(Chars(), result, "7") is None
+    assert answer_margin(Chars(), Result("r", 3, ids, text, "length", None, None, 0.0, []), "42") is None
+
+
+def test_lost_cases_and_sure_retention_by_hand():
+    def rec(policy, budget, sample, correct, margin=None, text=""):
+        return {"id": f"{policy}@{budget or '-'}/passkey/L100/d0.50/s{sample}", "policy": policy, "budget": budget,
+                "length": 100, "depth": 0.5, "sample": sample, "answer": "123", "correct": correct,
+                "answer_margin": margin, "text": text}
+    records = [rec("dense", None, 0, True, 0.9, "123"), rec("dense", None, 1, True, 0.03, "123"),
+               rec("dense", None, 2, False),
+               rec("snapstream", 25, 0, True, 0.8, "123"), rec("snapstream", 25, 1, False, None, "129|x"),
+               rec("snapstream", 25, 2, True, 0.5, "123")]
+    snap = [r for r in report.summarize(records, "passkey", ratios=(4,)) if r["policy"] == "snapstream"][0]
+    assert snap["kept_of_dense_correct"] == 0.5 and (snap["dense_sure"], snap["kept_of_dense_sure"]) == (1, 1.0)
+    lost = report.lost_cases(records)
+    assert [(c["case"], c["dense_margin"], c["text"]) for c in lost] == [("passkey/L100/d0.50/s1", 0.03, "129|x")]
+    table = report.markdown(report.summarize(records, "passkey", ratios=(4,)), "passkey")
+    assert "| snapstream B=L/4 | 100% / 50% / 100% (1) |" in table
+    assert "| snapstream B=25 | passkey/L100/d0.50/s1 | 123 | 123 (0.03) | 129\\|x |" in report.lost_markdown(lost)
+    assert report.lost_markdown([]) == ""
 
 
 def test_policy_sweep_script(tmp_path):

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from snapcompile.engine.request import Request, Sequence
-from snapcompile.engine.sampling import sample
+from snapcompile.engine.sampling import sample, top_logprobs
 from snapcompile.engine.scheduler import Scheduler
 from snapcompile.errors import SnapcompileError
 
@@ -37,6 +37,7 @@ class Result:
     error: str | None
     ttft_s: float | None
     latency_s: float
+    top_logprobs: list[list[tuple[int, float]]]   # per output token; empty unless the request asked
 
 
 class Engine:
@@ -103,7 +104,8 @@ class Engine:
             raise ValueError(f"{request_id} has not finished")
         ttft = seq.first_token_at - seq.submitted_at if seq.first_token_at is not None else None
         return Result(request_id, len(seq.request.prompt_ids), list(seq.output_ids), seq.text,
-                      seq.finish_reason, seq.error, ttft, seq.finished_at - seq.submitted_at)
+                      seq.finish_reason, seq.error, ttft, seq.finished_at - seq.submitted_at,
+                      list(seq.top_logprobs))
 
     def kv_bytes_in_use(self) -> int:
         return self.backend.kv_bytes_in_use()
@@ -145,6 +147,8 @@ class Engine:
     def _emit(self, seq: Sequence, logits: np.ndarray) -> TokenEvent:
         request = seq.request
         token = sample(logits, request.sampling, self._rngs[request.request_id])
+        if request.top_logprobs:
+            seq.top_logprobs.append(top_logprobs(logits, request.top_logprobs))
         if seq.first_token_at is None:
             seq.first_token_at = self.clock()
         seq.output_ids.append(token)

@@ -35,12 +35,15 @@ class Request:
     stop: tuple[str, ...] = ()
     sampling: SamplingParams = field(default_factory=SamplingParams)
     request_id: str = ""
+    top_logprobs: int = 0          # record this many most likely tokens per generated token
 
     def __post_init__(self):
         if not self.request_id:
             self.request_id = f"req-{next(_ids)}"
         if self.max_new_tokens < 1:
             raise SnapcompileError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.top_logprobs < 0:
+            raise SnapcompileError(f"top_logprobs must be >= 0, got {self.top_logprobs}")
 
 
 class Status(Enum):
@@ -58,6 +61,7 @@ class Sequence:
     status: Status = Status.WAITING
     slot: int | None = None
     output_ids: list[int] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None
     error: str | None = None

@@ -20,3 +20,13 @@ def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator)
         keep = int(np.searchsorted(np.cumsum(probs), params.top_p) + 1)
         order, probs = order[:keep], probs[:keep] / probs[:keep].sum()
     return int(order[rng.choice(len(order), p=probs)])
+
+
+def top_logprobs(logits: np.ndarray, k: int) -> list[tuple[int, float]]:
+    """The k most likely tokens of logits [V] as (token id, natural-log probability), most likely
+    first (ties to the lower id, as greedy sampling breaks them)."""
+    scaled = logits.astype(np.float64)
+    log_probs = scaled - scaled.max()
+    log_probs -= np.log(np.exp(log_probs).sum())
+    order = np.argsort(-log_probs, kind="stable")[:k]
+    return [(int(i), float(log_probs[i])) for i in order]

@@ -4,6 +4,8 @@ from __future__ import annotations
 from collections import defaultdict
 from pathlib import Path
 
+SURE_MARGIN = 0.1   # dense answered "surely" when every answer token beat the runner-up by this much
+
 
 def _label(row: dict) -> str:
     if row["policy"] == "dense":
@@ -44,14 +46,39 @@ def summarize(records: list[dict], task: str, ratios=()) -> list[dict]:
 def _add_retention(rows: list[dict], groups: dict) -> None:
     """retained_vs_dense: accuracy / dense accuracy at the same length (None where dense got
     nothing right). kept_of_dense_correct: of the cases dense answered correctly, the share this
-    row answered correctly too (paired by case; None without such cases)."""
+    row answered correctly too (paired by case; None without such cases). kept_of_dense_sure: the
+    same over the cases dense answered with an answer margin >= SURE_MARGIN (dense_sure of them;
+    None when the records carry no margins)."""
     dense = {r["length"]: r["accuracy"] for r in rows if r["policy"] == "dense"}
     for r in rows:
         base = dense.get(r["length"])
         r["retained_vs_dense"] = r["accuracy"] / base if base else None
-        dense_right = {_case_key(c) for c in groups.get(("dense", None, r["length"]), []) if c["correct"]}
-        mine = [c for c in groups[(r["policy"], r["budget"], r["length"])] if _case_key(c) in dense_right]
-        r["kept_of_dense_correct"] = sum(c["correct"] for c in mine) / len(mine) if mine else None
+        dense_cases = groups.get(("dense", None, r["length"]), [])
+        mine = groups[(r["policy"], r["budget"], r["length"])]
+        r["kept_of_dense_correct"] = _kept(mine, {_case_key(c) for c in dense_cases if c["correct"]})
+        if any("answer_margin" in c for c in dense_cases):
+            sure = {_case_key(c) for c in dense_cases if (c.get("answer_margin") or 0) >= SURE_MARGIN}
+            r["dense_sure"], r["kept_of_dense_sure"] = len(sure), _kept(mine, sure)
+
+
+def _kept(records: list[dict], keys: set) -> float | None:
+    """The share of `records` whose case is in `keys` that are correct (None if there are none)."""
+    paired = [c for c in records if _case_key(c) in keys]
+    return sum(c["correct"] for c in paired) / len(paired) if paired else None
+
+
+def lost_cases(records: list[dict]) -> list[dict]:
+    """Cases dense answered correctly that a compressed policy got wrong, with both answers and
+    dense's answer margin (how close dense itself came to answering otherwise)."""
+    dense = {_case_key(r): r for r in records if r["policy"] == "dense" and r["correct"]}
+    lost = []
+    for r in records:
+        right = dense.get(_case_key(r))
+        if r["policy"] != "dense" and right and not r["correct"]:
+            lost.append({"policy": r["policy"], "budget": r["budget"], "case": r["id"].split("/", 1)[1],
+                         "answer": r["answer"], "dense_text": right["text"], "text": r["text"],
+                         "dense_margin": right.get("answer_margin")})
+    return sorted(lost, key=lambda c: (c["policy"], c["budget"], c["case"]))
 
 
 def _percent(value) -> str:
@@ -79,16 +106,38 @@ def markdown(rows: list[dict], task: str) -> str:
         lines.append(f"| {label} | " + " | ".join(out) + " |")
     if task == "fidelity":
         return "\n".join(lines) + "\n"
-    lines += ["", f"| {task}: retained vs dense (paired: kept of dense-correct) | {header} |",
-              "|---|" + "---|" * len(lengths)]
+    lines += ["", f"| {task}: retained vs dense / kept of dense-correct / kept of dense-sure (sure cases) "
+              f"| {header} |", "|---|" + "---|" * len(lengths)]
     for label in labels[1:] if labels and labels[0] == "dense" else labels:
         out = []
         for length in lengths:
             r = cells.get((label, length))
             out.append("—" if r is None else
-                       f"{_percent(r['retained_vs_dense'])} ({_percent(r['kept_of_dense_correct'])})")
+                       f"{_percent(r['retained_vs_dense'])} / {_percent(r['kept_of_dense_correct'])}"
+                       + (f" / {_percent(r['kept_of_dense_sure'])} ({r['dense_sure']})" if "dense_sure" in r else ""))
         lines.append(f"| {label} | " + " | ".join(out) + " |")
+    if any("dense_sure" in r for r in rows):
+        lines.append(f"\nDense-sure: dense answered correctly and every answer token beat the runner-up by >= "
+                     f"{SURE_MARGIN} in probability.")
     return "\n".join(lines) + "\n"
+
+
+def lost_markdown(lost: list[dict]) -> str:
+    """A table of lost_cases() (empty string when nothing was lost)."""
+    if not lost:
+        return ""
+    lines = ["", "Answers dense had right and a compressed policy got wrong:", "",
+             "| policy | case | expected | dense answer (margin) | policy answer |", "|---|---|---|---|---|"]
+    for c in lost:
+        margin = "?" if c["dense_margin"] is None else f"{c['dense_margin']:.2f}"
+        lines.append(f"| {c['policy']} B={c['budget']} | {c['case']} | {c['answer']} | {_cell(c['dense_text'])} "
+                     f"({margin}) | {_cell(c['text'])} |")
+    return "\n".join(lines) + "\n"
+
+
+def _cell(text: str) -> str:
+    """`text` fit for one Markdown table cell (one line, no column breaks, at most 48 characters)."""
+    return text.replace("|", "\\|").replace("\n", " ")[:48]
 
 
 def _budget_note(row: dict) -> str:

@@ -22,6 +22,7 @@ from snapcompile.evaluation.tasks import TASKS, Case, make_cases
 
 ANSWER_TOKENS = 16
 FIDELITY_TOKENS = 64
+TOP_LOGPROBS = 2            # per answer token: enough for the margin between the two likeliest
 
 
 @dataclass(frozen=True)
@@ -115,7 +116,11 @@ class ArtifactCache:
 
 
 class ResultStore:
-    """Finished case records, appended one JSON line each (the resume point)."""
+    """Finished case records, appended one JSON line each (the resume point).
+
+    A run may reuse the file of an earlier run that differs only in its grid (policies, budgets,
+    ratios, depths, samples, lengths up to the same longest): a record depends only on its case,
+    policy and budget, and on the fields in `_SAME_RESULTS`, which must match."""
 
     def __init__(self, path: Path, config: EvalConfig):
         self.path = Path(path)
@@ -123,8 +128,9 @@ class ResultStore:
         self.records: dict[str, dict] = {}
         if self.path.is_file():
             lines = self.path.read_text().splitlines()
-            if lines and not _same_config(json.loads(lines[0]), config):
-                raise SnapcompileError(f"{self.path} belongs to another configuration: delete it or change -o")
+            if lines and not _same_results(json.loads(lines[0]), config):
+                raise SnapcompileError(f"{self.path} holds results of another model, task, seed, scope or "
+                                       "artifact shape: delete it or change -o")
             for line in lines[1:]:
                 if line.strip():
                     record = json.loads(line)
@@ -146,11 +152,17 @@ class ResultStore:
             handle.write(json.dumps(record) + "\n")
 
 
-def _same_config(stored: dict, config: EvalConfig) -> bool:
-    """Whether a stored configuration is `config`; fields it predates count as their defaults."""
+_SAME_RESULTS = ("source", "task", "seed", "slots", "chunk", "scope")
+
+
+def _same_results(stored: dict, config: EvalConfig) -> bool:
+    """Whether records stored under configuration `stored` are valid for `config`: same fields of
+    `_SAME_RESULTS` (those it predates count as their defaults) and the same artifact shape (its
+    longest length)."""
     current = json.loads(json.dumps(asdict(config)))
     defaults = json.loads(json.dumps({f.name: f.default for f in fields(EvalConfig) if f.default is not MISSING}))
-    return set(stored) <= set(current) and all(stored.get(k, defaults.get(k)) == v for k, v in current.items())
+    same = all(stored.get(k, defaults.get(k)) == current[k] for k in _SAME_RESULTS)
+    return same and stored.get("task") is not None and max(stored.get("lengths") or [0]) == max(config.lengths)
 
 
 def run_eval(config: EvalConfig, results_path: Path, cache_dir: Path, progress=None,
@@ -175,7 +187,8 @@ def run_eval(config: EvalConfig, results_path: Path, cache_dir: Path, progress=N
             if todo:
                 folder = cache.get(policy_for(policy, budget, config.scope))
                 _run_retrieval(folder, todo, policy, budget, chat, store, progress)
-    return list(store.records.values())
+    ids = [store.record_id(c, p, b) for (p, b), applied in cells.items() for c in applied]
+    return [store.records[i] for i in ids if i in store.records]
 
 
 def _run_retrieval(folder: Path, cases: list[Case], policy: str, budget: int | None, chat: bool,
@@ -186,18 +199,40 @@ def _run_retrieval(folder: Path, cases: list[Case], policy: str, budget: int | N
     by_id = {}
     for case in cases:
         request = Request(engine.encode(case.prompt, chat), max_new_tokens=ANSWER_TOKENS,
-                          request_id=store.record_id(case, policy, budget))
+                          request_id=store.record_id(case, policy, budget), top_logprobs=TOP_LOGPROBS)
         by_id[request.request_id] = (case, request)
     for event in engine.stream([r for _, r in by_id.values()]):
         if not event.finished:
             continue
         case, _ = by_id[event.request_id]
         result = engine.result(event.request_id)
+        correct = result.error is None and case.answer in result.text
         store.add({"id": event.request_id, "policy": policy, "budget": budget, **case.to_dict(),
                    "prompt_tokens": result.prompt_tokens, "text": result.text, "error": result.error,
-                   "correct": result.error is None and case.answer in result.text})
+                   "correct": correct,
+                   "answer_margin": answer_margin(engine.tokenizer, result, case.answer) if correct else None})
         if progress:
             progress(1, None)
+
+
+def answer_margin(tokenizer, result, answer: str) -> float | None:
+    """How firmly the answer was chosen: over the generated tokens that spell `answer` (its first
+    occurrence in result.text), the least gap between the probabilities of the likeliest and the
+    second likeliest token (0..1; near 0: a coin toss between two continuations). None when the
+    answer is absent or the result carries no top_logprobs."""
+    import math
+    start = result.text.find(answer)
+    if start < 0 or not answer or len(result.top_logprobs) < len(result.output_ids):
+        return None
+    end, gaps, emitted = start + len(answer), [], 0
+    for step, top in enumerate(result.top_logprobs):
+        text = tokenizer.decode(result.output_ids[:step + 1], skip_special_tokens=True)
+        if emitted < end and len(text) > start and len(top) >= 2:
+            gaps.append(math.exp(top[0][1]) - math.exp(top[1][1]))
+        emitted = len(text)
+        if emitted >= end:
+            break
+    return min(gaps) if gaps else None
 
 
 def _run_fidelity(config: EvalConfig, cases: list[Case], pending: dict, cache: ArtifactCache, store: ResultStore,
