@@ -36,17 +36,19 @@ def lower_decode(model: onnx.ModelProto, num_layers: int) -> tuple[onnx.ModelPro
                                                                  "blocks_rewritten": len(blocks)}
 
 
-def plugin_select_graph(spec: ModelSpec, policy: PolicyConfig, max_context: int) -> onnx.ModelProto:
-    """The select graph with one SnapKVSelect node per layer (same I/O as the standard one)."""
-    b = GraphBuilder("select")
+def plugin_select_graph(spec: ModelSpec, policy: PolicyConfig, cache_rows: int,
+                        name: str = "select") -> onnx.ModelProto:
+    """A select graph over `cache_rows` rows with one SnapKVSelect node per layer (same I/O as the
+    standard one)."""
+    b = GraphBuilder(name)
     prompt_len = b.input("prompt_len", np.int64, [1])
     share, hkv, d = policy.resolved_prompt_share, spec.num_kv_heads, spec.head_dim
     attrs = dict(sinks=policy.sinks, window=policy.window, kernel=policy.kernel, prompt_share=share,
                  pooling=policy.pooling, scope=policy.scope, scale=spec.head_dim ** -0.5, **PLUGIN_ATTRS)
     for i in range(spec.num_layers):
         q = b.input(f"window_query.{i}", np.float32, [1, spec.num_heads, policy.window, d])
-        k = b.input(f"key.{i}", np.float32, [1, hkv, max_context, d])
-        v = b.input(f"value.{i}", np.float32, [1, hkv, max_context, d])
+        k = b.input(f"key.{i}", np.float32, [1, hkv, cache_rows, d])
+        v = b.input(f"value.{i}", np.float32, [1, hkv, cache_rows, d])
         sel_k, sel_v, index = b.op(SELECT.name, q, k, v, prompt_len, outputs=3, domain=DOMAIN, **attrs)
         b.output(sel_k, f"selected_key.{i}", np.float32, [1, hkv, share, d])
         b.output(sel_v, f"selected_value.{i}", np.float32, [1, hkv, share, d])

@@ -1,7 +1,8 @@
 """The SnapKV selection graph, standard ONNX ops only (DESIGN.md, "Prefill").
 
-Inputs: prompt_len [1] int64 (T > P); per layer window_query.{i} [1, H, W, D],
-key.{i}, value.{i} [1, Hkv, L, D] (the prefilled dense cache, rows >= T ignored).
+Inputs: prompt_len [1] int64 (P < T <= L); per layer window_query.{i} [1, H, W, D],
+key.{i}, value.{i} [1, Hkv, L, D] (the prefilled dense cache, rows >= T ignored). L is the
+artifact's max_context for the graph "select", a prefill bucket's rows for "select_<L>".
 Outputs per layer: selected_key.{i}, selected_value.{i} [1, Hkv, P, D] and
 selected_index.{i} [1, Hkv, P] int64, positions ascending.
 """
@@ -17,12 +18,12 @@ from snapcompile.onnx_builder import GraphBuilder
 
 
 class SelectionWriter:
-    def __init__(self, spec: ModelSpec, policy: PolicyConfig, max_context: int):
-        self.spec, self.policy, self.length = spec, policy, max_context
+    def __init__(self, spec: ModelSpec, policy: PolicyConfig, cache_rows: int, name: str = "select"):
+        self.spec, self.policy, self.length, self.name = spec, policy, cache_rows, name
 
     def build(self) -> onnx.ModelProto:
         s, p, L = self.spec, self.policy, self.length
-        b = GraphBuilder("select")
+        b = GraphBuilder(self.name)
         prompt_len = b.input("prompt_len", np.int64, [1])
         positions = b.const(np.arange(L))
         window_start = b.op("Sub", prompt_len, b.const([p.window]))

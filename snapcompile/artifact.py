@@ -24,7 +24,7 @@ from snapcompile.models.spec import ModelSpec
 MANIFEST = "manifest.json"
 WEIGHTS = "weights.bin"
 FORMAT_VERSION = 1
-GRAPHS_REVISION = 2     # bumped whenever the exported graphs change (2: prefill buckets)
+GRAPHS_REVISION = 3     # bumped whenever the exported graphs change (2: prefill buckets, 3: select buckets)
 METADATA_KEY = "snapcompile.config"
 EXTERNAL_MIN_BYTES = 1024
 
@@ -83,19 +83,20 @@ class Manifest:
                    lowering=d.get("lowering", "standard"), source=source)
 
 
-def prefill_graph_name(cache_rows: int, max_context: int) -> str:
-    """"prefill" for the graph against max_context rows, "prefill_<rows>" for a bucket."""
-    return "prefill" if cache_rows == max_context else f"prefill_{cache_rows}"
+def graph_name(kind: str, cache_rows: int, max_context: int) -> str:
+    """The name of a "prefill" or "select" graph over `cache_rows` cache rows: `kind` itself for
+    max_context rows, "<kind>_<rows>" for a bucket."""
+    return kind if cache_rows == max_context else f"{kind}_{cache_rows}"
 
 
 def is_prefill_graph(name: str) -> bool:
     return name == "prefill" or bucket_rows(name) is not None
 
 
-def bucket_rows(name: str) -> int | None:
-    """The cache rows of a bucket prefill graph "prefill_<rows>"; None for any other graph."""
+def bucket_rows(name: str, kind: str = "prefill") -> int | None:
+    """The cache rows of a bucket graph "<kind>_<rows>"; None for any other graph."""
     prefix, _, rows = name.partition("_")
-    return int(rows) if prefix == "prefill" and rows.isdigit() else None
+    return int(rows) if prefix == kind and rows.isdigit() else None
 
 
 def artifact_key(source: str, export: ExportConfig, policy: PolicyConfig) -> str:

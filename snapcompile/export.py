@@ -5,7 +5,7 @@ from pathlib import Path
 
 import onnx
 
-from snapcompile.artifact import Manifest, prefill_graph_name, save_graphs
+from snapcompile.artifact import Manifest, graph_name, save_graphs
 from snapcompile.atomic import atomic_directory
 from snapcompile.config import ExportConfig, PolicyConfig
 from snapcompile.errors import SnapcompileError
@@ -43,7 +43,7 @@ def build_dense_graphs(loaded: LoadedModel, export: ExportConfig) -> dict[str, o
     graphs = {"prefill": PrefillWriter(loaded.spec, weights, export).build().model(),
               "decode": DecodeWriter(loaded.spec, weights, export).build().model()}
     for rows in prefill_buckets(export):
-        graphs[prefill_graph_name(rows, export.max_context)] = PrefillWriter(loaded.spec, weights, export, rows).build().model()
+        graphs[graph_name("prefill", rows, export.max_context)] = PrefillWriter(loaded.spec, weights, export, rows).build().model()
     for name, model in graphs.items():
         verify_graph(model, name)
     return graphs

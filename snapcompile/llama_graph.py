@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from snapcompile.artifact import prefill_graph_name
+from snapcompile.artifact import graph_name
 from snapcompile.attention_graph import additive_mask, emit_cached_attention
 from snapcompile.config import ExportConfig
 from snapcompile.models.spec import ModelSpec
@@ -135,7 +135,7 @@ class PrefillWriter(LlamaGraphWriter):
     def build(self) -> GraphBuilder:
         s, c, L = self.spec, self.export.chunk, self.cache_rows
         hkv, g, d = s.num_kv_heads, s.group_size, s.head_dim
-        b = GraphBuilder(prefill_graph_name(L, self.export.max_context))
+        b = GraphBuilder(graph_name("prefill", L, self.export.max_context))
         self._attach_weights(b)
         ids = b.input("input_ids", np.int64, [1, c])
         start = b.input("start", np.int64, [1])

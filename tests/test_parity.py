@@ -63,6 +63,27 @@ def test_backend_selection_equals_reference(tiny_llama, tiny_snap_dir):
     assert result.layout.kept == backend.manifest.policy.resolved_prompt_share
 
 
+def test_select_buckets_equal_the_full_select_graph(tiny_snap_dir):
+    """A prompt prefilled on a bucket is selected from the bucket's cache; the result must be
+    what the max_context select graph gives."""
+    import numpy as np
+
+    from snapcompile.runtime.ort_backend import OrtBackend
+    bucketed, full = OrtBackend(tiny_snap_dir), OrtBackend(tiny_snap_dir)
+    full.select_buckets = {}
+    assert sorted(bucketed.select_buckets) == [128, 256]
+    for length in (100, 200):                      # one prompt on each bucket
+        prompt = random_prompts([length], seed=length)[0]
+        assert bucketed.prefill_rows(length) in bucketed.select_buckets
+        ours, theirs = bucketed.prefill(0, prompt), full.prefill(0, prompt)
+        for mine, other in zip(ours.kept_positions, theirs.kept_positions):
+            assert (mine == other).all()
+        np.testing.assert_allclose(ours.logits, theirs.logits, atol=1e-6)
+        for i in range(bucketed.num_layers):
+            np.testing.assert_allclose(bucketed.keys[i][0], full.keys[i][0], atol=1e-6)
+            np.testing.assert_allclose(bucketed.values[i][0], full.values[i][0], atol=1e-6)
+
+
 def test_near_ties_are_reported_and_real_differences_fail():
     import numpy as np
     import torch

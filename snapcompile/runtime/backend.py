@@ -74,6 +74,8 @@ class SlotBackend:
                               for name in m.graphs if bucket_rows(name) is not None}
         self.decode_graph = device.graph("decode", m)
         self.select_graph = device.graph("select", m) if "select" in m.graphs else None
+        self.select_buckets = {bucket_rows(name, "select"): device.graph(name, m)  # rows -> graph
+                               for name in m.graphs if bucket_rows(name, "select") is not None}
         self._init_prefill()
         self._init_decode()
         self.last_prefill_seconds = {"chunks": 0.0, "select": 0.0}   # of the latest prefill, for benchmarks
@@ -138,17 +140,24 @@ class SlotBackend:
         self.sel_v = [self._kv(1, share) for _ in self._layers]
         self.sel_idx = [zeros((1, hkv, share), "int64") for _ in self._layers]
         self.sel_len = zeros((1,), "int64")
-        s = self.select_graph
-        s.bind("prompt_len", self.sel_len)
-        for i in self._layers:
-            for g in self._all_prefill_graphs():
+        missing = set(self.select_buckets) - set(self.bucket_k)
+        if missing:
+            raise SnapcompileError(f"{self.folder}: select graphs for {sorted(missing)} rows have no prefill bucket "
+                                   "of those rows; convert the artifact again")
+        sources = {None: (self.scratch_k, self.scratch_v),       # the cache each select graph reads
+                   **{rows: (self.bucket_k[rows], self.bucket_v[rows]) for rows in self.select_buckets}}
+        for rows, s in [(None, self.select_graph), *self.select_buckets.items()]:
+            s.bind("prompt_len", self.sel_len)
+            for i in self._layers:
+                s.bind(f"window_query.{i}", self.window_q[i])
+                s.bind(f"key.{i}", sources[rows][0][i])
+                s.bind(f"value.{i}", sources[rows][1][i])
+                s.bind(f"selected_key.{i}", self.sel_k[i], output=True)
+                s.bind(f"selected_value.{i}", self.sel_v[i], output=True)
+                s.bind(f"selected_index.{i}", self.sel_idx[i], output=True)
+        for g in self._all_prefill_graphs():
+            for i in self._layers:
                 g.bind(f"window_query.{i}", self.window_q[i], output=True)
-            s.bind(f"window_query.{i}", self.window_q[i])
-            s.bind(f"key.{i}", self.scratch_k[i])
-            s.bind(f"value.{i}", self.scratch_v[i])
-            s.bind(f"selected_key.{i}", self.sel_k[i], output=True)
-            s.bind(f"selected_value.{i}", self.sel_v[i], output=True)
-            s.bind(f"selected_index.{i}", self.sel_idx[i], output=True)
 
     def _init_decode(self) -> None:
         n, zeros = self.slots, self.device.zeros
@@ -181,7 +190,8 @@ class SlotBackend:
             raise SnapcompileError(f"prompt of {length} tokens does not fit: the artifact's "
                                    f"--max-context allows 1..{self.max_prompt_len()} prompt tokens")
         targets = self._prefill_targets(slot)
-        graph, caches = self._prefill_graph_for(length, targets)
+        rows = self.prefill_rows(length)
+        graph, caches = self._prefill_graph_for(rows, targets)
         ids = np.zeros((1, self.chunk), np.int64)
         began = time.perf_counter()
         for start in chunk_starts(length, self.chunk):
@@ -200,7 +210,7 @@ class SlotBackend:
         compressed_at = time.perf_counter()
         share = self.manifest.policy.resolved_prompt_share if self.manifest.policy.compressed else None
         layout = SlotLayout.for_prompt(length, self.capacity, share)
-        kept = self._compress_into_slot(slot, layout) if self.manifest.policy.compressed else None
+        kept = self._compress_into_slot(slot, layout, rows) if self.manifest.policy.compressed else None
         self.last_prefill_seconds = {"chunks": compressed_at - began, "select": time.perf_counter() - compressed_at}
         return PrefillResult(self.device.download(self.p_logits)[0].copy(), layout, kept)
 
@@ -212,10 +222,9 @@ class SlotBackend:
             except StopIteration as stop:
                 return stop.value
 
-    def _prefill_graph_for(self, length: int, targets):
-        """The prefill graph for a prompt of `length` tokens, and the (keys, values) caches each
-        chunk's K/V is written to: the targets, plus the bucket's own cache when a bucket runs."""
-        rows = self.prefill_rows(length)
+    def _prefill_graph_for(self, rows: int, targets):
+        """The prefill graph over `rows` cache rows, and the (keys, values) caches each chunk's
+        K/V is written to: the targets, plus the bucket's own cache when a bucket runs."""
         if rows in self.bucket_graphs:
             return self.bucket_graphs[rows], [targets, (self.bucket_k[rows], self.bucket_v[rows])]
         for i in self._layers:
@@ -228,8 +237,10 @@ class SlotBackend:
             return self.scratch_k, self.scratch_v
         return [k[slot:slot + 1] for k in self.keys], [v[slot:slot + 1] for v in self.values]
 
-    def _compress_into_slot(self, slot: int, layout: SlotLayout) -> list[np.ndarray] | None:
-        """Move the kept prompt rows from the scratch cache into the slot (once per request)."""
+    def _compress_into_slot(self, slot: int, layout: SlotLayout, rows: int) -> list[np.ndarray] | None:
+        """Move the kept prompt rows from the scratch cache into the slot (once per request).
+        rows: the cache rows the prompt was prefilled on; a select graph of that bucket, where the
+        artifact has one, selects from the bucket's cache instead of scoring max_context rows."""
         kept = layout.kept
         if not layout.compressed:
             for i in self._layers:
@@ -239,7 +250,7 @@ class SlotBackend:
         if self.select_graph is None:
             return self._streaming_into_slot(slot, layout)
         self.device.upload(self.sel_len, np.array([layout.prompt_len], np.int64))
-        self.select_graph.run()
+        self.select_buckets.get(rows, self.select_graph).run()
         for i in self._layers:
             self.keys[i][slot, :, :kept] = self.sel_k[i][0]
             self.values[i][slot, :, :kept] = self.sel_v[i][0]
