@@ -38,6 +38,9 @@ def _percentile(values: list[float], q: float) -> float | None:
 @click.option("--top-p", default=1.0, show_default=True)
 @click.option("--seed", type=int, default=None, help="Sampling seed (per request: seed + request index).")
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
+@click.option("--top-logprobs", default=0, show_default=True,
+              help="Record the N likeliest tokens (with natural-log probabilities) at every generated token "
+                   "in the JSON / JSONL results.")
 @click.option("--raw", is_flag=True, help="Do not apply the chat template of instruct models.")
 @click.option("--provider", type=click.Choice(["cpu", "cuda", "tensorrt"]), default="cpu", show_default=True,
               help="ONNX Runtime execution provider.")
@@ -49,8 +52,8 @@ def _percentile(values: list[float], q: float) -> float | None:
               help="Prompt tokens prefilled between two decode steps (default: one chunk).")
 @click.option("-o", "--output", type=click.Path(path_type=Path), help="Write results as JSONL.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (results and summary).")
-def run(artifact, prompt, prompts_file, demo, max_new_tokens, temperature, top_k, top_p, seed, stop, raw,
-        provider, backend, max_slots, prefill_tokens_per_step, output, as_json):
+def run(artifact, prompt, prompts_file, demo, max_new_tokens, temperature, top_k, top_p, seed, stop, top_logprobs,
+        raw, provider, backend, max_slots, prefill_tokens_per_step, output, as_json):
     """Generate for prompts with continuous batching over the artifact's static slots."""
     from tqdm import tqdm
 
@@ -60,7 +63,7 @@ def run(artifact, prompt, prompts_file, demo, max_new_tokens, temperature, top_k
                                   backend=backend, max_slots=max_slots)
     chat = engine.backend.manifest.chat and not raw
     defaults = dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, max_new_tokens=max_new_tokens,
-                    stop=stop)
+                    stop=stop, top_logprobs=top_logprobs)
     requests = [_request(engine, record, index, chat, defaults) for index, record in enumerate(records)]
     start = engine.clock()
     with tqdm(total=len(requests), desc="requests", unit="req", file=sys.stderr,
@@ -74,6 +77,10 @@ def run(artifact, prompt, prompts_file, demo, max_new_tokens, temperature, top_k
     rows = [{"id": r.request_id, "prompt": rec["prompt"], "text": r.text, "finish_reason": r.finish_reason,
              "error": r.error, "prompt_tokens": r.prompt_tokens, "output_tokens": len(r.output_ids),
              "ttft_s": r.ttft_s} for r, rec in zip(results, records)]
+    if top_logprobs:
+        for row, result in zip(rows, results):
+            row["top_logprobs"] = [[{"id": i, "token": engine.tokenizer.decode([i]), "logprob": lp} for i, lp in top]
+                                   for top in result.top_logprobs]
     for row, rec in zip(rows, records):      # prompts files may carry the expected answer
         if "answer" in rec:
             row["correct"] = str(rec["answer"]) in row["text"]
@@ -106,7 +113,7 @@ def _request(engine, record: dict, index: int, chat: bool, defaults: dict):
         stop = get("stop")
         return Request(encode(engine.tokenizer, record["prompt"], chat), max_new_tokens=int(get("max_new_tokens")),
                        stop=(stop,) if isinstance(stop, str) else tuple(stop), sampling=sampling,
-                       request_id=str(record.get("id", index)))
+                       request_id=str(record.get("id", index)), top_logprobs=int(defaults["top_logprobs"]))
     except (TypeError, ValueError) as err:
         raise SnapcompileError(f"prompt {index + 1}: bad field value ({err})") from None
 

@@ -44,12 +44,19 @@ def test_run_writes_jsonl(tiny_dense_dir, tmp_path):
     prompts.write_text('{"prompt": "one", "id": "a", "max_new_tokens": 3, "answer": "no such answer"}\n\n'
                        '{"prompt": "two", "stop": ["zz"]}\n')
     out = tmp_path / "out.jsonl"
-    result = invoke("run", tiny_dense_dir, "--prompts", prompts, "-o", out, "--max-new-tokens", 4)
+    result = invoke("run", tiny_dense_dir, "--prompts", prompts, "-o", out, "--max-new-tokens", 4,
+                    "--top-logprobs", 2)
     assert result.exit_code == 0, result.output
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["id"] for r in rows] == ["a", "1"] and rows[0]["output_tokens"] <= 3
     assert rows[0]["correct"] is False and "correct" not in rows[1]
     assert "answers correct 0/2" in result.output
+    for row in rows:
+        assert len(row["top_logprobs"]) == row["output_tokens"]
+        for first, second in row["top_logprobs"]:
+            assert first["logprob"] >= second["logprob"] and isinstance(first["token"], str)
+    assert_user_error(invoke("run", tiny_dense_dir, "--prompt", "hi", "--top-logprobs", -1),
+                      "top_logprobs must be >= 0")
 
 
 def test_missing_model(tmp_path):
