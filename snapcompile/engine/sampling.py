@@ -25,8 +25,12 @@ def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator)
 def top_logprobs(logits: np.ndarray, k: int) -> list[tuple[int, float]]:
     """The k most likely tokens of logits [V] as (token id, natural-log probability), most likely
     first (ties to the lower id, as greedy sampling breaks them)."""
-    scaled = logits.astype(np.float64)
-    log_probs = scaled - scaled.max()
-    log_probs -= np.log(np.exp(log_probs).sum())
-    order = np.argsort(-log_probs, kind="stable")[:k]
-    return [(int(i), float(log_probs[i])) for i in order]
+    shifted = logits.astype(np.float64) - float(logits.max())
+    log_norm = np.log(np.exp(shifted).sum())
+    k = min(k, shifted.size)
+    if k <= 0:
+        return []
+    kth = np.partition(shifted, shifted.size - k)[shifted.size - k]   # O(V): no sort of the vocabulary
+    candidates = np.flatnonzero(shifted >= kth)
+    order = candidates[np.lexsort((candidates, -shifted[candidates]))][:k]
+    return [(int(i), float(shifted[i] - log_norm)) for i in order]
