@@ -67,6 +67,7 @@ def test_top_logprobs_are_the_likeliest_tokens_in_order():
     assert [i for i, _ in top] == [1, 2, 4], "ties go to the lower id, as greedy sampling's"
     assert [lp for _, lp in top] == pytest.approx(expected[[1, 2, 4]])
     assert len(top_logprobs(logits, 99)) == 5
+    assert [i for i, _ in top_logprobs(np.zeros(10, np.float32), 3)] == [0, 1, 2], "more tied than asked for"
     with pytest.raises(SnapcompileError, match="top_logprobs"):
         Request([1, 2], top_logprobs=-1)
 
