@@ -162,7 +162,7 @@ def _same_results(stored: dict, config: EvalConfig) -> bool:
     current = json.loads(json.dumps(asdict(config)))
     defaults = json.loads(json.dumps({f.name: f.default for f in fields(EvalConfig) if f.default is not MISSING}))
     same = all(stored.get(k, defaults.get(k)) == current[k] for k in _SAME_RESULTS)
-    return same and stored.get("task") is not None and max(stored.get("lengths") or [0]) == max(config.lengths)
+    return same and max(stored.get("lengths") or [0]) == max(config.lengths)
 
 
 def run_eval(config: EvalConfig, results_path: Path, cache_dir: Path, progress=None,

@@ -144,14 +144,14 @@ class SlotBackend:
         if missing:
             raise SnapcompileError(f"{self.folder}: select graphs for {sorted(missing)} rows have no prefill bucket "
                                    "of those rows; convert the artifact again")
-        sources = {None: (self.scratch_k, self.scratch_v),       # the cache each select graph reads
-                   **{rows: (self.bucket_k[rows], self.bucket_v[rows]) for rows in self.select_buckets}}
-        for rows, s in [(None, self.select_graph), *self.select_buckets.items()]:
+        reads = [(self.select_graph, self.scratch_k, self.scratch_v),    # each select graph and its cache
+                 *((s, self.bucket_k[rows], self.bucket_v[rows]) for rows, s in self.select_buckets.items())]
+        for s, keys, values in reads:
             s.bind("prompt_len", self.sel_len)
             for i in self._layers:
                 s.bind(f"window_query.{i}", self.window_q[i])
-                s.bind(f"key.{i}", sources[rows][0][i])
-                s.bind(f"value.{i}", sources[rows][1][i])
+                s.bind(f"key.{i}", keys[i])
+                s.bind(f"value.{i}", values[i])
                 s.bind(f"selected_key.{i}", self.sel_k[i], output=True)
                 s.bind(f"selected_value.{i}", self.sel_v[i], output=True)
                 s.bind(f"selected_index.{i}", self.sel_idx[i], output=True)
