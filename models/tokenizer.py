@@ -1,10 +1,44 @@
-"""A byte-level tokenizer for the tiny random-weight models (no download, deterministic)."""
+"""Tokenizers: loaded from a model or artifact folder without running its code, and a
+byte-level tokenizer for the tiny random-weight models (no download, deterministic)."""
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
+from snapcompile.errors import SnapcompileError, first_line
+
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+CODE_CONFIGS = ("config.json", "tokenizer_config.json")
+
+
+def refuse_remote_code(folder: Path) -> None:
+    """One error line for a folder whose configs ask transformers to import the folder's own
+    Python code (`auto_map`): snapcompile never executes code from a model folder or artifact."""
+    for name in CODE_CONFIGS:
+        path = Path(folder) / name
+        try:
+            raw = json.loads(path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            continue
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise SnapcompileError(f"{path} is not valid JSON: {err}") from None
+        if isinstance(raw, dict) and "auto_map" in raw:
+            raise SnapcompileError(f"{path} asks to run Python code from the folder (auto_map); snapcompile "
+                                   "never executes code from a model folder or artifact: refused")
+
+
+def load_tokenizer(folder: Path, gguf_file: str | None = None):
+    """The tokenizer saved in `folder` (a model folder or an artifact), remote code refused."""
+    from transformers import AutoTokenizer
+    refuse_remote_code(folder)
+    try:
+        return AutoTokenizer.from_pretrained(str(folder), gguf_file=gguf_file, trust_remote_code=False,
+                                             local_files_only=True)
+    except Exception as err:  # transformers raises many types for missing or malformed files
+        raise SnapcompileError(f"cannot load the tokenizer in {folder}: {first_line(err)}") from None
 
 
 def byte_tokenizer() -> PreTrainedTokenizerFast:

@@ -7,10 +7,10 @@ from snapcompile.passes.compress_decode import compress_decode
 from snapcompile.passes.match import MatchFailure
 from snapcompile.passes.snapkv_prefill import add_window_queries
 from snapcompile.passes.snapkv_select import SelectionWriter
-from snapcompile.artifact import Manifest, bucket_rows, graph_name, is_prefill_graph
+from snapcompile.artifact import Manifest, graph_name, is_prefill_graph, select_rows
 from snapcompile.config import PolicyConfig
 from snapcompile.errors import SnapcompileError
-from snapcompile.export import verify_graph
+from snapcompile.verify import verify_graph
 
 
 LOWERINGS = ("standard", "plugin")
@@ -40,7 +40,7 @@ def compress_graphs(graphs: dict[str, onnx.ModelProto], manifest: Manifest,
             for name in filter(is_prefill_graph, graphs):
                 out[name], report = add_window_queries(graphs[name], spec, policy.window, name)
                 manifest.passes.append(report)
-            for rows in select_rows(graphs, policy, manifest.export.max_context):
+            for rows in select_rows(manifest.export, policy):
                 name = graph_name("select", rows, manifest.export.max_context)
                 out[name] = SelectionWriter(spec, policy, rows, name).build()
                 verify_graph(out[name], name)
@@ -54,20 +54,12 @@ def compress_graphs(graphs: dict[str, onnx.ModelProto], manifest: Manifest,
     return out
 
 
-def select_rows(graphs, policy: PolicyConfig, max_context: int) -> list[int]:
-    """Cache rows of the select graphs: max_context, and each prefill bucket's rows above the
-    prompt share P (a prompt that fits in P is never selected from, so smaller buckets need none).
-    A prompt prefilled on a bucket is selected from that bucket's cache, not from max_context rows."""
-    buckets = sorted(r for r in map(bucket_rows, graphs) if r is not None and r > policy.resolved_prompt_share)
-    return [*buckets, max_context]
-
-
 def _lower_to_plugins(graphs: dict[str, onnx.ModelProto], manifest: Manifest, policy: PolicyConfig) -> None:
     from snapcompile.passes.lower_plugin import lower_decode, plugin_select_graph
     spec = manifest.spec
     graphs["decode"], report = lower_decode(graphs["decode"], spec.num_layers)
     manifest.passes.append(report)
-    for name in [n for n in graphs if n == "select" or bucket_rows(n, "select") is not None]:
-        rows = bucket_rows(name, "select") or manifest.export.max_context
+    for rows in select_rows(manifest.export, policy) if policy.policy == "snapstream" else ():
+        name = graph_name("select", rows, manifest.export.max_context)
         graphs[name] = plugin_select_graph(spec, policy, rows, name)
         manifest.passes.append({"pass": "lower_plugin", "graph": name, "blocks_rewritten": spec.num_layers})

@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
+import stat
 from dataclasses import dataclass, field
+from importlib import metadata
 from pathlib import Path
 
 import onnx
@@ -23,8 +26,8 @@ from snapcompile.models.spec import ModelSpec
 
 MANIFEST = "manifest.json"
 WEIGHTS = "weights.bin"
-FORMAT_VERSION = 1
-GRAPHS_REVISION = 3     # bumped whenever the exported graphs change (2: prefill buckets, 3: select buckets)
+FORMAT_VERSION = 2      # 2: every file's size and sha256 in the manifest
+GRAPHS_REVISION = 4     # bumped whenever the artifacts change (2: prefill buckets, 3: select buckets, 4: checksums)
 METADATA_KEY = "snapcompile.config"
 EXTERNAL_MIN_BYTES = 1024
 
@@ -41,6 +44,7 @@ class Manifest:
     passes: list[dict] = field(default_factory=list)
     lowering: str = "standard"
     source: str = ""          # what `export` loaded: a built-in name or an absolute path
+    files: dict[str, dict] = field(default_factory=dict)    # file name -> {"bytes", "sha256"}
 
     def fingerprint(self) -> str:
         """What every graph of the artifact must agree on (stored in each graph's metadata)."""
@@ -60,17 +64,12 @@ class Manifest:
         return self.export.max_context * self.spec.kv_bytes_per_token
 
     def to_dict(self) -> dict:
-        import onnxruntime
-        import torch
-        import transformers
         return {"format_version": FORMAT_VERSION, "snapcompile_version": __version__,
                 "model": {"name": self.model_name, "source": self.source, **self.spec.to_dict()},
                 "export": self.export.to_dict(), "policy": self.policy.to_dict(),
                 "lowering": self.lowering, "chat": self.chat, "eos_token_ids": self.eos_token_ids,
-                "graphs": self.graphs, "weights": WEIGHTS, "passes": self.passes,
-                "versions": {"onnx": onnx.__version__, "onnxruntime": onnxruntime.__version__,
-                             "torch": torch.__version__.split("+")[0],
-                             "transformers": transformers.__version__}}
+                "graphs": self.graphs, "weights": WEIGHTS, "passes": self.passes, "files": self.files,
+                "versions": {name: _version(name) for name in ("onnx", "onnxruntime", "torch", "transformers")}}
 
     @classmethod
     def from_dict(cls, d: dict) -> "Manifest":
@@ -80,13 +79,42 @@ class Manifest:
         return cls(model_name=name, spec=ModelSpec(**model), export=ExportConfig(**d["export"]),
                    policy=PolicyConfig.from_dict(d["policy"]), graphs=d["graphs"], chat=d["chat"],
                    eos_token_ids=d["eos_token_ids"], passes=d.get("passes", []),
-                   lowering=d.get("lowering", "standard"), source=source)
+                   lowering=d.get("lowering", "standard"), source=source, files=d["files"])
+
+    def support_files(self) -> list[str]:
+        """The files other than graphs and weights (the tokenizer's)."""
+        return sorted(name for name in self.files if name != WEIGHTS and not name.endswith(".onnx"))
+
+
+def _version(package: str) -> str | None:
+    try:
+        return metadata.version(package).split("+")[0]
+    except metadata.PackageNotFoundError:
+        return None
 
 
 def graph_name(kind: str, cache_rows: int, max_context: int) -> str:
     """The name of a "prefill" or "select" graph over `cache_rows` cache rows: `kind` itself for
     max_context rows, "<kind>_<rows>" for a bucket."""
     return kind if cache_rows == max_context else f"{kind}_{cache_rows}"
+
+
+def expected_graphs(export: ExportConfig, policy: PolicyConfig) -> set[str]:
+    """The graphs an artifact of these shapes and this policy consists of: prefill (with its
+    buckets) and decode, plus for snapstream select and one select bucket per prefill bucket of
+    more rows than the prompt share (a prompt that fits in P is never selected from)."""
+    buckets = export.prefill_buckets()
+    names = {"prefill", "decode", *(graph_name("prefill", rows, export.max_context) for rows in buckets)}
+    if policy.policy == "snapstream":
+        names |= {graph_name("select", rows, export.max_context) for rows in select_rows(export, policy)}
+    return names
+
+
+def select_rows(export: ExportConfig, policy: PolicyConfig) -> list[int]:
+    """Cache rows of the select graphs: each prefill bucket's rows above the prompt share P, and
+    max_context. A prompt prefilled on a bucket is selected from that bucket's cache."""
+    share = policy.resolved_prompt_share
+    return [*(rows for rows in export.prefill_buckets() if rows > share), export.max_context]
 
 
 def is_prefill_graph(name: str) -> bool:
@@ -118,12 +146,87 @@ def read_manifest(folder: Path) -> Manifest:
         raise SnapcompileError(f"{folder} has no {MANIFEST}: not a snapcompile artifact") from None
     except json.JSONDecodeError as err:
         raise SnapcompileError(f"{path} is corrupt: {err}") from None
-    if raw.get("format_version") != FORMAT_VERSION:
-        raise SnapcompileError(f"{path}: unsupported format_version {raw.get('format_version')!r}")
+    if not isinstance(raw, dict):
+        raise SnapcompileError(f"{path} is not a snapcompile manifest (not a JSON object)")
+    version = raw.get("format_version")
+    if version != FORMAT_VERSION:
+        older = isinstance(version, int) and version < FORMAT_VERSION
+        raise SnapcompileError(f"{path}: unsupported format_version {version!r}"
+                               + ("; it was written by an older snapcompile: convert the model again" if older else ""))
     try:
-        return Manifest.from_dict(raw)
-    except (KeyError, TypeError) as err:
+        manifest = Manifest.from_dict(raw)
+    except (KeyError, TypeError, AttributeError) as err:
         raise SnapcompileError(f"{path} is missing or has malformed field {err}") from None
+    _check_consistent(manifest, path)
+    return manifest
+
+
+def _check_consistent(manifest: Manifest, path: Path) -> None:
+    """The manifest names only plain files of its own folder, and exactly the graphs its policy
+    and shapes consist of, each in the file of its own name."""
+    files = manifest.files
+    if not isinstance(files, dict) or not all(isinstance(v, dict) for v in files.values()):
+        raise SnapcompileError(f"{path}: malformed files table")
+    for name in files:
+        if not _plain_file_name(name):
+            raise SnapcompileError(f"{path} names the file {name!r} outside the artifact folder; refused")
+    expected = expected_graphs(manifest.export, manifest.policy)
+    if set(manifest.graphs) != expected:
+        missing, extra = sorted(expected - set(manifest.graphs)), sorted(set(manifest.graphs) - expected)
+        raise SnapcompileError(
+            f"{path}: a {manifest.policy.policy} artifact of these shapes has the graphs {', '.join(sorted(expected))}"
+            f" (missing: {', '.join(missing) or '-'}; unexpected: {', '.join(extra) or '-'}); convert it again")
+    for name, entry in manifest.graphs.items():
+        if not isinstance(entry, dict) or entry.get("file") != f"{name}.onnx" or entry["file"] not in files:
+            raise SnapcompileError(f"{path}: graph {name} must be the listed file {name}.onnx; refused")
+    if WEIGHTS not in files:
+        raise SnapcompileError(f"{path}: {WEIGHTS} is not listed in the files table")
+
+
+def _plain_file_name(name) -> bool:
+    return (isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\\" not in name
+            and "\0" not in name and name != MANIFEST)
+
+
+def verify_files(folder: Path, manifest: Manifest, names: list[str] | None = None, checksums: bool = True) -> None:
+    """Check that each listed file (all of the manifest's by default) is a regular file of the
+    folder with its recorded size and, when `checksums`, its recorded sha256."""
+    folder = Path(folder)
+    for name in manifest.files if names is None else names:
+        record, path = manifest.files[name], folder / name
+        try:
+            info = os.lstat(path)
+        except FileNotFoundError:
+            raise SnapcompileError(f"{path} is missing from the artifact") from None
+        if not stat.S_ISREG(info.st_mode):
+            raise SnapcompileError(f"{path} is not a regular file (links are not followed); refused")
+        if info.st_size != record.get("bytes"):
+            raise SnapcompileError(f"{path} has {info.st_size} bytes where the manifest records {record.get('bytes')}: "
+                                   "the artifact is truncated or was modified; convert it again")
+        if checksums and file_sha256(path) != record.get("sha256"):
+            raise SnapcompileError(f"{path} does not match its sha256 in the manifest: the artifact is "
+                                   "corrupt or was modified; convert it again")
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while block := handle.read(1 << 24):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def record_files(folder: Path, manifest: Manifest) -> None:
+    """Set manifest.files to the size and sha256 of every file in `folder` but the manifest."""
+    manifest.files = {item.name: {"bytes": item.stat().st_size, "sha256": file_sha256(item)}
+                      for item in sorted(Path(folder).iterdir()) if item.is_file() and item.name != MANIFEST}
+
+
+def copy_support_files(source: Path, manifest: Manifest, target: Path) -> None:
+    """Copy an artifact's files other than graphs and weights (its tokenizer), verified first."""
+    verify_files(source, manifest, manifest.support_files())
+    for name in manifest.support_files():
+        shutil.copyfile(Path(source) / name, Path(target) / name)
 
 
 def graph_io(model: onnx.ModelProto) -> dict:
@@ -157,6 +260,7 @@ def save_graphs(folder: Path, graphs: dict[str, onnx.ModelProto], manifest: Mani
         onnx.save_model(model, str(folder / f"{name}.onnx"))
         onnx.checker.check_model(str(folder / f"{name}.onnx"))
         manifest.graphs[name] = {"file": f"{name}.onnx", **graph_io(model)}
+    record_files(folder, manifest)
     write_json_atomic(folder / MANIFEST, manifest.to_dict())
 
 
@@ -173,6 +277,11 @@ def load_graph(folder: Path, manifest: Manifest, name: str, with_weights: bool =
     except Exception as err:  # protobuf raises DecodeError and friends for a corrupt file
         raise SnapcompileError(f"{path} is not a valid ONNX file: {str(err).splitlines()[0] if str(err) else type(err).__name__}") from None
     check_graph_matches(model, path, manifest)
+    for tensor in model.graph.initializer:
+        location = next((e.value for e in tensor.external_data if e.key == "location"), None)
+        if tensor.data_location == TensorProto.EXTERNAL and location != WEIGHTS:
+            raise SnapcompileError(f"{path}: initializer {tensor.name} reads external data from {location!r}, "
+                                   f"not the artifact's {WEIGHTS}; refused")
     return model
 
 
@@ -182,7 +291,9 @@ def check_graph_matches(model: onnx.ModelProto, path: Path, manifest: Manifest) 
         raise SnapcompileError(
             f"{path} was not produced with this manifest's configuration (model, shapes or cache "
             "policy differ): re-export the artifact instead of mixing files")
-    expected = manifest.graphs[Path(path).stem]
+    expected = manifest.graphs.get(Path(path).stem)
+    if expected is None:
+        raise SnapcompileError(f"{path} is not a graph of {MANIFEST}")
     actual = graph_io(model)
     if actual["inputs"] != expected["inputs"] or actual["outputs"] != expected["outputs"]:
         raise SnapcompileError(f"{path}: graph inputs/outputs differ from {MANIFEST}")

@@ -1,7 +1,17 @@
-"""Write output folders and files atomically: a failure leaves nothing half-written."""
+"""Write outputs atomically, and replace only what snapcompile wrote.
+
+A folder is built in a staging folder beside its target and moved into place by one rename;
+`--force` swaps the new folder with the old one in one exchange (Linux `renameat2`), so the
+target is never observable as missing, and replaces only a folder that holds snapcompile's own
+marker file (an artifact's manifest.json, an engine folder's engines.json). Staging folders carry
+their writer's pid: one whose writer died (SIGKILL) is removed by the next write of the same
+target; SIGTERM and Ctrl-C remove their own on the way out.
+"""
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
 import json
 import os
 import shutil
@@ -10,31 +20,144 @@ from pathlib import Path
 
 from snapcompile.errors import SnapcompileError
 
+_RENAME_NOREPLACE, _RENAME_EXCHANGE = 1, 2
+_AT_FDCWD = -100
+_STAGING_KINDS = ("tmp", "old")
+
+
+def _renameat2(source: Path, target: Path, flags: int) -> bool:
+    """renameat2(2) with `flags`; False where the C library or the file system lacks it."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        call = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    if call(_AT_FDCWD, os.fsencode(source), _AT_FDCWD, os.fsencode(target), flags) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP):
+        return False
+    raise OSError(code, os.strerror(code), str(target))
+
+
+def _move_into_place(staging: Path, target: Path) -> None:
+    """Rename staging to target, failing with EEXIST if target appeared meanwhile."""
+    if _renameat2(staging, target, _RENAME_NOREPLACE):
+        return
+    if target.exists():                      # no renameat2: the check-then-rename fallback
+        raise OSError(errno.EEXIST, "exists", str(target))
+    os.rename(staging, target)
+
+
+def _swap(staging: Path, target: Path) -> None:
+    """After this, target holds staging's content and staging the old target (never missing)."""
+    if _renameat2(staging, target, _RENAME_EXCHANGE):
+        return
+    aside = staging.with_name(staging.name.replace(".tmp-", ".old-", 1))
+    os.rename(target, aside)                 # the fallback leaves a short gap between the renames
+    os.rename(staging, target)
+    os.rename(aside, staging)
+
+
+def resolve_output(target: Path) -> Path:
+    """The absolute output path; refuses the current folder, its parents and the file-system root."""
+    resolved = Path(os.path.abspath(target))
+    cwd = Path.cwd()
+    if resolved == cwd or resolved in cwd.parents:
+        raise SnapcompileError(f"output {target} is the current folder or one of its parents: "
+                               "write the output to a new folder")
+    return resolved
+
+
+def check_replaceable(target: Path, force: bool, marker: str) -> None:
+    """Raise unless writing `target` is allowed: it does not exist, or `force` is given and it is
+    a folder snapcompile wrote (it holds `marker`) or an empty folder."""
+    if not target.exists() and not target.is_symlink():
+        return
+    if not force:
+        raise SnapcompileError(f"output {target} already exists (use --force to replace it)")
+    if target.is_symlink() or not target.is_dir():
+        raise SnapcompileError(f"output {target} is not a folder: --force only replaces folders snapcompile wrote")
+    if not (target / marker).is_file() and any(target.iterdir()):
+        raise SnapcompileError(f"output {target} has no {marker}: --force only replaces folders snapcompile "
+                               "wrote; remove it yourself or choose another output")
+
+
+def remove_stale_staging(target: Path) -> None:
+    """Remove staging folders of `target` whose writing process no longer runs (killed writers)."""
+    if not target.parent.is_dir():
+        return
+    for kind in _STAGING_KINDS:
+        for folder in target.parent.glob(f".{target.name}.{kind}-*"):
+            pid = folder.name[len(f".{target.name}.{kind}-"):].split("-", 1)[0]
+            if pid.isdigit() and not _alive(int(pid)):
+                shutil.rmtree(folder, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
 
 @contextlib.contextmanager
-def atomic_directory(target: Path, force: bool = False):
-    """Yield a staging folder beside `target`; on success it replaces `target` in one rename.
+def atomic_directory(target: Path, force: bool = False, marker: str = "manifest.json"):
+    """Yield a staging folder beside `target`; on success it becomes `target` in one rename.
 
-    Without `force` an existing `target` is an error (raised before any work starts).
+    Without `force` an existing `target` is an error, raised before any work starts and again if
+    one appears while staging (it is then left as it is). With `force` only a folder holding
+    `marker` (or an empty one) is replaced, by an atomic exchange.
     """
-    target = Path(target)
-    if target.exists() and not force:
-        raise SnapcompileError(f"output {target} already exists (use --force to replace it)")
+    target = resolve_output(Path(target))
+    check_replaceable(target, force, marker)
     target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-    os.chmod(staging, 0o755)  # mkdtemp makes it private; the artifact is an ordinary folder
+    remove_stale_staging(target)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-{os.getpid()}-", dir=target.parent))
+    os.chmod(staging, 0o755)  # mkdtemp makes it private; the output is an ordinary folder
     try:
         yield staging
-        if target.exists():
-            trash = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
-            os.replace(target, trash / "old")
-            os.replace(staging, target)
-            shutil.rmtree(trash, ignore_errors=True)
-        else:
-            os.replace(staging, target)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
+        _commit(staging, target, force, marker)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)     # on success it holds the old output, if any
+
+
+def _commit(staging: Path, target: Path, force: bool, marker: str) -> None:
+    if force and (target.exists() or target.is_symlink()):
+        check_replaceable(target, force, marker)   # it may have changed while staging
+        _swap(staging, target)
+        return
+    try:
+        _move_into_place(staging, target)
+    except OSError as err:
+        if err.errno in (errno.EEXIST, errno.ENOTEMPTY):
+            raise SnapcompileError(f"output {target} appeared while it was being written; "
+                                   "left as it is (use --force to replace it)") from None
         raise
+
+
+def check_output_file(path: Path, force: bool, inputs: tuple[Path, ...] = ()) -> Path:
+    """Check, before any work, that a results file can be written at `path`: not a folder, not
+    one of `inputs`, in a folder that exists (or can be made) and takes new files, and not an
+    existing file unless `force`. Returns the absolute path."""
+    path = Path(os.path.abspath(path))
+    if path.is_dir():
+        raise SnapcompileError(f"output {path} is a folder; give a file name")
+    if any(path == Path(os.path.abspath(p)) for p in inputs if p is not None):
+        raise SnapcompileError(f"output {path} is also an input of this command; choose another file")
+    if path.exists() and not force:
+        raise SnapcompileError(f"output {path} already exists (use --force to replace it)")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as err:
+        raise SnapcompileError(f"cannot write {path}: {err.strerror or err}") from None
+    return path
 
 
 def write_json_atomic(path: Path, payload) -> None:

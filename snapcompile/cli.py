@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import sys
 from pathlib import Path
 
@@ -10,15 +11,45 @@ import click
 from snapcompile.errors import ParityError, SnapcompileError
 
 EXIT_USER_ERROR = 2
+EXIT_INTERRUPTED = 130
 
 
 class _Group(click.Group):
+    """Every user error (ours or click's usage errors) is one `error:` line and exit code 2;
+    SIGTERM unwinds like Ctrl-C, so staging folders are removed on the way out."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        previous = signal.getsignal(signal.SIGTERM)
+        signal.signal(signal.SIGTERM, _raise_interrupt)
+        try:
+            code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except click.ClickException as err:
+            click.echo(f"error: {_one_line(err.format_message())}", err=True)
+            code = EXIT_USER_ERROR
+        except (click.Abort, KeyboardInterrupt):
+            click.echo("error: interrupted", err=True)
+            code = EXIT_INTERRUPTED
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+        code = code if isinstance(code, int) else 0
+        if standalone_mode:
+            sys.exit(code)
+        return code
+
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)
         except SnapcompileError as err:
-            click.echo(f"error: {err}", err=True)
+            click.echo(f"error: {_one_line(str(err))}", err=True)
             ctx.exit(EXIT_USER_ERROR if not isinstance(err, ParityError) else 1)
+
+
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def _one_line(message: str) -> str:
+    return " ".join(message.split())
 
 
 @click.group(cls=_Group)
@@ -130,11 +161,15 @@ def compress(dense_dir, output, force, lowering, **policy_args):
 
 @main.command()
 @click.argument("artifact", type=click.Path(path_type=Path))
+@click.option("--verify/--no-verify", default=True, show_default=True,
+              help="Check every file against its sha256 in the manifest (--no-verify: sizes only).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def inspect(artifact, as_json):
-    """Show an artifact's model, policy, rewritten blocks and KV bytes per slot."""
-    from snapcompile.artifact import load_graph, read_manifest
+def inspect(artifact, verify, as_json):
+    """Show an artifact's model, policy, rewritten blocks, KV bytes per slot and memory needed."""
+    from snapcompile.artifact import load_graph, read_manifest, verify_files
+    from snapcompile.runtime.backend import memory_needed
     manifest = read_manifest(artifact)
+    verify_files(artifact, manifest, checksums=verify)
     for name in manifest.graphs:
         load_graph(artifact, manifest, name)
     info = {"model": manifest.model_name, "policy": manifest.policy.to_dict(),
@@ -144,7 +179,8 @@ def inspect(artifact, as_json):
             "passes": [p["pass"] for p in manifest.passes],
             "kv_bytes_per_slot": manifest.kv_bytes_per_slot(),
             "dense_kv_bytes_per_slot": manifest.dense_kv_bytes_per_slot(),
-            "kv_bytes_total": manifest.kv_bytes_per_slot() * manifest.export.slots}
+            "kv_bytes_total": manifest.kv_bytes_per_slot() * manifest.export.slots,
+            "memory_needed_bytes": memory_needed(manifest), "checksums_verified": verify}
     if as_json:
         click.echo(json.dumps(info))
         return
@@ -157,6 +193,9 @@ def inspect(artifact, as_json):
     click.echo(f"rewritten      {info['blocks_rewritten'] or 'nothing (dense)'} by {', '.join(info['passes']) or '-'}")
     click.echo(f"KV per slot    {_mib(info['kv_bytes_per_slot'])} (dense at max context: "
                f"{_mib(info['dense_kv_bytes_per_slot'])}, ratio {ratio:.3f})")
+    needed = info["memory_needed_bytes"]
+    click.echo(f"memory to run  {_mib(sum(needed.values()))} ({', '.join(f'{k} {_mib(v)}' for k, v in needed.items())})")
+    click.echo(f"files          {len(manifest.files)}, " + ("sha256 verified" if verify else "sizes checked (not sha256)"))
 
 
 @main.command()
@@ -172,8 +211,8 @@ def build(artifact, output, fp16, force):
     uses TopK with k = prompt share, which TensorRT limits to 3840; the plugin lowering
     (`convert --lower plugin`) has no such limit. Run the engines with `run --backend trt`.
     """
-    from snapcompile.runtime.trt_backend import build_engines
-    _refuse_existing(output, force)
+    from snapcompile.runtime.trt_backend import ENGINES, build_engines
+    _refuse_existing(output, force, ENGINES)
     info = build_engines(artifact, output, fp16=fp16, force=force)
     click.echo(f"wrote {output}: {', '.join(info['engines'])} engines (TensorRT {info['tensorrt']})")
 
@@ -196,10 +235,10 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:.2f} MiB"
 
 
-def _refuse_existing(output: Path, force: bool) -> None:
-    """Fail before loading a model when the output exists (the atomic writer checks again)."""
-    if Path(output).exists() and not force:
-        raise SnapcompileError(f"output {output} already exists (use --force to replace it)")
+def _refuse_existing(output: Path, force: bool, marker: str = "manifest.json") -> None:
+    """Fail before loading a model when the output may not be written (the atomic writer checks again)."""
+    from snapcompile.atomic import check_replaceable, resolve_output
+    check_replaceable(resolve_output(output), force, marker)
 
 
 if __name__ == "__main__":

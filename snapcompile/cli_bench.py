@@ -27,9 +27,10 @@ from snapcompile.cli_report import csv_option, write_report
               help="Where built artifacts are kept (default: $SNAPCOMPILE_CACHE/bench).")
 @click.option("-o", "--output", type=click.Path(path_type=Path), default=Path("bench.json"), show_default=True,
               help="Results JSON; the Markdown table and plots are written beside it.")
+@click.option("--force", is_flag=True, help="Replace the --output file if it exists.")
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
 def bench(model, contexts, slots, budget, new_tokens, repeats, prefill_repeats, no_eager, eager_kv_limit_gib,
-          memory_limit_gib, cache_dir, output, as_json):
+          memory_limit_gib, cache_dir, output, force, as_json):
     """Decode throughput, prefill time, KV memory and roofline: SnapStream vs dense vs PyTorch.
 
     MODEL is a built-in name, a Hugging Face folder or a GGUF file (artifacts are built and cached).
@@ -37,12 +38,14 @@ def bench(model, contexts, slots, budget, new_tokens, repeats, prefill_repeats, 
     """
     from tqdm import tqdm
 
+    from snapcompile.atomic import check_output_file
     from snapcompile.bench import report
     from snapcompile.bench.runner import BenchConfig, run_bench
     from snapcompile.models.loader import cache_root
     config = BenchConfig(model, contexts, slots, budget, new_tokens, repeats, eager=not no_eager,
                          memory_limit_gib=memory_limit_gib, eager_kv_limit_gib=eager_kv_limit_gib,
                          prefill_repeats=prefill_repeats)
+    output = check_output_file(output, force)
     started = time.perf_counter()
     with tqdm(total=len(contexts) * len(slots), desc="bench", unit="point", file=sys.stderr, disable=as_json) as bar:
         result = run_bench(config, cache_dir or cache_root() / "bench", progress=bar.update,

@@ -44,13 +44,16 @@ def eval_command(model_or_dir, task, policies, budgets, ratios, lengths, depths,
 
     Builds (or reuses) the artifacts, runs every case through the engine, and writes OUTPUT
     (JSON), OUTPUT.md and PNG plots. Interrupted runs resume: finished cases are kept in
-    OUTPUT.partial.jsonl. The same command and seed give the same table.
+    OUTPUT.partial.jsonl until OUTPUT is written. A later run with a wider grid (more samples,
+    depths, policies, budgets) reuses OUTPUT's cases. The same command and seed give the same table.
     """
     from tqdm import tqdm
 
     from snapcompile.evaluation import report
-    from snapcompile.evaluation.runner import EvalConfig, run_eval
+    from snapcompile.evaluation.runner import EvalConfig, partial_path, run_eval
     from snapcompile.models.loader import cache_root
+    from snapcompile.atomic import check_output_file
+    output = check_output_file(output, force=True)      # an existing results file is this run's to update
     unknown = set(policies) - {"dense", "streamingllm", "snapstream"}
     if unknown:
         raise SnapcompileError(f"unknown policies: {', '.join(sorted(unknown))}")
@@ -74,3 +77,4 @@ def eval_command(model_or_dir, task, policies, budgets, ratios, lengths, depths,
     write_report(output, payload, report.markdown(rows, task) + report.lost_markdown(lost),
                  lambda stem: report.plots(rows, records, task, stem),
                  {"summary": rows, "seconds_this_run": seconds}, as_json, f"{seconds:.0f} s this run")
+    partial_path(output).unlink(missing_ok=True)      # its records are in OUTPUT now

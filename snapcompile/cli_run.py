@@ -3,22 +3,25 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import click
 
 from snapcompile.errors import ParityError, SnapcompileError
+from snapcompile.config import DEFAULT_TIE_GAP, DEFAULT_TOLERANCE
 
 
-def _load_prompt_records(prompt: tuple[str, ...], prompts_file: Path | None, demo: bool) -> list[dict]:
-    from snapcompile.prompts import demo_prompts, read_prompts_file
+def _load_prompt_records(prompt: tuple[str, ...], prompts_file: Path | None, demo: bool) -> list:
+    from snapcompile.prompts import PromptRecord, demo_prompts, read_prompts_file
     sources = sum([bool(prompt), prompts_file is not None, demo])
     if sources != 1:
         raise SnapcompileError("give exactly one of --prompt (repeatable), --prompts FILE.jsonl or --demo")
     if prompts_file is not None:
         return read_prompts_file(prompts_file)
+    flag = "--demo prompt" if demo else "--prompt"
     texts = demo_prompts() if demo else list(prompt)
-    return [{"prompt": text} for text in texts]
+    return [PromptRecord({"prompt": text}, f"{flag} {index}") for index, text in enumerate(texts, 1)]
 
 
 def _percentile(values: list[float], q: float) -> float | None:
@@ -32,10 +35,10 @@ def _percentile(values: list[float], q: float) -> float | None:
 @click.option("--prompts", "prompts_file", type=click.Path(path_type=Path),
               help='JSONL file: {"prompt": ..., optional "id", "max_new_tokens", "stop", "temperature", "top_k", "top_p", "seed"}.')
 @click.option("--demo", is_flag=True, help="Run the built-in demo prompts (two questions and a pass-key prompt).")
-@click.option("--max-new-tokens", default=64, show_default=True)
+@click.option("--max-new-tokens", default=64, show_default=True, type=click.IntRange(min=1))
 @click.option("--temperature", default=0.0, show_default=True, help="0 = greedy.")
-@click.option("--top-k", default=0, show_default=True, help="0 = off.")
-@click.option("--top-p", default=1.0, show_default=True)
+@click.option("--top-k", default=0, show_default=True, type=click.IntRange(min=0), help="0 = off.")
+@click.option("--top-p", default=1.0, show_default=True, help="Nucleus sampling mass in (0, 1].")
 @click.option("--seed", type=int, default=None, help="Sampling seed (per request: seed + request index).")
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
 @click.option("--top-logprobs", default=0, show_default=True,
@@ -46,25 +49,40 @@ def _percentile(values: list[float], q: float) -> float | None:
               help="ONNX Runtime execution provider.")
 @click.option("--backend", type=click.Choice(["ort", "trt"]), default="ort", show_default=True,
               help="ort: ONNX Runtime on an artifact folder; trt: TensorRT engines from `snapcompile build`.")
-@click.option("--slots", "max_slots", type=int, default=None,
+@click.option("--slots", "max_slots", type=click.IntRange(min=1), default=None,
               help="Serve at most this many requests at once (default: all of the artifact's static slots).")
-@click.option("--prefill-tokens-per-step", type=int, default=None,
+@click.option("--prefill-tokens-per-step", type=click.IntRange(min=1), default=None,
               help="Prompt tokens prefilled between two decode steps (default: one chunk).")
-@click.option("-o", "--output", type=click.Path(path_type=Path), help="Write results as JSONL.")
+@click.option("-o", "--output", type=click.Path(path_type=Path),
+              help="Write results as JSONL (checked before anything runs; written atomically).")
+@click.option("--force", is_flag=True, help="Replace the --output file if it exists.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (results and summary).")
 def run(artifact, prompt, prompts_file, demo, max_new_tokens, temperature, top_k, top_p, seed, stop, top_logprobs,
-        raw, provider, backend, max_slots, prefill_tokens_per_step, output, as_json):
-    """Generate for prompts with continuous batching over the artifact's static slots."""
+        raw, provider, backend, max_slots, prefill_tokens_per_step, output, force, as_json):
+    """Generate for prompts with continuous batching over the artifact's static slots.
+
+    Every request value (command line and prompts file) is checked before the artifact loads; a
+    request that still fails while running gets an error result and the others go on (exit 1).
+    """
     from tqdm import tqdm
 
+    from snapcompile.atomic import check_output_file
     from snapcompile.engine.engine import Engine
+    if output is not None:
+        output = check_output_file(output, force, inputs=(prompts_file,))
     records = _load_prompt_records(prompt, prompts_file, demo)
+    defaults = dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, max_new_tokens=max_new_tokens,
+                    stop=stop, top_logprobs=top_logprobs)
+    _request_without_prompt({"prompt": ""}, 0, defaults)        # the command line's own values
+    pending = [_request_without_prompt(record.fields, index, defaults, record.where)
+               for index, record in enumerate(records)]
+    _refuse_duplicate_ids(pending, records)
     engine = Engine.from_artifact(artifact, provider=provider, prefill_tokens_per_step=prefill_tokens_per_step,
                                   backend=backend, max_slots=max_slots)
     chat = engine.backend.manifest.chat and not raw
-    defaults = dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, max_new_tokens=max_new_tokens,
-                    stop=stop, top_logprobs=top_logprobs)
-    requests = [_request(engine, record, index, chat, defaults) for index, record in enumerate(records)]
+    requests = [replace(request, prompt_ids=engine.encode(record.prompt, chat))
+                for request, record in zip(pending, records)]
+    records = [record.fields for record in records]
     start = engine.clock()
     with tqdm(total=len(requests), desc="requests", unit="req", file=sys.stderr,
               disable=not sys.stderr.isatty() and as_json) as bar:
@@ -101,21 +119,31 @@ def run(artifact, prompt, prompts_file, demo, max_new_tokens, temperature, top_k
         sys.exit(1)   # every result was written; some requests could not be served
 
 
-def _request(engine, record: dict, index: int, chat: bool, defaults: dict):
-    """A Request from one prompts-file record; fields it lacks come from the command line."""
+def _request_without_prompt(record: dict, index: int, defaults: dict, where: str | None = None):
+    """A validated Request of one prompts record (no token ids yet); fields the record lacks come
+    from the command line. Errors name `where` (the file line or the --prompt)."""
     from snapcompile.engine.request import Request, SamplingParams
-    from snapcompile.prompts import encode
-    get = lambda key: record.get(key, defaults[key])  # noqa: E731
-    seed = record.get("seed", None if defaults["seed"] is None else defaults["seed"] + index)
+    fields = {key: record.get(key, default) for key, default in defaults.items()}
+    if "seed" not in record and defaults["seed"] is not None:
+        fields["seed"] = defaults["seed"] + index
+    stop = fields["stop"]
     try:
-        sampling = SamplingParams(temperature=float(get("temperature")), top_k=int(get("top_k")),
-                                  top_p=float(get("top_p")), seed=None if seed is None else int(seed))
-        stop = get("stop")
-        return Request(encode(engine.tokenizer, record["prompt"], chat), max_new_tokens=int(get("max_new_tokens")),
-                       stop=(stop,) if isinstance(stop, str) else tuple(stop), sampling=sampling,
-                       request_id=str(record.get("id", index)), top_logprobs=int(defaults["top_logprobs"]))
-    except (TypeError, ValueError) as err:
-        raise SnapcompileError(f"prompt {index + 1}: bad field value ({err})") from None
+        if not isinstance(stop, (str, list, tuple)):
+            raise SnapcompileError(f"stop must be a string or a list of strings, got {stop!r}")
+        sampling = SamplingParams(temperature=fields["temperature"], top_k=fields["top_k"], top_p=fields["top_p"],
+                                  seed=fields["seed"])
+        return Request([], max_new_tokens=fields["max_new_tokens"], stop=(stop,) if isinstance(stop, str) else tuple(stop),
+                       sampling=sampling, request_id=str(record.get("id", index)), top_logprobs=fields["top_logprobs"])
+    except SnapcompileError as err:
+        raise SnapcompileError(f"{where}: {err}" if where else str(err)) from None
+
+
+def _refuse_duplicate_ids(requests: list, records: list) -> None:
+    seen = set()
+    for request, record in zip(requests, records):
+        if request.request_id in seen:
+            raise SnapcompileError(f"{record.where}: id {request.request_id!r} is used by an earlier prompt")
+        seen.add(request.request_id)
 
 
 def _summary(engine, results, elapsed: float) -> dict:
@@ -152,13 +180,14 @@ def _format_summary(s: dict) -> str:
 @click.option("--prompt", multiple=True, help="Prompt text (repeat for several).")
 @click.option("--prompts", "prompts_file", type=click.Path(path_type=Path), help="JSONL prompts file.")
 @click.option("--demo", is_flag=True, help="Use the built-in demo prompts.")
-@click.option("--steps", default=32, show_default=True, help="Decode steps compared after the prefill step.")
+@click.option("--steps", default=32, show_default=True, type=click.IntRange(min=1),
+              help="Decode steps compared after the prefill step.")
 @click.option("--raw", is_flag=True, help="Do not apply the chat template.")
-@click.option("--tolerance", default=1e-3, show_default=True,
+@click.option("--tolerance", default=DEFAULT_TOLERANCE, show_default=True, type=click.FloatRange(min=0),
               help="Fail when max |logit difference| exceeds this.")
-@click.option("--min-agreement", default=1.0, show_default=True,
+@click.option("--min-agreement", default=1.0, show_default=True, type=click.FloatRange(0, 1),
               help="Fail when greedy-token agreement (0..1) is below this.")
-@click.option("--tie-gap", default=1e-6, show_default=True,
+@click.option("--tie-gap", default=DEFAULT_TIE_GAP, show_default=True, type=click.FloatRange(min=0),
               help="Selection differences whose score gap is below this are reported as near-ties, not failures.")
 @click.option("--backend", type=click.Choice(["ort", "trt"]), default="ort", show_default=True,
               help="ort: ONNX Runtime on an artifact folder; trt: TensorRT engines from `snapcompile build`.")
@@ -170,18 +199,17 @@ def validate(artifact, prompt, prompts_file, demo, steps, raw, tolerance, min_ag
     --tolerance, greedy agreement < --min-agreement, or selected positions differ beyond
     near-ties. With no prompts given, the demo prompts are used.
     """
-    from transformers import AutoTokenizer
-
     from snapcompile.artifact import read_manifest
     from snapcompile.models import load_model
+    from snapcompile.models.tokenizer import load_tokenizer
     from snapcompile.prompts import encode
     from snapcompile.validate import Validator, summarize
     if not (prompt or prompts_file or demo):
         demo = True
     records = _load_prompt_records(prompt, prompts_file, demo)
     manifest = read_manifest(artifact)
-    tokenizer = AutoTokenizer.from_pretrained(str(artifact))
-    prompts = [encode(tokenizer, r["prompt"], manifest.chat and not raw) for r in records]
+    tokenizer = load_tokenizer(artifact)
+    prompts = [encode(tokenizer, r.prompt, manifest.chat and not raw) for r in records]
     limit = manifest.export.max_context - (0 if manifest.policy.compressed else steps + 1)
     too_long = [len(p) for p in prompts if len(p) > limit]
     if too_long:

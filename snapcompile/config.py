@@ -8,6 +8,8 @@ from snapcompile.errors import SnapcompileError
 POLICIES = ("dense", "streamingllm", "snapstream")
 POOLINGS = ("max", "avg")
 SCOPES = ("head", "layer")
+DEFAULT_TOLERANCE = 1e-3    # validate: largest |logit difference| from the PyTorch oracle
+DEFAULT_TIE_GAP = 1e-6      # validate: selection score gaps below this are near-ties
 
 
 @dataclass(frozen=True)
@@ -35,6 +37,18 @@ class ExportConfig:
                 f"--chunk ({self.chunk}) cannot exceed --max-context ({self.max_context})")
         if self.dtype != "float32":
             raise SnapcompileError(f"dtype {self.dtype!r} is not supported yet; use float32")
+
+    def prefill_buckets(self) -> list[int]:
+        """Cache rows of the bucket prefill graphs: 2C, 4C, 8C, ... up to 3/4 of max_context
+        (a bucket closer to max_context would save too little to be worth its graph).
+
+        A prompt of T tokens runs on the smallest bucket >= T, so its chunks attend over fewer than
+        2T rows (or 2C) instead of max_context: prefill cost no longer grows with --max-context."""
+        buckets, rows = [], 2 * self.chunk
+        while rows <= 3 * self.max_context // 4:
+            buckets.append(rows)
+            rows *= 2
+        return buckets
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -96,6 +110,11 @@ class PolicyConfig:
     @property
     def compressed(self) -> bool:
         return self.policy != "dense"
+
+    def streaming_positions(self, prompt_len: int) -> list[int]:
+        """StreamingLLM's kept prompt positions, ascending: the first S and the most recent P - S."""
+        share, sinks = self.resolved_prompt_share, self.sinks
+        return [*range(sinks), *range(prompt_len - (share - sinks), prompt_len)]
 
     def check_against(self, export: ExportConfig) -> None:
         """Reject combinations that the static graphs cannot serve."""

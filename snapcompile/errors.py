@@ -10,3 +10,9 @@ class SnapcompileError(Exception):
 
 class ParityError(SnapcompileError):
     """A validated artifact disagrees with the PyTorch oracle beyond tolerance."""
+
+
+def first_line(err: BaseException) -> str:
+    """The first line of an exception's message (its type name when it has none)."""
+    text = str(err).strip().splitlines()
+    return text[0] if text else type(err).__name__

@@ -9,8 +9,9 @@ from snapcompile.artifact import Manifest, graph_name, save_graphs
 from snapcompile.atomic import atomic_directory
 from snapcompile.config import ExportConfig, PolicyConfig
 from snapcompile.errors import SnapcompileError
-from snapcompile.llama_graph import DecodeWriter, PrefillWriter, Weights, prefill_buckets
+from snapcompile.llama_graph import DecodeWriter, PrefillWriter, Weights
 from snapcompile.models.loader import LoadedModel
+from snapcompile.verify import verify_graph
 
 
 def check_export_config(loaded: LoadedModel, export: ExportConfig) -> None:
@@ -24,25 +25,12 @@ def check_export_config(loaded: LoadedModel, export: ExportConfig) -> None:
             f"--max-context {export.max_context} must not exceed it")
 
 
-def verify_graph(model: onnx.ModelProto, name: str) -> None:
-    """onnx.checker plus strict shape inference; every graph output must have a static shape."""
-    try:
-        onnx.checker.check_model(model)
-        inferred = onnx.shape_inference.infer_shapes(model, strict_mode=True, data_prop=True)
-    except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as err:
-        raise RuntimeError(f"internal error: the {name} graph is invalid: {err}") from err
-    for value in inferred.graph.output:
-        dims = value.type.tensor_type.shape.dim
-        if not all(d.HasField("dim_value") for d in dims):
-            raise RuntimeError(f"internal error: {name} output {value.name} has a symbolic shape")
-
-
 def build_dense_graphs(loaded: LoadedModel, export: ExportConfig) -> dict[str, onnx.ModelProto]:
     check_export_config(loaded, export)
     weights = Weights(loaded.model, loaded.spec)
     graphs = {"prefill": PrefillWriter(loaded.spec, weights, export).build().model(),
               "decode": DecodeWriter(loaded.spec, weights, export).build().model()}
-    for rows in prefill_buckets(export):
+    for rows in export.prefill_buckets():
         graphs[graph_name("prefill", rows, export.max_context)] = PrefillWriter(loaded.spec, weights, export, rows).build().model()
     for name, model in graphs.items():
         verify_graph(model, name)

@@ -59,19 +59,6 @@ class Weights:
         return names
 
 
-def prefill_buckets(export: ExportConfig) -> list[int]:
-    """Cache lengths of the bucket prefill graphs: 2C, 4C, 8C, ... up to 3/4 of max_context
-    (a bucket closer to max_context would save too little to be worth its graph).
-
-    A prompt of T tokens runs on the smallest bucket >= T, so its chunks attend over fewer than
-    2T rows (or 2C) instead of max_context: prefill cost no longer grows with --max-context."""
-    buckets, rows = [], 2 * export.chunk
-    while rows <= 3 * export.max_context // 4:
-        buckets.append(rows)
-        rows *= 2
-    return buckets
-
-
 class LlamaGraphWriter:
     """Emits the decoder body shared by prefill and decode; subclasses differ in attention layout."""
 

@@ -84,8 +84,7 @@ def snapkv_select(window_query: torch.Tensor, keys: torch.Tensor, cfg: PolicyCon
 
 def streaming_select(length: int, kv_heads: int, cfg: PolicyConfig) -> Selection:
     """StreamingLLM: the first S positions and the most recent P - S."""
-    share, sinks = cfg.resolved_prompt_share, cfg.sinks
-    kept = torch.cat([torch.arange(sinks), torch.arange(length - (share - sinks), length)])
+    kept = torch.tensor(cfg.streaming_positions(length), dtype=torch.int64)
     return Selection(kept.expand(kv_heads, -1).contiguous(), None)
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import random
+from dataclasses import dataclass
 from pathlib import Path
 
 from snapcompile.errors import SnapcompileError
@@ -11,15 +12,22 @@ FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here we go. "
           "There and back again. ")
 
 
-def passkey_prompt(passkey: int, approx_tokens: int, depth: float = 0.5) -> str:
-    """A pass-key retrieval prompt: filler text with the key at `depth` (0..1), question last.
-    ~approx_tokens for a GPT-style tokenizer (one filler sentence ~ 6 tokens)."""
-    repeats = max(1, approx_tokens // 26)
+INTRO = ("There is an important piece of information hidden inside a lot of irrelevant text. "
+         "Find it and memorize it.\n\n")
+
+
+def passkey_text(passkey: int, repeats: int, depth: float) -> str:
+    """A pass-key retrieval prompt: `repeats` filler blocks with the key after a `depth` (0..1)
+    share of them, the question last."""
     before = int(repeats * depth)
     needle = f"The pass key is {passkey}. Remember it. {passkey} is the pass key. "
-    body = FILLER * before + needle + FILLER * (repeats - before)
-    return ("There is an important piece of information hidden inside a lot of irrelevant text. "
-            "Find it and memorize it.\n\n" + body + "\n\nWhat is the pass key? Answer with the number only.")
+    return (INTRO + FILLER * before + needle + FILLER * (repeats - before)
+            + "\n\nWhat is the pass key? Answer with the number only.")
+
+
+def passkey_prompt(passkey: int, approx_tokens: int, depth: float = 0.5) -> str:
+    """A pass-key prompt of ~approx_tokens for a GPT-style tokenizer (a filler block ~ 26 tokens)."""
+    return passkey_text(passkey, max(1, approx_tokens // 26), depth)
 
 
 def demo_prompts() -> list[str]:
@@ -29,24 +37,40 @@ def demo_prompts() -> list[str]:
             passkey_prompt(random.Random(7).randint(10000, 99999), 1000, depth=0.4)]
 
 
-def read_prompts_file(path: Path) -> list[dict]:
-    """JSONL, one object per line with "prompt" (text) and optional "id", "max_new_tokens",
-    "stop", "temperature", "top_k", "top_p", "seed"."""
+@dataclass(frozen=True)
+class PromptRecord:
+    """One prompt and its per-request fields; `where` names its source for error messages
+    ("prompts.jsonl line 7", "--prompt 2")."""
+
+    fields: dict
+    where: str
+
+    @property
+    def prompt(self) -> str:
+        return self.fields["prompt"]
+
+
+def read_prompts_file(path: Path) -> list[PromptRecord]:
+    """JSONL (UTF-8), one object per line with "prompt" (text) and optional "id",
+    "max_new_tokens", "stop", "temperature", "top_k", "top_p", "seed"."""
     try:
-        lines = Path(path).read_text().splitlines()
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as err:
+        raise SnapcompileError(f"prompts file {path} is not UTF-8 text (byte {err.start})") from None
     except OSError as err:
         raise SnapcompileError(f"cannot read prompts file {path}: {err.strerror}") from None
     records = []
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
+        where = f"{path} line {number}"
         try:
             record = json.loads(line)
         except json.JSONDecodeError as err:
-            raise SnapcompileError(f"{path}:{number}: not valid JSON ({err.msg})") from None
+            raise SnapcompileError(f"{where}: not valid JSON ({err.msg})") from None
         if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
-            raise SnapcompileError(f'{path}:{number}: each line must be an object with a "prompt" string')
-        records.append(record)
+            raise SnapcompileError(f'{where}: each line must be an object with a "prompt" string')
+        records.append(PromptRecord(record, where))
     if not records:
         raise SnapcompileError(f"{path} holds no prompts")
     return records

@@ -121,11 +121,6 @@ def _register() -> None:
         AttentionMaskInterface.register(ATTENTION_NAME, lambda *args, **kwargs: None)
 
 
-@dataclass
-class ReferenceStep:
-    logits: torch.Tensor          # [V] float32
-
-
 class ReferenceSequence:
     """Runs one sequence through the HF model under `policy` (batch 1, no HF cache).
 

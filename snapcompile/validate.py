@@ -12,12 +12,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from snapcompile.config import PolicyConfig
+from snapcompile.config import DEFAULT_TIE_GAP, PolicyConfig
 from snapcompile.reference import ReferenceSequence
 from snapcompile.runtime import open_backend
 
-DEFAULT_TOLERANCE = 1e-3
-DEFAULT_TIE_GAP = 1e-6
 
 
 @dataclass

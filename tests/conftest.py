@@ -40,3 +40,22 @@ def tiny_dense_dir(tiny_llama, tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_snap_dir(tiny_llama, tmp_path_factory):
     return build_artifact(tiny_llama, tmp_path_factory.mktemp("art") / "snap", policy=TINY_SNAPSTREAM)
+
+
+def write_hf_folder(loaded, folder):
+    """A Hugging Face model folder of `loaded`: config.json, model.safetensors, tokenizer files."""
+    import json
+
+    from safetensors.torch import save_model
+    folder.mkdir(parents=True)
+    config = loaded.model.config.to_dict()
+    config["architectures"] = [loaded.spec.architecture]
+    (folder / "config.json").write_text(json.dumps(config))
+    save_model(loaded.model, str(folder / "model.safetensors"))
+    loaded.tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_dir(tiny_llama, tmp_path_factory):
+    return write_hf_folder(tiny_llama, tmp_path_factory.mktemp("hf") / "tiny-hf")

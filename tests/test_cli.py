@@ -56,7 +56,7 @@ def test_run_writes_jsonl(tiny_dense_dir, tmp_path):
         for first, second in row["top_logprobs"]:
             assert first["logprob"] >= second["logprob"] and isinstance(first["token"], str)
     assert_user_error(invoke("run", tiny_dense_dir, "--prompt", "hi", "--top-logprobs", -1),
-                      "top_logprobs must be >= 0")
+                      "top_logprobs must be an integer >= 0")
 
 
 def test_missing_model(tmp_path):
@@ -117,8 +117,19 @@ def artifact_copy(tiny_dense_dir, tmp_path):
     return copy
 
 
+def rerecord_checksums(folder):
+    """Make the manifest's files table match the folder again (as a careless edit would)."""
+    from snapcompile.artifact import MANIFEST, file_sha256
+    raw = json.loads((folder / MANIFEST).read_text())
+    raw["files"] = {item.name: {"bytes": item.stat().st_size, "sha256": file_sha256(item)}
+                    for item in sorted(folder.iterdir()) if item.is_file() and item.name != MANIFEST}
+    (folder / MANIFEST).write_text(json.dumps(raw))
+
+
 def test_corrupt_onnx_file(artifact_copy):
     (artifact_copy / "decode.onnx").write_bytes(b"\x00garbage")
+    assert_user_error(invoke("run", artifact_copy, "--prompt", "hi"), "the artifact is truncated or was modified")
+    rerecord_checksums(artifact_copy)
     assert_user_error(invoke("run", artifact_copy, "--prompt", "hi"), "not a valid ONNX file")
 
 
@@ -129,6 +140,8 @@ def test_missing_manifest(artifact_copy):
 
 def test_graph_from_another_artifact_is_refused(artifact_copy, tiny_snap_dir):
     shutil.copy(tiny_snap_dir / "decode.onnx", artifact_copy / "decode.onnx")
+    assert_user_error(invoke("run", artifact_copy, "--prompt", "hi"), "the artifact is truncated or was modified")
+    rerecord_checksums(artifact_copy)
     assert_user_error(invoke("run", artifact_copy, "--prompt", "hi"), "was not produced with this manifest")
 
 
@@ -139,7 +152,7 @@ def test_no_prompt_source(tiny_dense_dir):
 def test_bad_prompts_file(tiny_dense_dir, tmp_path):
     bad = tmp_path / "p.jsonl"
     bad.write_text('{"prompt": "ok"}\n{oops\n')
-    assert_user_error(invoke("run", tiny_dense_dir, "--prompts", bad), "p.jsonl:2: not valid JSON")
+    assert_user_error(invoke("run", tiny_dense_dir, "--prompts", bad), "p.jsonl line 2: not valid JSON")
 
 
 def test_missing_execution_provider(tiny_dense_dir):
@@ -150,6 +163,7 @@ def test_missing_execution_provider(tiny_dense_dir):
 def test_bad_field_in_prompts_file(tiny_dense_dir, tmp_path):
     bad = tmp_path / "p.jsonl"
     bad.write_text('{"prompt": "ok", "max_new_tokens": "many"}\n')
-    assert_user_error(invoke("run", tiny_dense_dir, "--prompts", bad), "prompt 1: bad field value")
+    assert_user_error(invoke("run", tiny_dense_dir, "--prompts", bad),
+                      "p.jsonl line 1: max_new_tokens must be an integer >= 1, got 'many'")
     bad.write_text('{"prompt": "ok", "temperature": -2}\n')
-    assert_user_error(invoke("run", tiny_dense_dir, "--prompts", bad), "temperature must be >= 0")
+    assert_user_error(invoke("run", tiny_dense_dir, "--prompts", bad), "temperature must be a finite number >= 0")

@@ -125,6 +125,11 @@ def test_eval_cli_writes_json_markdown_and_plots(tmp_path):
     assert (snap["budget"], snap["ratio"]) == (100, 3), "--ratios alone: budget = length // ratio"
     assert (tmp_path / "fid.md").is_file() and (tmp_path / "fid-budget.png").stat().st_size > 1000
     assert (tmp_path / "fid-length.png").stat().st_size > 1000, "--ratios rows get an accuracy-vs-length plot"
+    assert not (tmp_path / "fid.json.partial.jsonl").exists(), "a finished run leaves only its results"
+    from snapcompile.evaluation.runner import EvalConfig, ResultStore
+    wider = EvalConfig("tiny-llama", "fidelity", ("snapstream",), (), (300,), (0.1, 0.5, 0.9), 2, seed=0, ratios=(3,))
+    reused = ResultStore(out, wider).records
+    assert sorted(reused) == sorted(r["id"] for r in payload["records"]), "a wider run starts from OUTPUT's cases"
 
 
 @pytest.mark.parametrize("args, message", [
@@ -147,9 +152,11 @@ def test_results_written_before_a_new_field_still_resume(tmp_path):
     config = EvalConfig("tiny-llama", "passkey", ("dense",), (128,), (400,), (0.5,), 1, seed=1)
     old = asdict(config)
     del old["scope"]                                   # as written before --scope existed
+    results = tmp_path / "r.json"
     path = tmp_path / "r.json.partial.jsonl"
     path.write_text(_json.dumps(old) + "\n" + _json.dumps({"id": "x", "policy": "dense"}) + "\n")
-    assert list(ResultStore(path, config).records) == ["x"]
+    assert list(ResultStore(results, config).records) == ["x"]
+    path = results
     layer = EvalConfig("tiny-llama", "passkey", ("dense",), (128,), (400,), (0.5,), 1, seed=1, scope="layer")
     with pytest.raises(SnapcompileError, match="another model"):
         ResultStore(path, layer)

@@ -46,9 +46,8 @@ def test_weights_are_stored_once(tiny_dense_dir, tiny_llama):
 
 
 def test_prefill_buckets_double_from_two_chunks_below_max_context(tiny_dense_dir):
-    from snapcompile.llama_graph import prefill_buckets
-    assert prefill_buckets(ExportConfig(max_context=8224, chunk=256)) == [512, 1024, 2048, 4096]
-    assert prefill_buckets(ExportConfig(max_context=512, chunk=256)) == []
+    assert ExportConfig(max_context=8224, chunk=256).prefill_buckets() == [512, 1024, 2048, 4096]
+    assert ExportConfig(max_context=512, chunk=256).prefill_buckets() == []
     from snapcompile.artifact import bucket_rows, is_prefill_graph
     assert [bucket_rows(n) for n in ("prefill_128", "prefill", "decode", "select")] == [128, None, None, None]
     assert [is_prefill_graph(n) for n in ("prefill", "prefill_128", "decode")] == [True, True, False]

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from snapcompile.layout import SlotLayout
+from snapcompile.models.spec import hf_head_dim
 
 
 def ort_decode_seconds(backend, context: int, slots: int, steps: int, seed: int = 0) -> list[float]:
@@ -46,7 +47,7 @@ def eager_decode_seconds(model, context: int, slots: int, steps: int, seed: int 
     from transformers import DynamicCache
     config = model.config
     kv_heads = config.num_key_value_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    head_dim = hf_head_dim(config)
     gen = torch.Generator().manual_seed(seed)
     cache = DynamicCache()
     for layer in range(config.num_hidden_layers):
@@ -76,5 +77,5 @@ def eager_prefill_seconds(model, context: int, seed: int = 0) -> float:
 def eager_kv_bytes(model, context: int, slots: int) -> int:
     """KV bytes an eager DynamicCache holds for `slots` sequences of `context` tokens (fp32)."""
     c = model.config
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    head_dim = hf_head_dim(c)
     return 2 * c.num_hidden_layers * slots * c.num_key_value_heads * context * head_dim * 4

@@ -6,6 +6,7 @@ sequence that is decoding. A finished sequence frees its slot in the same step.
 """
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -15,7 +16,9 @@ import numpy as np
 from snapcompile.engine.request import Request, Sequence
 from snapcompile.engine.sampling import sample, top_logprobs
 from snapcompile.engine.scheduler import Scheduler
-from snapcompile.errors import SnapcompileError
+from snapcompile.errors import SnapcompileError, first_line
+
+log = logging.getLogger("snapcompile.engine")
 
 
 @dataclass(frozen=True)
@@ -62,11 +65,10 @@ class Engine:
                       prefill_tokens_per_step: int | None = None, backend: str = "ort",
                       max_slots: int | None = None) -> "Engine":
         """An engine on an artifact folder (backend "ort") or a TensorRT engine folder ("trt")."""
-        from transformers import AutoTokenizer
-
+        from snapcompile.models.tokenizer import load_tokenizer
         from snapcompile.runtime import open_backend
         backend = open_backend(folder, backend, provider=provider, threads=threads)
-        tokenizer = AutoTokenizer.from_pretrained(str(folder))
+        tokenizer = load_tokenizer(folder)
         return cls(backend, tokenizer, backend.manifest.eos_token_ids, prefill_tokens_per_step,
                    max_slots=max_slots)
 
@@ -79,6 +81,9 @@ class Engine:
     def submit(self, request: Request) -> Sequence:
         if request.request_id in self.sequences:
             raise SnapcompileError(f"duplicate request id {request.request_id!r}")
+        vocab = self.backend.manifest.spec.vocab_size
+        if any(not 0 <= token < vocab for token in request.prompt_ids):
+            raise SnapcompileError(f"request {request.request_id}: token ids must be in [0, {vocab})")
         seq = Sequence(request, submitted_at=self.clock())
         self.sequences[request.request_id] = seq
         self._rngs[request.request_id] = np.random.default_rng(request.sampling.seed)
@@ -129,22 +134,41 @@ class Engine:
                 seq.prefill, seq.layout = None, done.value.layout
                 self.scheduler.prefill_done(seq)
                 events.append(self._emit(seq, done.value.logits))
-            except SnapcompileError as err:   # this request cannot be served; the others go on
+            except Exception as err:   # this request cannot be served; the others go on
                 seq.prefill = None
-                self._finish(seq, "error", error=str(err))
-                events.append(TokenEvent(seq.request.request_id, None, "", True, "error"))
+                events.append(self._fail(seq, err))
 
     def _decode(self, events: list[TokenEvent]) -> None:
         running = dict(self.scheduler.decoding)
         tokens = {slot: seq.output_ids[-1] for slot, seq in running.items()}
         steps = {slot: seq.layout.step(len(seq.output_ids) - 1) for slot, seq in running.items()}
         start = self.clock()
-        logits = self.backend.decode(tokens, steps)
+        try:
+            logits = self.backend.decode(tokens, steps)
+        except Exception as err:     # a failed step fails the sequences in it, not the engine
+            events.extend(self._fail(seq, err) for seq in running.values())
+            return
         self.decode_step_seconds.append(self.clock() - start)
         for slot, seq in running.items():
             events.append(self._emit(seq, logits[slot]))
 
     def _emit(self, seq: Sequence, logits: np.ndarray) -> TokenEvent:
+        """The next token of `seq` from its logits [V]; a failure fails this request only."""
+        try:
+            return self._next_token(seq, logits)
+        except Exception as err:
+            return self._fail(seq, err)
+
+    def _fail(self, seq: Sequence, err: Exception) -> TokenEvent:
+        if isinstance(err, SnapcompileError):
+            message = str(err)
+        else:
+            log.exception("request %s failed", seq.request.request_id)
+            message = f"internal error: {type(err).__name__}: {first_line(err)}"
+        self._finish(seq, "error", error=message)
+        return TokenEvent(seq.request.request_id, None, "", True, "error")
+
+    def _next_token(self, seq: Sequence, logits: np.ndarray) -> TokenEvent:
         request = seq.request
         token = sample(logits, request.sampling, self._rngs[request.request_id])
         if request.top_logprobs:

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import itertools
+import math
+import numbers
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -20,12 +22,22 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self):
-        if self.temperature < 0:
-            raise SnapcompileError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise SnapcompileError(f"top_k must be >= 0, got {self.top_k}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise SnapcompileError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not _real(self.temperature) or self.temperature < 0:
+            raise SnapcompileError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not _integer(self.top_k) or self.top_k < 0:
+            raise SnapcompileError(f"top_k must be an integer >= 0, got {self.top_k!r}")
+        if not _real(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise SnapcompileError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
+        if self.seed is not None and (not _integer(self.seed) or not 0 <= self.seed < 2**64):
+            raise SnapcompileError(f"seed must be an integer in [0, 2**64), got {self.seed!r}")
+
+
+def _integer(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _real(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 @dataclass
@@ -40,10 +52,16 @@ class Request:
     def __post_init__(self):
         if not self.request_id:
             self.request_id = f"req-{next(_ids)}"
-        if self.max_new_tokens < 1:
-            raise SnapcompileError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.top_logprobs < 0:
-            raise SnapcompileError(f"top_logprobs must be >= 0, got {self.top_logprobs}")
+        if not _integer(self.max_new_tokens) or self.max_new_tokens < 1:
+            raise SnapcompileError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
+        if not _integer(self.top_logprobs) or self.top_logprobs < 0:
+            raise SnapcompileError(f"top_logprobs must be an integer >= 0, got {self.top_logprobs!r}")
+        if not isinstance(self.stop, tuple) or not all(isinstance(s, str) and s for s in self.stop):
+            raise SnapcompileError(f"stop must be a list of non-empty strings, got {self.stop!r}")
+        if not isinstance(self.sampling, SamplingParams):
+            raise SnapcompileError("sampling must be a SamplingParams")
+        if not all(_integer(t) for t in self.prompt_ids):
+            raise SnapcompileError("prompt_ids must be a list of integer token ids")
 
 
 class Status(Enum):

@@ -115,29 +115,49 @@ class ArtifactCache:
         return folder
 
 
-class ResultStore:
-    """Finished case records, appended one JSON line each (the resume point).
+def partial_path(results_path: Path) -> Path:
+    """Where an unfinished run keeps its records (removed once the results file is written)."""
+    return Path(str(results_path) + ".partial.jsonl")
 
-    A run may reuse the file of an earlier run that differs only in its grid (policies, budgets,
+
+class ResultStore:
+    """Finished case records: those of the results file of an earlier run, and those of an
+    interrupted run, appended one JSON line each to the partial file (the resume point).
+
+    A run may reuse the records of an earlier run that differs only in its grid (policies, budgets,
     ratios, depths, samples, lengths up to the same longest): a record depends only on its case,
     policy and budget, and on the fields in `_SAME_RESULTS`, which must match."""
 
-    def __init__(self, path: Path, config: EvalConfig):
-        self.path = Path(path)
+    def __init__(self, results_path: Path, config: EvalConfig):
+        self.path = partial_path(results_path)
         self.config_json = json.dumps(asdict(config), sort_keys=True)
         self.records: dict[str, dict] = {}
+        self._load_results(Path(results_path), config)
         if self.path.is_file():
             lines = self.path.read_text().splitlines()
-            if lines and not _same_results(json.loads(lines[0]), config):
-                raise SnapcompileError(f"{self.path} holds results of another model, task, seed, scope or "
-                                       "artifact shape: delete it or change -o")
+            self._check_config(json.loads(lines[0]) if lines else {}, config, self.path)
             for line in lines[1:]:
                 if line.strip():
                     record = json.loads(line)
                     self.records[record["id"]] = record
-        else:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self.path.write_text(self.config_json + "\n")
+
+    def _load_results(self, path: Path, config: EvalConfig) -> None:
+        if not path.is_file():
+            return
+        try:
+            payload = json.loads(path.read_text(encoding="utf-8"))
+            stored, records = payload["config"], payload["records"]
+        except (ValueError, TypeError, KeyError):
+            raise SnapcompileError(f"{path} exists and is not a results file of `snapcompile eval`; "
+                                   "choose another -o") from None
+        self._check_config(stored, config, path)
+        self.records.update((record["id"], record) for record in records)
+
+    @staticmethod
+    def _check_config(stored: dict, config: EvalConfig, path: Path) -> None:
+        if not _same_results(stored, config):
+            raise SnapcompileError(f"{path} holds results of another model, task, seed, scope or "
+                                   "artifact shape: delete it or change -o")
 
     @staticmethod
     def record_id(case: Case, policy: str, budget: int | None) -> str:
@@ -148,6 +168,9 @@ class ResultStore:
 
     def add(self, record: dict) -> None:
         self.records[record["id"]] = record
+        if not self.path.is_file():
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.path.write_text(self.config_json + "\n")
         with open(self.path, "a") as handle:
             handle.write(json.dumps(record) + "\n")
 
@@ -168,14 +191,14 @@ def _same_results(stored: dict, config: EvalConfig) -> bool:
 def run_eval(config: EvalConfig, results_path: Path, cache_dir: Path, progress=None,
              log: Callable[[str], None] = print) -> list[dict]:
     """Run every pending case; returns all records (finished earlier or now)."""
-    from transformers import AutoTokenizer
+    from snapcompile.models.tokenizer import load_tokenizer
     export = ExportConfig(slots=config.slots, max_context=config.max_context, chunk=config.chunk)
     cache = ArtifactCache(config.source, export, cache_dir, log)
     dense_dir = cache.dense()
     chat = read_manifest(dense_dir).chat and config.task != "fidelity"
-    tokenizer = AutoTokenizer.from_pretrained(str(dense_dir))
+    tokenizer = load_tokenizer(dense_dir)
     cases = make_cases(config.task, tokenizer, config.lengths, config.depths, config.samples, config.seed, chat)
-    store = ResultStore(Path(str(results_path) + ".partial.jsonl"), config)
+    store = ResultStore(results_path, config)
     cells = {(p, b): [c for c in cases if config.applies(p, b, c)] for p, b in config.runs()}
     pending = {(p, b): [c for c in applied if not store.done(c, p, b)] for (p, b), applied in cells.items()}
     if progress:

@@ -13,11 +13,9 @@ import random
 from dataclasses import asdict, dataclass
 
 from snapcompile.errors import SnapcompileError
-from snapcompile.prompts import FILLER, encode
+from snapcompile.prompts import FILLER, INTRO, encode, passkey_text
 
 TASKS = ("passkey", "multikey", "fidelity")
-INTRO = ("There is an important piece of information hidden inside a lot of irrelevant text. "
-         "Find it and memorize it.\n\n")
 WORDS = ("apple", "river", "candle", "falcon", "marble", "violet", "harbor", "copper", "meadow", "lantern",
          "glacier", "pepper", "saddle", "thunder", "orchid", "walnut")
 FIDELITY_MODULES = ("argparse", "collections", "typing", "functools", "itertools", "dataclasses", "pathlib",
@@ -60,13 +58,8 @@ def _fit(tokenizer, build, length: int, chat: bool) -> str:
 def passkey_case(tokenizer, length: int, depth: float, sample: int, seed: int, chat: bool) -> Case:
     rng = random.Random(f"passkey/{seed}/{length}/{depth}/{sample}")
     key = rng.randint(10000, 99999)
-    needle = f"The pass key is {key}. Remember it. {key} is the pass key. "
-
-    def build(repeats: int) -> str:
-        before = int(repeats * depth)
-        return (INTRO + FILLER * before + needle + FILLER * (repeats - before)
-                + "\n\nWhat is the pass key? Answer with the number only.")
-    return Case("passkey", length, depth, sample, _fit(tokenizer, build, length, chat), str(key))
+    text = _fit(tokenizer, lambda repeats: passkey_text(key, repeats, depth), length, chat)
+    return Case("passkey", length, depth, sample, text, str(key))
 
 
 def multikey_case(tokenizer, length: int, depth: float, sample: int, seed: int, chat: bool, keys: int = 4) -> Case:

@@ -31,6 +31,7 @@ class Device(Protocol):
     """Allocates arrays, runs graphs, and moves small arrays to and from the host."""
 
     def check(self, folder: Path, manifest: Manifest) -> None: ...
+    def available_bytes(self) -> int: ...
     def zeros(self, shape: tuple[int, ...], dtype: str): ...
     def graph(self, name: str, manifest: Manifest) -> Graph: ...
     def upload(self, target, host: np.ndarray) -> None: ...
@@ -56,6 +57,33 @@ def chunk_starts(prompt_len: int, chunk: int) -> list[int]:
     return starts
 
 
+def memory_needed(manifest: Manifest) -> dict[str, int]:
+    """Bytes the backend allocates for an artifact, by purpose (an estimate that leaves out the
+    runtime's own work space): the slot caches, the one-prompt prefill caches, the weights."""
+    m, per_token = manifest, manifest.spec.kv_bytes_per_token
+    prefill_rows = m.export.max_context if m.policy.compressed else 0
+    prefill_rows += max(m.export.prefill_buckets(), default=0)
+    return {"slot_caches": m.export.slots * m.cache_capacity * per_token,
+            "prefill_caches": prefill_rows * per_token,
+            "weights": m.files.get("weights.bin", {}).get("bytes", 0)}
+
+
+def check_memory(manifest: Manifest, available: int) -> None:
+    """Refuse, before allocating anything, an artifact that needs more memory than is available."""
+    needed = memory_needed(manifest)
+    total = sum(needed.values())
+    if total > available:
+        raise SnapcompileError(
+            f"the artifact needs about {_gib(total)} ({_gib(needed['slot_caches'])} of KV cache for "
+            f"{manifest.export.slots} slots x {manifest.cache_capacity} rows, {_gib(needed['weights'])} of weights) "
+            f"but only {_gib(available)} is available here; convert with fewer --slots or a smaller "
+            "--budget / --max-context")
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB"
+
+
 class SlotBackend:
     """Runs an artifact's graphs on a Device. Slot state (layouts, positions) is the caller's."""
 
@@ -64,6 +92,7 @@ class SlotBackend:
         self.manifest: Manifest = read_manifest(self.folder)
         m = self.manifest
         device.check(self.folder, m)             # the graphs belong to this manifest
+        check_memory(m, device.available_bytes())
         self.num_layers, self.slots, self.chunk = m.spec.num_layers, m.export.slots, m.export.chunk
         self.capacity = m.cache_capacity
         self._layers = range(self.num_layers)
@@ -257,9 +286,7 @@ class SlotBackend:
         return [self.device.download(idx)[0].copy() for idx in self.sel_idx]
 
     def _streaming_into_slot(self, slot: int, layout: SlotLayout) -> list[np.ndarray]:
-        sinks = self.manifest.policy.sinks
-        positions = np.concatenate([np.arange(sinks),
-                                    np.arange(layout.prompt_len - (layout.kept - sinks), layout.prompt_len)])
+        positions = np.array(self.manifest.policy.streaming_positions(layout.prompt_len), np.int64)
         rows = self.device.indices(positions)
         for i in self._layers:
             self.keys[i][slot, :, :layout.kept] = self.scratch_k[i][0][:, rows]

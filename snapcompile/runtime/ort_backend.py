@@ -5,7 +5,7 @@ from pathlib import Path
 
 import numpy as np
 
-from snapcompile.artifact import WEIGHTS, Manifest, is_prefill_graph, load_graph
+from snapcompile.artifact import WEIGHTS, Manifest, is_prefill_graph, load_graph, verify_files
 from snapcompile.errors import SnapcompileError
 from snapcompile.runtime.backend import SlotBackend
 
@@ -93,8 +93,14 @@ class OrtDevice:
         self.models = {}                      # graph name -> ModelProto without weights, from check()
 
     def check(self, folder: Path, manifest: Manifest) -> None:
-        """Fingerprint and I/O checks of every graph (SlotBackend calls it before `graph`)."""
+        """Every file's size and sha256, then fingerprint and I/O checks of every graph
+        (SlotBackend calls it before `graph`)."""
+        verify_files(folder, manifest)
         self.models = {name: load_graph(folder, manifest, name) for name in manifest.graphs}
+
+    def available_bytes(self) -> int:
+        """Memory this process can still allocate without swapping (Linux MemAvailable)."""
+        return available_host_memory()
 
     def zeros(self, shape, dtype: str) -> np.ndarray:
         return np.zeros(shape, np.dtype(dtype))
@@ -120,6 +126,19 @@ class OrtBackend(SlotBackend):
 
     def __init__(self, folder: Path, provider: str = "cpu", threads: int | None = None):
         super().__init__(folder, OrtDevice(folder, provider, threads))
+
+
+def available_host_memory() -> int:
+    """Bytes of host memory available to new allocations (/proc/meminfo MemAvailable, else free pages)."""
+    try:
+        with open("/proc/meminfo") as handle:
+            for line in handle:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import os
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def _providers(provider: str, available: list[str]) -> list[str]:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from snapcompile.artifact import MANIFEST, WEIGHTS, Manifest, read_manifest
+from snapcompile.artifact import MANIFEST, Manifest, copy_support_files, file_sha256, read_manifest, verify_files
 from snapcompile.atomic import atomic_directory, write_json_atomic
 from snapcompile.errors import SnapcompileError
 from snapcompile.plugins.trt_plugin import require_tensorrt
@@ -36,6 +36,7 @@ def build_engines(artifact: Path, output: Path, fp16: bool = False, force: bool 
                   workspace_gib: float = 4.0) -> dict:
     """Build one serialized engine per graph of `artifact` into `output` (written atomically)."""
     manifest = read_manifest(artifact)
+    verify_files(artifact, manifest)
     check_trt_limits(manifest)
     trt = require_tensorrt()
     if manifest.lowering == "plugin":
@@ -43,14 +44,15 @@ def build_engines(artifact: Path, output: Path, fp16: bool = False, force: bool 
         register()
     logger = trt.Logger(trt.Logger.WARNING)
     info = {"fingerprint": manifest.fingerprint(), "fp16": fp16, "tensorrt": trt.__version__, "engines": {}}
-    with atomic_directory(Path(output), force=force) as staging:
+    info["sha256"] = {}
+    with atomic_directory(Path(output), force=force, marker=ENGINES) as staging:
         for name, entry in manifest.graphs.items():
             serialized = _build_one(trt, logger, Path(artifact) / entry["file"], fp16, workspace_gib)
             (staging / f"{name}.engine").write_bytes(serialized)
             info["engines"][name] = f"{name}.engine"
-        for item in Path(artifact).iterdir():      # manifest and tokenizer files, not graphs or weights
-            if item.is_file() and item.suffix != ".onnx" and item.name != WEIGHTS:
-                shutil.copy2(item, staging / item.name)
+            info["sha256"][name] = file_sha256(staging / f"{name}.engine")
+        copy_support_files(artifact, manifest, staging)
+        shutil.copyfile(Path(artifact) / MANIFEST, staging / MANIFEST)
         write_json_atomic(staging / ENGINES, info)
     return info
 
@@ -108,12 +110,25 @@ class TrtDevice:
             info = json.loads((Path(folder) / ENGINES).read_text())
         except FileNotFoundError:
             raise SnapcompileError(f"{folder} has no {ENGINES}: build engines with `snapcompile build`") from None
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise SnapcompileError(f"{folder}/{ENGINES} is corrupt: build the engines again") from None
+        if not isinstance(info, dict):
+            raise SnapcompileError(f"{folder}/{ENGINES} is corrupt: build the engines again")
         if info.get("fingerprint") != manifest.fingerprint():
             raise SnapcompileError(f"{folder}: the engines were built from a different artifact than {MANIFEST}")
+        verify_files(folder, manifest, manifest.support_files())
+        for name in manifest.graphs:       # engine files are named by the graph, never by a path
+            path = Path(folder) / f"{name}.engine"
+            if not path.is_file() or file_sha256(path) != info.get("sha256", {}).get(name):
+                raise SnapcompileError(f"{folder}/{name}.engine is missing or does not match engines.json; "
+                                       "build the engines again")
         if manifest.lowering == "plugin":
             from snapcompile.plugins.trt_plugin import register
             register()
-        self.engine_files = info["engines"]
+        self.engine_files = {name: f"{name}.engine" for name in manifest.graphs}
+
+    def available_bytes(self) -> int:
+        return self.torch.cuda.mem_get_info()[0]
 
     def zeros(self, shape, dtype: str):
         return self.torch.zeros(shape, dtype=getattr(self.torch, dtype), device="cuda")
