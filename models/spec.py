@@ -68,7 +68,7 @@ class ModelSpec:
         return asdict(self)
 
     @classmethod
-    def from_hf_config(cls, config) -> "ModelSpec":
+    def from_hf_config(cls, config) -> ModelSpec:
         arch = architecture_of(getattr(config, "architectures", None), getattr(config, "model_type", None))
         heads = config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or heads

@@ -11,9 +11,9 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
+from snapcompile.export.attention_graph import MASK_MIN
 from snapcompile.passes.graph_utils import add_node, constant, finalize, graph_input
 from snapcompile.passes.match import find_attention_blocks
-from snapcompile.attention_graph import MASK_MIN
 
 
 def compress_decode(model: onnx.ModelProto, num_layers: int, budget: int) -> tuple[onnx.ModelProto, dict]:
@@ -37,9 +37,10 @@ def _ring_mask(graph: gs.Graph, slots: int, budget: int) -> gs.Variable:
     graph.inputs.append(write_index)
     cache_len = graph_input(graph, "cache_len")
     rows = constant(np.arange(budget)[None, :])                                       # [1, B]
-    col = lambda t: add_node(graph, "Unsqueeze", [t, constant([1])])                    # [N, 1]
-    filled = add_node(graph, "Less", [rows, col(cache_len)])
-    not_written = add_node(graph, "Not", [add_node(graph, "Equal", [rows, col(write_index)])])
+    cache_len_col = add_node(graph, "Unsqueeze", [cache_len, constant([1])])          # [N, 1]
+    write_index_col = add_node(graph, "Unsqueeze", [write_index, constant([1])])      # [N, 1]
+    filled = add_node(graph, "Less", [rows, cache_len_col])
+    not_written = add_node(graph, "Not", [add_node(graph, "Equal", [rows, write_index_col])])
     visible = add_node(graph, "And", [filled, not_written])
     additive = add_node(graph, "Where", [visible, constant(0.0, np.float32), constant(MASK_MIN, np.float32)])
     return add_node(graph, "Reshape", [additive, constant([slots, 1, 1, budget])],

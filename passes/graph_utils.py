@@ -5,7 +5,7 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
-from snapcompile.onnx_builder import OPSET
+from snapcompile.export.onnx_builder import OPSET
 
 _counter = iter(range(1, 1 << 62))
 
@@ -16,7 +16,7 @@ def fresh(prefix: str) -> str:
 
 
 def graph_input(graph: gs.Graph, name: str) -> gs.Variable:
-    """A graph input of the documented artifact contract (see snapcompile.llama_graph)."""
+    """A graph input of the documented artifact contract (see snapcompile.export.llama_graph)."""
     for tensor in graph.inputs:
         if tensor.name == name:
             return tensor

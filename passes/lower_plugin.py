@@ -11,8 +11,8 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from snapcompile.config import PolicyConfig
+from snapcompile.export.onnx_builder import GraphBuilder
 from snapcompile.models.spec import ModelSpec
-from snapcompile.onnx_builder import GraphBuilder
 from snapcompile.passes.graph_utils import finalize, fresh, graph_input
 from snapcompile.passes.match import find_attention_blocks
 from snapcompile.plugins.contracts import DECODE_ATTENTION, DOMAIN, PLUGIN_NAMESPACE, PLUGIN_VERSION, SELECT

@@ -1,6 +1,6 @@
 """Find cached-attention blocks by graph structure (never by tensor name).
 
-The pattern (see snapcompile.attention_graph.emit_cached_attention):
+The pattern (see snapcompile.export.attention_graph.emit_cached_attention):
 
     s_cache = Add(Mul(MatMul(q, Transpose(k_cache)), scale), cache_mask)
     s_new   = Mul(MatMul(q, Transpose(k_new)), scale) [+ new_mask]

@@ -3,17 +3,14 @@ from __future__ import annotations
 
 import onnx
 
+from snapcompile.artifact import Manifest, graph_name, is_prefill_graph, select_rows
+from snapcompile.config import LOWERINGS, PolicyConfig
+from snapcompile.errors import SnapcompileError
 from snapcompile.passes.compress_decode import compress_decode
 from snapcompile.passes.match import MatchFailure
 from snapcompile.passes.snapkv_prefill import add_window_queries
 from snapcompile.passes.snapkv_select import SelectionWriter
-from snapcompile.artifact import Manifest, graph_name, is_prefill_graph, select_rows
-from snapcompile.config import PolicyConfig
-from snapcompile.errors import SnapcompileError
 from snapcompile.verify import verify_graph
-
-
-LOWERINGS = ("standard", "plugin")
 
 
 def compress_graphs(graphs: dict[str, onnx.ModelProto], manifest: Manifest,

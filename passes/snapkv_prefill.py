@@ -11,9 +11,9 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
+from snapcompile.models.spec import ModelSpec
 from snapcompile.passes.graph_utils import add_node, constant, finalize, graph_input
 from snapcompile.passes.match import find_attention_blocks
-from snapcompile.models.spec import ModelSpec
 
 
 def add_window_queries(model: onnx.ModelProto, spec: ModelSpec, window: int,

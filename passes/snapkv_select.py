@@ -1,4 +1,4 @@
-"""The SnapKV selection graph, standard ONNX ops only (DESIGN.md, "Prefill").
+"""The SnapKV selection graph, standard ONNX ops only (docs/design.md, "The cache policy").
 
 Inputs: prompt_len [1] int64 (P < T <= L); per layer window_query.{i} [1, H, W, D],
 key.{i}, value.{i} [1, Hkv, L, D] (the prefilled dense cache, rows >= T ignored). L is the
@@ -11,10 +11,10 @@ from __future__ import annotations
 import numpy as np
 import onnx
 
-from snapcompile.attention_graph import MASK_MIN, additive_mask
 from snapcompile.config import PolicyConfig
+from snapcompile.export.attention_graph import MASK_MIN, additive_mask
+from snapcompile.export.onnx_builder import GraphBuilder
 from snapcompile.models.spec import ModelSpec
-from snapcompile.onnx_builder import GraphBuilder
 
 
 class SelectionWriter:

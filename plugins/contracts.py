@@ -28,7 +28,7 @@ SnapKVSelect -- SnapKV prompt selection of one layer, run once per request after
   outputs  selected_key,
            selected_value [1, Hkv, P, D] same dtype          kept rows in position order
            selected_index [1, Hkv, P] int64                  their positions
-  Selection rule: snapcompile.policy.snapkv_select (DESIGN.md, "Prefill"); its window scores
+  Selection rule: snapcompile.policy_torch.snapkv_select (docs/design.md, "The cache policy"); its window scores
   also have a Triton kernel (plugins/triton_kernels.window_scores).
 """
 from __future__ import annotations

@@ -10,8 +10,8 @@ import numpy as np
 import torch
 from onnxruntime_extensions import PyCustomOpDef, get_library_path, onnx_op
 
-from snapcompile.plugins import reference
-from snapcompile.plugins.contracts import DECODE_ATTENTION, SELECT
+from . import torch_ops
+from .contracts import DECODE_ATTENTION, SELECT
 
 _F, _I, _S = PyCustomOpDef.dt_float, PyCustomOpDef.dt_int64, PyCustomOpDef.dt_string
 
@@ -20,16 +20,16 @@ _F, _I, _S = PyCustomOpDef.dt_float, PyCustomOpDef.dt_int64, PyCustomOpDef.dt_st
 def _decode_attention(query, key, value, key_cache, value_cache, write_index, cache_len, **attrs):
     tensors = [torch.from_numpy(np.asarray(a)) for a in (query, key, value, key_cache, value_cache,
                                                          write_index, cache_len)]
-    return reference.decode_attention(*tensors, scale=float(attrs["scale"])).numpy()
+    return torch_ops.decode_attention(*tensors, scale=float(attrs["scale"])).numpy()
 
 
 @onnx_op(op_type=SELECT.name, inputs=[_F, _F, _F, _I], outputs=[_F, _F, _I],
          attrs={"sinks": _I, "window": _I, "kernel": _I, "prompt_share": _I, "scale": _F,
                 "pooling": _S, "scope": _S})
 def _select(window_query, key, value, prompt_len, **attrs):
-    policy = reference.policy_from_attrs(int(attrs["sinks"]), int(attrs["window"]), int(attrs["kernel"]),
+    policy = torch_ops.policy_from_attrs(int(attrs["sinks"]), int(attrs["window"]), int(attrs["kernel"]),
                                          int(attrs["prompt_share"]), str(attrs["pooling"]), str(attrs["scope"]))
-    picked = reference.select(torch.from_numpy(np.asarray(window_query)), torch.from_numpy(np.asarray(key)),
+    picked = torch_ops.select(torch.from_numpy(np.asarray(window_query)), torch.from_numpy(np.asarray(key)),
                               torch.from_numpy(np.asarray(value)), int(np.asarray(prompt_len)[0]), policy,
                               float(attrs["scale"]))
     return tuple(t.numpy() for t in picked)

@@ -14,8 +14,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
+import triton  # after TRITON_INTERPRET is set
+import triton.language as tl
 
 
 @triton.jit
@@ -74,7 +74,7 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
                      value_cache: torch.Tensor, write_index: torch.Tensor, cache_len: torch.Tensor,
                      scale: float, write_cache: bool = False, block_rows: int = 64,
                      out: torch.Tensor | None = None) -> torch.Tensor:
-    """Launch the kernel. Shapes and semantics as plugins.reference.decode_attention; the last
+    """Launch the kernel. Shapes and semantics as plugins.torch_ops.decode_attention; the last
     axis of every tensor must be contiguous. With write_cache the new K/V are stored into the
     caches at write_index after the attention is computed."""
     slots, kv_heads, group, head_dim = query.shape
@@ -143,16 +143,16 @@ def _window_scores_kernel(q_ptr, k_ptr, m_ptr, l_ptr, out_ptr, scale, length, wi
         q = tl.load(q_ptr + head * stride_qh + r[:, None] * stride_qr + d[None, :],
                     mask=r_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)           # [R, D]
         m = tl.load(m_ptr + head * rows + r, mask=r_ok, other=0.0)
-        l = tl.load(l_ptr + head * rows + r, mask=r_ok, other=1.0)
+        norm = tl.load(l_ptr + head * rows + r, mask=r_ok, other=1.0)
         s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale                          # [R, L]
         visible = (cols[None, :] <= (window_start + r % window)[:, None]) & r_ok[:, None]
-        p = tl.where(visible, tl.exp(s - m[:, None]) / l[:, None], 0.0)
+        p = tl.where(visible, tl.exp(s - m[:, None]) / norm[:, None], 0.0)
         acc += tl.sum(p, axis=0)
     tl.store(out_ptr + head * length + cols, acc / rows, mask=cols < length)
 
 
 def window_scores(window_query: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
-    """Triton version of snapcompile.policy.window_scores: [H, W, D] queries, [Hkv, T, D] keys
+    """Triton version of snapcompile.policy_torch.window_scores: [H, W, D] queries, [Hkv, T, D] keys
     -> [Hkv, T-W] mean window attention per prefix position (float32)."""
     heads, window, head_dim = window_query.shape
     kv_heads, length, _ = keys.shape

@@ -7,12 +7,13 @@ once per request). TensorRT's ONNX parser maps
 the plugin-lowered nodes to them by op type, plugin_version and plugin_namespace.
 
 Written against the documented API (tensorrt.plugin.register / impl, TensorDesc.like,
-shape_expr); it has not been run here: no TensorRT on CI machines (see README).
+shape_expr); it has not been run here: no TensorRT on CI machines (see docs/design.md).
 """
 from __future__ import annotations
 
 from snapcompile.errors import SnapcompileError
-from snapcompile.plugins.contracts import DECODE_ATTENTION, SELECT
+
+from .contracts import DECODE_ATTENTION, SELECT
 
 TRT_EXTRA_HINT = 'pip install "snapcompile[trt]" (TensorRT 10.8+ with an NVIDIA GPU and CUDA)'
 _registered = False
@@ -60,7 +61,7 @@ def _register_decode(trtp) -> None:
              outputs: tuple[trtp.Tensor], stream: int) -> None:
         import torch
 
-        from snapcompile.plugins.triton_kernels import decode_attention
+        from .triton_kernels import decode_attention
         q, k, v, kc, vc, w, n, out = _torch_views(query, key, value, key_cache, value_cache, write_index,
                                                   cache_len, outputs[0])
         with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
@@ -85,11 +86,11 @@ def _register_select(trtp, trt) -> None:
              outputs: tuple[trtp.Tensor, trtp.Tensor, trtp.Tensor], stream: int) -> None:
         import torch
 
-        from snapcompile.plugins import reference, triton_kernels
-        policy = reference.policy_from_attrs(sinks, window, kernel, prompt_share, pooling, scope)
+        from . import torch_ops, triton_kernels
+        policy = torch_ops.policy_from_attrs(sinks, window, kernel, prompt_share, pooling, scope)
         q, k, v, length, out_k, out_v, out_i = _torch_views(window_query, key, value, prompt_len, *outputs)
         with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
-            picked_k, picked_v, index = reference.select(q, k, v, int(length[0].item()), policy, scale,
+            picked_k, picked_v, index = torch_ops.select(q, k, v, int(length[0].item()), policy, scale,
                                                          scorer=triton_kernels.window_scores)
             out_k.copy_(picked_k)
             out_v.copy_(picked_v)

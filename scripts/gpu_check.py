@@ -14,26 +14,36 @@ Needs only a CUDA GPU, PyTorch and Triton (no ONNX Runtime, no install of this r
 from __future__ import annotations
 
 import argparse
+import functools
+import importlib
 import json
 import statistics
 import sys
 import time
 from pathlib import Path
 
+import torch
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-import snapcompile  # noqa: E402
-
-snapcompile.__path__.append(str(REPO))   # plugins/, passes/, models/ as snapcompile.* without an install
-
-import torch  # noqa: E402
 
 MODELS = {"smollm2-135m": (3, 3, 64), "llama-8b": (8, 4, 128)}   # KV heads, group, head dim
 
 
+def _plugin(name: str):
+    """A module of the plugins package: installed as snapcompile.plugins, or this checkout's
+    plugins/ folder (a GPU machine gets a copy of the working tree, not an install)."""
+    try:
+        return importlib.import_module(f"snapcompile.plugins.{name}")
+    except ImportError:
+        if str(REPO) not in sys.path:
+            sys.path.insert(0, str(REPO))          # snapcompile/ and plugins/ of the checkout
+        return importlib.import_module(f"plugins.{name}")
+
+
 def _case(slots, kv_heads, group, rows, dim, dtype, wrapped, seed=0):
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    rand = lambda *s: torch.randn(*s, generator=gen, device="cuda").to(dtype)  # noqa: E731
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen, device="cuda").to(dtype)
     cache_len = torch.full((slots,), rows if wrapped else rows // 2, dtype=torch.int64, device="cuda")
     write = (cache_len - 1) if wrapped else cache_len.clone()
     return (rand(slots, kv_heads, group, dim), rand(slots, kv_heads, 1, dim), rand(slots, kv_heads, 1, dim),
@@ -41,14 +51,14 @@ def _case(slots, kv_heads, group, rows, dim, dtype, wrapped, seed=0):
 
 
 def check_parity(quick: bool) -> list[dict]:
-    from snapcompile.plugins import reference, triton_kernels
+    torch_ops, triton_kernels = _plugin("torch_ops"), _plugin("triton_kernels")
     rows = []
     for dtype, tol in ((torch.float32, 1e-4), (torch.float16, 5e-3)):
         for budget in ((256,) if quick else (64, 256, 1000, 2048)):
             for group in (1, 3, 4):
                 for wrapped in (False, True):
                     args = _case(4, 2, group, budget, 64, dtype, wrapped, seed=budget + group)
-                    expected = reference.decode_attention(*args, scale=0.125).float()
+                    expected = torch_ops.decode_attention(*args, scale=0.125).float()
                     got = triton_kernels.decode_attention(*args, scale=0.125).float()
                     err = (got - expected).abs().max().item()
                     rows.append({"dtype": str(dtype).split(".")[1], "budget": budget, "group": group,
@@ -58,9 +68,10 @@ def check_parity(quick: bool) -> list[dict]:
 
 def check_selection_on_cuda() -> dict:
     """Selection on CUDA (PyTorch reference, and with the Triton window-score kernel) vs CPU."""
+    triton_kernels = _plugin("triton_kernels")
+
     from snapcompile.config import PolicyConfig
-    from snapcompile.plugins import triton_kernels
-    from snapcompile.policy import snapkv_select, window_scores
+    from snapcompile.policy_torch import snapkv_select, window_scores
     policy = PolicyConfig(budget=256, window=32)
     gen = torch.Generator().manual_seed(0)
     query, keys = torch.randn(9, 32, 64, generator=gen), torch.randn(3, 2000, 64, generator=gen)
@@ -90,7 +101,7 @@ def _time_us(fn, repeats: int) -> float:
 
 
 def time_decode(quick: bool) -> list[dict]:
-    from snapcompile.plugins import reference, triton_kernels
+    torch_ops, triton_kernels = _plugin("torch_ops"), _plugin("triton_kernels")
     rows = []
     contexts = (4096, 32768) if quick else (4096, 16384, 65536)
     for model, (kv_heads, group, dim) in MODELS.items():
@@ -99,11 +110,8 @@ def time_decode(quick: bool) -> list[dict]:
                 budget = 512 if context <= 8192 else 2048
                 for path, rows_read in (("fused-kernel", budget), ("standard-ops", budget), ("dense-ops", context)):
                     args = _case(slots, kv_heads, group, rows_read, dim, torch.float16, wrapped=True)
-                    if path == "fused-kernel":
-                        fn = lambda a=args: triton_kernels.decode_attention(*a, scale=dim ** -0.5)  # noqa: E731
-                    else:
-                        fn = lambda a=args: reference.decode_attention(*a, scale=dim ** -0.5)  # noqa: E731
-                    micros = _time_us(fn, 20 if quick else 50)
+                    attend = triton_kernels.decode_attention if path == "fused-kernel" else torch_ops.decode_attention
+                    micros = _time_us(functools.partial(attend, *args, scale=dim ** -0.5), 20 if quick else 50)
                     kv_bytes = 2 * slots * kv_heads * rows_read * dim * 2
                     rows.append({"model": model, "path": path, "budget": budget, "context": context,
                                  "slots": slots, "us": micros, "GB/s": kv_bytes / micros / 1e3})
@@ -115,7 +123,7 @@ def check_tensorrt() -> str:
         import tensorrt
     except ImportError:
         return "TensorRT not importable here: plugin registration and engine builds skipped"
-    from snapcompile.plugins.trt_plugin import register
+    register = _plugin("trt_plugin").register
     register()
     return f"TensorRT {tensorrt.__version__}: plugins snapcompile::SnapKVDecodeAttention and SnapKVSelect registered"
 

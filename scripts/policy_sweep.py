@@ -18,7 +18,6 @@ scope) plus ratio (budget = prompt tokens // ratio; default --ratio).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 ANSWER_TOKENS = 16
@@ -63,8 +62,8 @@ def run_case(loaded, case, variants: dict[str, dict], default_ratio: float) -> d
     """Per answerer (dense and every variant): greedy text, and for variants the dense margin
     where the answer departs from dense."""
     from snapcompile.config import PolicyConfig
+    from snapcompile.oracle import ReferenceSequence
     from snapcompile.prompts import encode
-    from snapcompile.reference import ReferenceSequence
     ids = encode(loaded.tokenizer, case.prompt, loaded.chat)
     window = max([32, *(v.get("window", 32) for v in variants.values())])
     dense = ReferenceSequence(loaded.model, PolicyConfig(policy="dense"), len(ids) + ANSWER_TOKENS + 1,

@@ -21,7 +21,7 @@ from onnx import TensorProto, external_data_helper
 from snapcompile import __version__
 from snapcompile.atomic import write_json_atomic
 from snapcompile.config import ExportConfig, PolicyConfig
-from snapcompile.errors import SnapcompileError
+from snapcompile.errors import SnapcompileError, first_line
 from snapcompile.models.spec import ModelSpec
 
 MANIFEST = "manifest.json"
@@ -72,7 +72,7 @@ class Manifest:
                 "versions": {name: _version(name) for name in ("onnx", "onnxruntime", "torch", "transformers")}}
 
     @classmethod
-    def from_dict(cls, d: dict) -> "Manifest":
+    def from_dict(cls, d: dict) -> Manifest:
         model = dict(d["model"])
         name = model.pop("name")
         source = model.pop("source", name)
@@ -275,7 +275,7 @@ def load_graph(folder: Path, manifest: Manifest, name: str, with_weights: bool =
     except FileNotFoundError:
         raise SnapcompileError(f"{path} is missing") from None
     except Exception as err:  # protobuf raises DecodeError and friends for a corrupt file
-        raise SnapcompileError(f"{path} is not a valid ONNX file: {str(err).splitlines()[0] if str(err) else type(err).__name__}") from None
+        raise SnapcompileError(f"{path} is not a valid ONNX file: {first_line(err)}") from None
     check_graph_matches(model, path, manifest)
     for tensor in model.graph.initializer:
         location = next((e.value for e in tensor.external_data if e.key == "location"), None)

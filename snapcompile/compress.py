@@ -4,7 +4,15 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from snapcompile.artifact import WEIGHTS, Manifest, copy_support_files, load_graph, read_manifest, save_graphs, verify_files
+from snapcompile.artifact import (
+    WEIGHTS,
+    Manifest,
+    copy_support_files,
+    load_graph,
+    read_manifest,
+    save_graphs,
+    verify_files,
+)
 from snapcompile.atomic import atomic_directory
 from snapcompile.config import PolicyConfig
 from snapcompile.errors import SnapcompileError

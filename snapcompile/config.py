@@ -8,6 +8,7 @@ from snapcompile.errors import SnapcompileError
 POLICIES = ("dense", "streamingllm", "snapstream")
 POOLINGS = ("max", "avg")
 SCOPES = ("head", "layer")
+LOWERINGS = ("standard", "plugin")   # compressed attention in standard ONNX ops, or custom op nodes
 DEFAULT_TOLERANCE = 1e-3    # validate: largest |logit difference| from the PyTorch oracle
 DEFAULT_TIE_GAP = 1e-6      # validate: selection score gaps below this are near-ties
 
@@ -56,7 +57,7 @@ class ExportConfig:
 
 @dataclass(frozen=True)
 class PolicyConfig:
-    """The SnapStream cache policy (see DESIGN.md, "The cache policy").
+    """The SnapStream cache policy (docs/design.md, "The cache policy").
 
     budget: B, KV slots per sequence. sinks: S. window: W, observation window (last W prompt
     queries). kernel: K, pooling width (odd). pooling: "max" | "avg". prompt_share: P, slots
@@ -135,5 +136,5 @@ class PolicyConfig:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict) -> "PolicyConfig":
+    def from_dict(cls, d: dict) -> PolicyConfig:
         return cls(**d)

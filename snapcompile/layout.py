@@ -36,7 +36,7 @@ class SlotLayout:
     ring: bool
 
     @classmethod
-    def for_prompt(cls, prompt_len: int, capacity: int, prompt_share: int | None) -> "SlotLayout":
+    def for_prompt(cls, prompt_len: int, capacity: int, prompt_share: int | None) -> SlotLayout:
         """prompt_share None = dense (keep everything, no ring)."""
         if prompt_share is None:
             return cls(prompt_len, prompt_len, capacity, ring=False)

@@ -13,9 +13,8 @@ import numpy as np
 import torch
 
 from snapcompile.config import DEFAULT_TIE_GAP, PolicyConfig
-from snapcompile.reference import ReferenceSequence
+from snapcompile.oracle import ReferenceSequence
 from snapcompile.runtime import open_backend
-
 
 
 @dataclass

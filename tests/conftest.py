@@ -25,10 +25,11 @@ def random_prompts(lengths, seed=0, vocab=250):
 def build_artifact(loaded, folder, export=TINY_EXPORT, policy: PolicyConfig | None = None):
     """Export (and compress, when `policy` is compressed) `loaded` into folder."""
     from snapcompile.passes.pipeline import compress_graphs
-    transform = None
-    if policy is not None and policy.compressed:
-        transform = lambda graphs, manifest: compress_graphs(graphs, manifest, policy)  # noqa: E731
-    export_model(loaded, export, folder, policy=policy, transform=transform)
+
+    def transform(graphs, manifest):
+        return compress_graphs(graphs, manifest, policy)
+    compressed = policy is not None and policy.compressed
+    export_model(loaded, export, folder, policy=policy, transform=transform if compressed else None)
     return folder
 
 

@@ -1,6 +1,7 @@
 """Benchmark plumbing on tiny-llama (figures are measured, so only their structure is asserted)."""
 import json
 
+import numpy as np
 import pytest
 from click.testing import CliRunner
 
@@ -11,12 +12,31 @@ from snapcompile.cli import main
 from snapcompile.errors import SnapcompileError
 
 
-def test_machine_measurements():
-    assert machine.rss_bytes() > 10 * 2**20
+def test_rss_counts_touched_memory_and_the_peak_outlives_it():
+    before = machine.rss_bytes()
     machine.reset_peak_rss()
-    assert machine.peak_rss_bytes() >= machine.rss_bytes() * 0.5
-    assert machine.memory_bandwidth(megabytes=64, repeats=2) > 1e8
-    assert machine.matmul_flops(size=256, repeats=2) > 1e8
+    block = np.ones(256 * 2**20 // 8)                 # 256 MiB, every page touched
+    grown = machine.rss_bytes() - before
+    del block
+    assert 240 * 2**20 <= grown <= 300 * 2**20
+    assert machine.peak_rss_bytes() - machine.rss_bytes() >= 240 * 2**20, "the peak keeps the freed block"
+
+
+class FakeClock:
+    """perf_counter advancing `step` seconds per call: each timed call lasts exactly `step`."""
+
+    def __init__(self, step):
+        self.now, self.step = 0.0, step
+
+    def __call__(self):
+        self.now += self.step
+        return self.now
+
+
+def test_bandwidth_and_flops_are_bytes_and_flops_per_second(monkeypatch):
+    monkeypatch.setattr(machine.time, "perf_counter", FakeClock(0.01))
+    assert machine.memory_bandwidth(megabytes=8, repeats=2) == pytest.approx(2 * 8 * 2**20 / 0.01)  # read + written
+    assert machine.matmul_flops(size=64, repeats=2) == pytest.approx(2 * 64**3 / 0.01)
 
 
 @pytest.fixture(scope="module")
@@ -35,8 +55,8 @@ def test_every_point_measures_three_systems(result):
             assert figures["bytes_per_step"] > result["weight_bytes"]
             assert figures["bound_ms"] == max(figures["memory_bound_ms"], figures["compute_bound_ms"])
             assert figures["bound"] in ("memory", "compute") and 0 < figures["fraction_of_bound"]
-        assert point["ratios"]["snapstream_vs_dense"] == pytest.approx(
-            point["systems"]["snapstream"]["tokens_per_s"]["median"] / point["systems"]["dense"]["tokens_per_s"]["median"])
+        rates = {name: point["systems"][name]["tokens_per_s"]["median"] for name in ("snapstream", "dense")}
+        assert point["ratios"]["snapstream_vs_dense"] == pytest.approx(rates["snapstream"] / rates["dense"])
         assert 0.0 <= point["prefill"]["snapstream"]["selection_share"] < 1.0
 
 
@@ -77,7 +97,8 @@ def test_eager_points_over_the_memory_limit_are_skipped(tmp_path):
                          eager_kv_limit_gib=1e-6, prefill_repeats=1)
     messages = []
     result = run_bench(config, tmp_path, log=messages.append)
-    assert "eager" not in result["points"][0]["systems"] and result["points"][0]["ratios"]["snapstream_vs_eager"] is None
+    point = result["points"][0]
+    assert "eager" not in point["systems"] and point["ratios"]["snapstream_vs_eager"] is None
     assert any("eager skipped" in m for m in messages)
     assert "skipped (memory)" in markdown(result)
 

@@ -48,7 +48,9 @@ def test_sampling_greedy_and_seeded():
     logits = np.array([0.1, 2.0, 1.9, -1.0], np.float32)
     assert sample(logits, SamplingParams(), np.random.default_rng(0)) == 1
     params = SamplingParams(temperature=1.0, top_k=3, top_p=0.9, seed=3)
-    draws = lambda: [sample(logits, params, rng) for rng in [np.random.default_rng(3)] for _ in range(20)]  # noqa: E731
+    def draws():
+        rng = np.random.default_rng(3)
+        return [sample(logits, params, rng) for _ in range(20)]
     assert draws() == draws()
     assert set(draws()) <= {0, 1, 2}
     assert sample(logits, SamplingParams(temperature=1.0, top_k=1), np.random.default_rng(0)) == 1
@@ -95,8 +97,8 @@ def test_continuous_batching_equals_running_alone(artifact, request):
     lengths = [150, 12, 300, 40, 220, 5, 90]            # more requests than the 3 slots
     new_tokens = [20, 5, 30, 8, 25, 3, 12]             # some finish early
     prompts = random_prompts(lengths, seed=21)
-    make = lambda: [Request(p, max_new_tokens=n, request_id=f"r{i}")  # noqa: E731
-                    for i, (p, n) in enumerate(zip(prompts, new_tokens))]
+    def make():
+        return [Request(p, max_new_tokens=n, request_id=f"r{i}") for i, (p, n) in enumerate(zip(prompts, new_tokens))]
     batched = _engine(folder, prefill_tokens_per_step=64).generate(make())
     for request_alone, together in zip(make(), batched):
         alone = _engine(folder).generate([request_alone])[0]

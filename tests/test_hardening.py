@@ -366,7 +366,8 @@ def test_a_request_failing_inside_the_engine_fails_alone(artifact, monkeypatch):
     (lambda m: _patch_config(m, num_attention_heads=0), "num_attention_heads must be a positive integer, got 0"),
     (lambda m: _patch_config(m, hidden_size="64"), "hidden_size must be a positive integer, got '64'"),
     (lambda m: _patch_config(m, num_hidden_layers=3), "the checkpoint lacks model.layers.2"),
-    (lambda m: _patch_config(m, intermediate_size=96), "down_proj.weight has shape [64, 128], the config needs [64, 96]"),
+    (lambda m: _patch_config(m, intermediate_size=96),
+     "down_proj.weight has shape [64, 128], the config needs [64, 96]"),
     (lambda m: (m / "config.json").write_bytes(b"\xff\xfe"), "config.json is not valid JSON"),
 ], ids=["truncated-safetensors", "config-list", "zero-heads", "string-size", "missing-layer", "wrong-shape",
         "config-binary"])

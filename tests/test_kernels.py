@@ -2,12 +2,13 @@
 import pytest
 import torch
 
-from snapcompile.plugins import reference, triton_kernels   # triton is a dev dependency: no silent skip
+from snapcompile.plugins import torch_ops, triton_kernels  # triton is a dev dependency: no silent skip
 
 
 def _case(slots, kv_heads, group, budget, dim, dtype, wrapped, seed=0):
     gen = torch.Generator().manual_seed(seed)
-    rand = lambda *shape: torch.randn(*shape, generator=gen).to(dtype)  # noqa: E731
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen).to(dtype)
     query = rand(slots, kv_heads, group, dim)
     key, value = rand(slots, kv_heads, 1, dim), rand(slots, kv_heads, 1, dim)
     key_cache, value_cache = rand(slots, kv_heads, budget, dim), rand(slots, kv_heads, budget, dim)
@@ -26,7 +27,7 @@ def _case(slots, kv_heads, group, budget, dim, dtype, wrapped, seed=0):
 @pytest.mark.parametrize("wrapped", [False, True])
 def test_kernel_matches_reference(dtype, atol, budget, group, wrapped):
     args = _case(3, 2, group, budget, 64, dtype, wrapped, seed=budget + group)
-    expected = reference.decode_attention(*args, scale=0.125)
+    expected = torch_ops.decode_attention(*args, scale=0.125)
     got = triton_kernels.decode_attention(*args, scale=0.125)
     assert got.dtype == dtype
     torch.testing.assert_close(got.float(), expected.float(), atol=atol, rtol=0)
@@ -35,7 +36,7 @@ def test_kernel_matches_reference(dtype, atol, budget, group, wrapped):
 def test_kernel_writes_the_new_token_into_the_ring():
     query, key, value, key_cache, value_cache, write_index, cache_len = _case(2, 2, 2, 32, 16, torch.float32, True)
     before_k, before_v = key_cache.clone(), value_cache.clone()
-    expected = reference.decode_attention(query, key, value, before_k, before_v, write_index, cache_len, 0.25)
+    expected = torch_ops.decode_attention(query, key, value, before_k, before_v, write_index, cache_len, 0.25)
     got = triton_kernels.decode_attention(query, key, value, key_cache, value_cache, write_index, cache_len,
                                           0.25, write_cache=True)
     torch.testing.assert_close(got, expected, atol=2e-5, rtol=0)
@@ -56,7 +57,7 @@ def test_idle_slot_attends_only_to_itself():
 
 @pytest.mark.parametrize("length, group, window", [(100, 3, 8), (257, 1, 16), (64, 4, 4)])
 def test_window_scores_kernel_matches_reference(length, group, window):
-    from snapcompile.policy import window_scores
+    from snapcompile.policy_torch import window_scores
     gen = torch.Generator().manual_seed(length)
     query = torch.randn(2 * group, window, 32, generator=gen)
     keys = torch.randn(2, length, 32, generator=gen)
@@ -66,7 +67,7 @@ def test_window_scores_kernel_matches_reference(length, group, window):
 
 def test_selection_with_the_triton_scorer_equals_reference():
     from snapcompile.config import PolicyConfig
-    from snapcompile.policy import snapkv_select
+    from snapcompile.policy_torch import snapkv_select
     policy = PolicyConfig(budget=48, window=8, kernel=5)
     gen = torch.Generator().manual_seed(1)
     query, keys = torch.randn(6, 8, 32, generator=gen) * 2, torch.randn(2, 300, 32, generator=gen) * 2

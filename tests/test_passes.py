@@ -9,14 +9,14 @@ import torch
 from snapcompile.config import ExportConfig, PolicyConfig
 from snapcompile.errors import SnapcompileError
 from snapcompile.export import build_dense_graphs
+from snapcompile.export.onnx_builder import GraphBuilder
 from snapcompile.models.spec import ModelSpec
-from snapcompile.onnx_builder import GraphBuilder
 from snapcompile.passes.compress_decode import compress_decode
 from snapcompile.passes.match import MatchFailure, find_attention_blocks
 from snapcompile.passes.pipeline import compress_graphs
 from snapcompile.passes.snapkv_prefill import add_window_queries
 from snapcompile.passes.snapkv_select import SelectionWriter
-from snapcompile.policy import snapkv_select
+from snapcompile.policy_torch import snapkv_select
 
 EXPORT = ExportConfig(slots=2, max_context=128, chunk=32)
 
@@ -140,3 +140,12 @@ def test_selection_graph_breaks_ties_to_the_lower_position():
     expected = snapkv_select(query, keys, policy, 8 ** -0.5).indices.numpy()
     np.testing.assert_array_equal(index, expected)
     assert index[0].tolist() == list(range(14)) + list(range(46, 50))   # P = 18: 2 sinks, 12 chosen, 4 window
+
+
+def test_compress_reaches_no_torch():
+    """`compress` is a pure ONNX transformation: its modules must not import torch."""
+    import subprocess
+    import sys
+    code = ("import sys, snapcompile.compress, snapcompile.passes.pipeline, snapcompile.verify, snapcompile.cli; "
+            "print('torch' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "False\n"

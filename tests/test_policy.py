@@ -2,11 +2,12 @@
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from snapcompile.config import PolicyConfig
-from snapcompile.policy import pool_scores, snapkv_select, streaming_select, top_positions, window_scores
-from snapcompile.reference import ReferenceSequence
+from snapcompile.oracle import ReferenceSequence
+from snapcompile.policy_torch import pool_scores, snapkv_select, streaming_select, top_positions, window_scores
 from tests.conftest import random_prompts
 
 

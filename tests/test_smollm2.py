@@ -34,6 +34,7 @@ def smol_snap(smol_dense):
 
 def test_tokenizer_round_trip_and_stop_token(smollm2, smol_dense):
     from transformers import AutoTokenizer
+
     from snapcompile.artifact import read_manifest
     text = "The pass key is 12345.  Two  spaces, a\ttab and ünïcode."
     for tokenizer in (smollm2.tokenizer, AutoTokenizer.from_pretrained(str(smol_dense))):
@@ -72,7 +73,8 @@ def test_continuous_batching_on_real_model(smol_snap):
     engine = Engine.from_artifact(smol_snap, prefill_tokens_per_step=256)
     specs = [(12345, 600, 0.5), (67890, 1200, 0.2), (24680, 300, 0.7), (13579, 900, 0.9), (11223, 450, 0.1)]
     prompts = _prompts(engine.tokenizer, specs)
-    requests = lambda: [Request(p, max_new_tokens=12, request_id=f"r{i}") for i, p in enumerate(prompts)]  # noqa: E731
+    def requests():
+        return [Request(p, max_new_tokens=12, request_id=f"r{i}") for i, p in enumerate(prompts)]
     together = engine.generate(requests())
     for request, result in zip(requests(), together):
         alone = Engine.from_artifact(smol_snap).generate([request])[0]

@@ -5,7 +5,6 @@ import time
 from pathlib import Path
 
 
-
 def rss_bytes() -> int:
     """Current resident set size of this process."""
     return _status_kib("VmRSS") * 1024

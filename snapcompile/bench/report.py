@@ -8,14 +8,15 @@ def markdown(result: dict) -> str:
     eager = result["config"]["eager"]
     head = ("| context | slots | snapstream tok/s | dense tok/s | " + ("eager tok/s | " if eager else "")
             + "snap/dense | " + ("snap/eager | " if eager else "")
-            + "ms/step snap (dense) | % of roofline bound snap / dense | KV/slot snap / dense | prefill s snap / dense / eager (selection share) |")
+            + "ms/step snap (dense) | % of roofline bound snap / dense | KV/slot snap / dense | "
+            + "prefill s snap / dense / eager (selection share) |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for p in result["points"]:
         s, r = p["systems"], p["ratios"]
-        tok = lambda name: _range(s[name]["tokens_per_s"])  # noqa: E731
-        cells = [str(p["context"]), str(p["slots"]), tok("snapstream"), tok("dense")]
+        cells = [str(p["context"]), str(p["slots"]), _range(s["snapstream"]["tokens_per_s"]),
+                 _range(s["dense"]["tokens_per_s"])]
         if eager:
-            cells.append(tok("eager") if "eager" in s else "skipped (memory)")
+            cells.append(_range(s["eager"]["tokens_per_s"]) if "eager" in s else "skipped (memory)")
         cells.append(f"{r['snapstream_vs_dense']:.2f}x")
         if eager:
             cells.append(f"{r['snapstream_vs_eager']:.1f}x" if r["snapstream_vs_eager"] else "—")
@@ -72,7 +73,8 @@ def plots(result: dict, stem: Path) -> list[Path]:
     per_token = result["kv_bytes_per_token"]
     budget = result["config"]["budget"]
     mem.plot(contexts, [c * per_token / 2**20 for c in contexts], marker="o", label="dense")
-    mem.plot(contexts, [min(budget, c) * per_token / 2**20 for c in contexts], marker="o", label=f"snapstream B={budget}")
+    mem.plot(contexts, [min(budget, c) * per_token / 2**20 for c in contexts], marker="o",
+             label=f"snapstream B={budget}")
     mem.set(xlabel="context (tokens)", ylabel="KV MiB per slot", xscale="log", yscale="log", title="KV memory per slot")
     _context_ticks(mem, points)
     mem.legend(fontsize=7)

@@ -8,12 +8,13 @@ exactly the context it serves.
 """
 from __future__ import annotations
 
+import contextlib
 import statistics
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from snapcompile.artifact import artifact_key
+from snapcompile.artifact_cache import ArtifactCache
 from snapcompile.bench import machine, measure
 from snapcompile.config import ExportConfig, PolicyConfig
 from snapcompile.errors import SnapcompileError
@@ -42,34 +43,13 @@ class BenchConfig:
             raise SnapcompileError("--repeats must be >= 1 and --new-tokens >= 2")
         PolicyConfig(budget=self.budget)     # validates the budget
 
+    def export(self, context: int, slots: int) -> ExportConfig:
+        """The shapes of the artifacts measured at a context: room for the new tokens after it."""
+        return ExportConfig(slots=slots, max_context=context + self.new_tokens + 1, chunk=min(self.chunk, context))
+
 
 def _stats(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
-
-
-class _Artifacts:
-    def __init__(self, config: BenchConfig, cache_dir: Path, log):
-        self.config, self.dir, self.log = config, Path(cache_dir), log
-        self._loaded = None
-
-    @property
-    def loaded(self):
-        if self._loaded is None:
-            from snapcompile.models import load_model
-            self._loaded = load_model(self.config.source)
-        return self._loaded
-
-    def get(self, policy: PolicyConfig, context: int, slots: int) -> Path:
-        from snapcompile.export import export_model
-        from snapcompile.passes.pipeline import compress_graphs
-        export = ExportConfig(slots=slots, max_context=context + self.config.new_tokens + 1,
-                              chunk=min(self.config.chunk, context))
-        folder = self.dir / artifact_key(self.config.source, export, policy)
-        if not (folder / "manifest.json").is_file():
-            self.log(f"building {policy.policy} artifact: {slots} slots, max context {export.max_context}")
-            transform = (lambda g, m: compress_graphs(g, m, policy)) if policy.compressed else None
-            export_model(self.loaded, export, folder, force=True, policy=policy, transform=transform)
-        return folder
 
 
 def _open(folder: Path):
@@ -85,20 +65,34 @@ def run_bench(config: BenchConfig, cache_dir: Path, progress: Callable[[int], No
               log: Callable[[str], None] = print) -> dict:
     bandwidth = machine.memory_bandwidth()
     flops = machine.matmul_flops()
-    artifacts = _Artifacts(config, cache_dir, log)
+    artifacts = ArtifactCache(config.source, cache_dir, log)
     compressed = PolicyConfig(budget=config.budget)
     positions = artifacts.loaded.spec.max_positions
     if max(config.contexts) + config.new_tokens + 1 > positions:
         raise SnapcompileError(f"context {max(config.contexts)} + {config.new_tokens} new tokens exceeds the "
                                f"model's {positions} positions")
     model = artifacts.loaded.model
-    model.config._attn_implementation = "sdpa"
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    with _attention(model, "sdpa"):        # the eager baseline runs as `generate` would
+        points, prefill = _measure_points(config, artifacts, compressed, model, progress, log)
+    for point in points:
+        point["prefill"] = prefill[point["context"]]
+        _add_roofline(point, config, artifacts.loaded.spec, weight_bytes, bandwidth, flops)
+        _add_ratios(point)
+    return {"config": asdict(config), "bandwidth_bytes_per_s": bandwidth, "matmul_flops_per_s": flops,
+            "weight_bytes": weight_bytes,
+            "kv_bytes_per_token": artifacts.loaded.spec.kv_bytes_per_token, "points": points,
+            "fits": _fits(config, artifacts.loaded.spec, weight_bytes)}
+
+
+def _measure_points(config: BenchConfig, artifacts: ArtifactCache, compressed: PolicyConfig, model, progress,
+                    log) -> tuple[list[dict], dict]:
+    """Decode timings at every (slots, context) point and prefill timings per context."""
     points, prefill = [], {}
     for slots in config.slots:
-        snap_backend = _open(artifacts.get(compressed, max(config.contexts), slots))
+        snap_backend = _open(artifacts.get(config.export(max(config.contexts), slots), compressed))
         for context in config.contexts:
-            dense_backend = _open(artifacts.get(PolicyConfig(policy="dense"), context, slots))
+            dense_backend = _open(artifacts.get(config.export(context, slots), PolicyConfig(policy="dense")))
             systems = {"snapstream": snap_backend, "dense": dense_backend}
             eager_kv = measure.eager_kv_bytes(model, context + config.new_tokens, slots)
             if config.eager and eager_kv <= config.eager_kv_limit_gib * 2**30:
@@ -113,14 +107,18 @@ def run_bench(config: BenchConfig, cache_dir: Path, progress: Callable[[int], No
             if progress:
                 progress(1)
         del snap_backend
-    for point in points:
-        point["prefill"] = prefill[point["context"]]
-        _add_roofline(point, config, artifacts.loaded.spec, weight_bytes, bandwidth, flops)
-        _add_ratios(point)
-    return {"config": asdict(config), "bandwidth_bytes_per_s": bandwidth, "matmul_flops_per_s": flops,
-            "weight_bytes": weight_bytes,
-            "kv_bytes_per_token": artifacts.loaded.spec.kv_bytes_per_token, "points": points,
-            "fits": _fits(config, artifacts.loaded.spec, weight_bytes)}
+    return points, prefill
+
+
+@contextlib.contextmanager
+def _attention(model, implementation: str):
+    """Run `model` with another attention implementation, restoring its own afterwards."""
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(implementation)
+    try:
+        yield model
+    finally:
+        model.set_attn_implementation(previous)
 
 
 def _measure_point(config: BenchConfig, systems: dict, context: int, slots: int) -> dict:
@@ -191,7 +189,8 @@ def _add_ratios(point: dict) -> None:
     point["ratios"]["snapstream_vs_eager"] = (snap / s["eager"]["tokens_per_s"]["median"]) if "eager" in s else None
     if "dense" in point.get("prefill", {}) and "snapstream" in point.get("prefill", {}):
         p = point["prefill"]
-        point["ratios"]["prefill_snapstream_vs_dense"] = p["snapstream"]["seconds"]["median"] / p["dense"]["seconds"]["median"]
+        seconds = {name: p[name]["seconds"]["median"] for name in ("snapstream", "dense")}
+        point["ratios"]["prefill_snapstream_vs_dense"] = seconds["snapstream"] / seconds["dense"]
 
 
 def _fits(config: BenchConfig, spec, weight_bytes: int) -> list[dict]:
@@ -201,5 +200,6 @@ def _fits(config: BenchConfig, spec, weight_bytes: int) -> list[dict]:
     for context in config.contexts:
         dense = spec.kv_bytes_per_token * context
         snap = spec.kv_bytes_per_token * min(config.budget, context)
-        rows.append({"context": context, "dense_max_slots": int(free // dense), "snapstream_max_slots": int(free // snap)})
+        rows.append({"context": context, "dense_max_slots": int(free // dense),
+                     "snapstream_max_slots": int(free // snap)})
     return rows

@@ -63,7 +63,7 @@ class Engine:
     @classmethod
     def from_artifact(cls, folder, provider: str = "cpu", threads: int | None = None,
                       prefill_tokens_per_step: int | None = None, backend: str = "ort",
-                      max_slots: int | None = None) -> "Engine":
+                      max_slots: int | None = None) -> Engine:
         """An engine on an artifact folder (backend "ort") or a TensorRT engine folder ("trt")."""
         from snapcompile.models.tokenizer import load_tokenizer
         from snapcompile.runtime import open_backend

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
-from snapcompile.artifact import artifact_key, read_manifest
+from snapcompile.artifact import read_manifest
+from snapcompile.artifact_cache import ArtifactCache
 from snapcompile.config import ExportConfig, PolicyConfig
 from snapcompile.errors import SnapcompileError
 from snapcompile.evaluation.tasks import TASKS, Case, make_cases
@@ -59,6 +60,11 @@ class EvalConfig:
         extra = FIDELITY_TOKENS if self.task == "fidelity" else ANSWER_TOKENS
         return max(self.lengths) + extra + 8
 
+    @property
+    def export(self) -> ExportConfig:
+        """The shapes of every artifact this evaluation runs."""
+        return ExportConfig(slots=self.slots, max_context=self.max_context, chunk=self.chunk)
+
     def budgets_for(self, length: int) -> list[int]:
         """Budgets evaluated at `length`: the fixed budgets below it (a budget >= the prompt
         compresses nothing) and length // ratio for each ratio."""
@@ -79,40 +85,6 @@ def policy_for(name: str, budget: int | None, scope: str = "head") -> PolicyConf
     if name == "dense":
         return PolicyConfig(policy="dense")
     return PolicyConfig(policy=name, budget=budget, scope=scope if name == "snapstream" else "head")
-
-
-class ArtifactCache:
-    """Artifacts keyed by (model, export shapes, policy), under cache_dir."""
-
-    def __init__(self, source: str, export: ExportConfig, cache_dir: Path, log: Callable[[str], None]):
-        self.source, self.export, self.dir, self.log = source, export, Path(cache_dir), log
-        self._loaded = None
-
-    def dense(self) -> Path:
-        source = Path(self.source)
-        if (source / "manifest.json").is_file():
-            manifest = read_manifest(source)
-            if manifest.policy.compressed or manifest.export.max_context < self.export.max_context:
-                raise SnapcompileError(f"{source} must be a dense artifact with --max-context >= "
-                                       f"{self.export.max_context} to evaluate these lengths")
-            return source
-        folder = self.dir / artifact_key(self.source, self.export, PolicyConfig(policy="dense"))
-        if not (folder / "manifest.json").is_file():
-            from snapcompile.export import export_model
-            from snapcompile.models import load_model
-            self.log(f"exporting {self.source} to {folder}")
-            export_model(load_model(self.source), self.export, folder, force=True)
-        return folder
-
-    def get(self, policy: PolicyConfig) -> Path:
-        if not policy.compressed:
-            return self.dense()
-        folder = self.dir / artifact_key(self.source, self.export, policy)
-        if not (folder / "manifest.json").is_file():
-            from snapcompile.compress import compress_artifact
-            self.log(f"compressing for {policy.policy} budget {policy.budget} into {folder}")
-            compress_artifact(self.dense(), folder, policy, force=True)
-        return folder
 
 
 def partial_path(results_path: Path) -> Path:
@@ -192,9 +164,9 @@ def run_eval(config: EvalConfig, results_path: Path, cache_dir: Path, progress=N
              log: Callable[[str], None] = print) -> list[dict]:
     """Run every pending case; returns all records (finished earlier or now)."""
     from snapcompile.models.tokenizer import load_tokenizer
-    export = ExportConfig(slots=config.slots, max_context=config.max_context, chunk=config.chunk)
-    cache = ArtifactCache(config.source, export, cache_dir, log)
-    dense_dir = cache.dense()
+    export = config.export
+    cache = ArtifactCache(config.source, cache_dir, log)
+    dense_dir = cache.dense(export)
     chat = read_manifest(dense_dir).chat and config.task != "fidelity"
     tokenizer = load_tokenizer(dense_dir)
     cases = make_cases(config.task, tokenizer, config.lengths, config.depths, config.samples, config.seed, chat)
@@ -208,7 +180,7 @@ def run_eval(config: EvalConfig, results_path: Path, cache_dir: Path, progress=N
     else:
         for (policy, budget), todo in pending.items():
             if todo:
-                folder = cache.get(policy_for(policy, budget, config.scope))
+                folder = cache.get(export, policy_for(policy, budget, config.scope))
                 _run_retrieval(folder, todo, policy, budget, chat, store, progress)
     ids = [store.record_id(c, p, b) for (p, b), applied in cells.items() for c in applied]
     return [store.records[i] for i in ids if i in store.records]
@@ -265,7 +237,7 @@ def _run_fidelity(config: EvalConfig, cases: list[Case], pending: dict, cache: A
     from snapcompile.runtime.ort_backend import OrtBackend
     if not any(pending.values()):
         return
-    dense_backend = OrtBackend(cache.dense())
+    dense_backend = OrtBackend(cache.dense(config.export))
     prompts = {c.key: encode(tokenizer, c.prompt, chat=False) for c in cases}
     dense = {c.key: _teacher_forced(dense_backend, prompts[c.key], None) for c in cases
              if any(c in todo for todo in pending.values())}
@@ -273,7 +245,8 @@ def _run_fidelity(config: EvalConfig, cases: list[Case], pending: dict, cache: A
     for (policy, budget), todo in pending.items():
         if not todo:
             continue
-        backend = OrtBackend(cache.get(policy_for(policy, budget, config.scope))) if policy != "dense" else None
+        policy_config = policy_for(policy, budget, config.scope)
+        backend = OrtBackend(cache.get(config.export, policy_config)) if policy != "dense" else None
         for case in todo:
             tokens, reference = dense[case.key]
             logits = reference if backend is None else _teacher_forced(backend, prompts[case.key], tokens)[1]

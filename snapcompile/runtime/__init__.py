@@ -6,6 +6,8 @@ from pathlib import Path
 from snapcompile.errors import SnapcompileError
 
 BACKENDS = ("ort", "trt")
+PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider",   # ONNX Runtime's, by our name
+             "tensorrt": "TensorrtExecutionProvider"}
 
 
 def open_backend(folder: Path, backend: str = "ort", provider: str = "cpu", threads: int | None = None):

@@ -115,7 +115,8 @@ class SlotBackend:
     # ---------------------------------------------------------------- buffers
     def _init_prefill(self) -> None:
         m, zeros = self.manifest, self.device.zeros
-        self.p_ids, self.p_start, self.p_len = zeros((1, self.chunk), "int64"), zeros((1,), "int64"), zeros((1,), "int64")
+        self.p_ids = zeros((1, self.chunk), "int64")
+        self.p_start, self.p_len = zeros((1,), "int64"), zeros((1,), "int64")
         self.p_logits = zeros((1, m.spec.vocab_size), "float32")
         self.p_new_k = [self._kv(1, self.chunk) for _ in self._layers]
         self.p_new_v = [self._kv(1, self.chunk) for _ in self._layers]

@@ -7,10 +7,8 @@ import numpy as np
 
 from snapcompile.artifact import WEIGHTS, Manifest, is_prefill_graph, load_graph, verify_files
 from snapcompile.errors import SnapcompileError
+from snapcompile.runtime import PROVIDERS
 from snapcompile.runtime.backend import SlotBackend
-
-PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider",
-             "tensorrt": "TensorrtExecutionProvider"}
 
 
 class OrtGraph:

@@ -1,0 +1,58 @@
+"""Artifacts that `eval` and `bench` build once and reuse, kept under a cache folder.
+
+A folder's name is `artifact_key(source, export shapes, policy)`, so any change of model, shapes,
+policy or of the graphs this version writes builds a new one. Compressed artifacts are made from
+the dense artifact of the same shapes by the passes (`compress`), so the model loads at most once.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from snapcompile.artifact import MANIFEST, artifact_key, read_manifest
+from snapcompile.config import ExportConfig, PolicyConfig
+from snapcompile.errors import SnapcompileError
+
+
+class ArtifactCache:
+    """source: a model (built-in name, HF folder, GGUF file) or an existing dense artifact folder."""
+
+    def __init__(self, source: str, cache_dir: Path, log: Callable[[str], None] = print):
+        self.source, self.dir, self.log = source, Path(cache_dir), log
+        self._loaded = None
+
+    @property
+    def loaded(self):
+        """The model itself (loaded on first use): for exporting, and for the PyTorch baselines."""
+        if self._loaded is None:
+            from snapcompile.models import load_model
+            self._loaded = load_model(self.source)
+        return self._loaded
+
+    def dense(self, export: ExportConfig) -> Path:
+        """A dense artifact of these shapes (the source itself where it is a dense artifact that
+        holds them)."""
+        source = Path(self.source)
+        if (source / MANIFEST).is_file():
+            manifest = read_manifest(source)
+            if manifest.policy.compressed or manifest.export.max_context < export.max_context:
+                raise SnapcompileError(f"{source} must be a dense artifact with --max-context >= "
+                                       f"{export.max_context} for these lengths")
+            return source
+        folder = self.dir / artifact_key(self.source, export, PolicyConfig(policy="dense"))
+        if not (folder / MANIFEST).is_file():
+            from snapcompile.export import export_model
+            self.log(f"exporting {self.source} to {folder} ({export.slots} slots, max context {export.max_context})")
+            export_model(self.loaded, export, folder, force=True)
+        return folder
+
+    def get(self, export: ExportConfig, policy: PolicyConfig) -> Path:
+        """An artifact of these shapes and this policy."""
+        if not policy.compressed:
+            return self.dense(export)
+        folder = self.dir / artifact_key(self.source, export, policy)
+        if not (folder / MANIFEST).is_file():
+            from snapcompile.compress import compress_artifact
+            self.log(f"compressing for {policy.policy} budget {policy.budget} into {folder}")
+            compress_artifact(self.dense(export), folder, policy, force=True)
+        return folder

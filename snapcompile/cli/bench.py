@@ -1,0 +1,51 @@
+"""`snapcompile bench`."""
+from __future__ import annotations
+
+import sys
+import time
+
+import click
+
+from snapcompile.cli.options import csv_option, report_options
+from snapcompile.cli.reports import write_report
+
+
+@click.command()
+@click.argument("model")
+@click.option("--contexts", default="1024,2048,4096,8192", show_default=True, callback=csv_option(int))
+@click.option("--slots", default="1,4,8,16", show_default=True, callback=csv_option(int))
+@click.option("--budget", default=512, show_default=True, help="SnapStream KV budget B.")
+@click.option("--new-tokens", default=64, show_default=True, help="Decode steps timed per repeat.")
+@click.option("--repeats", default=3, show_default=True, help="Repeats per point (median, min, max).")
+@click.option("--prefill-repeats", type=int, default=None, help="Repeats of the prefill timings (default: --repeats).")
+@click.option("--no-eager", is_flag=True, help="Skip the PyTorch eager baseline.")
+@click.option("--eager-kv-limit-gib", default=4.0, show_default=True,
+              help="Skip eager points whose KV cache exceeds this (transformers copies it every step).")
+@click.option("--memory-limit-gib", default=16.0, show_default=True,
+              help="Memory for the 'largest slot count that fits' figure.")
+@click.option("--force", is_flag=True, help="Replace the --output file if it exists.")
+@report_options("bench.json", "bench", "Results JSON; the Markdown table and plots are written beside it.")
+def bench(model, contexts, slots, budget, new_tokens, repeats, prefill_repeats, no_eager, eager_kv_limit_gib,
+          memory_limit_gib, force, cache_dir, output, as_json):
+    """Decode throughput, prefill time, KV memory and roofline: SnapStream vs dense vs PyTorch.
+
+    MODEL is a built-in name, a Hugging Face folder or a GGUF file (artifacts are built and cached).
+    Every point (context x slots) measures the three systems in turn in this process, repeated.
+    """
+    from tqdm import tqdm
+
+    from snapcompile.atomic import check_output_file
+    from snapcompile.bench import report
+    from snapcompile.bench.runner import BenchConfig, run_bench
+    from snapcompile.models.loader import cache_root
+    config = BenchConfig(model, contexts, slots, budget, new_tokens, repeats, eager=not no_eager,
+                         memory_limit_gib=memory_limit_gib, eager_kv_limit_gib=eager_kv_limit_gib,
+                         prefill_repeats=prefill_repeats)
+    output = check_output_file(output, force)
+    started = time.perf_counter()
+    with tqdm(total=len(contexts) * len(slots), desc="bench", unit="point", file=sys.stderr, disable=as_json) as bar:
+        result = run_bench(config, cache_dir or cache_root() / "bench", progress=bar.update,
+                           log=lambda msg: tqdm.write(msg, file=sys.stderr))
+    result["seconds"] = time.perf_counter() - started
+    write_report(output, result, report.markdown(result), lambda stem: report.plots(result, stem), result,
+                 as_json, f"{result['seconds']:.0f} s")

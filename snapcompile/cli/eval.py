@@ -1,0 +1,79 @@
+"""`snapcompile eval`: what the compression costs, measured through the compiled artifacts."""
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import click
+
+from snapcompile.cli.options import csv_option, report_options
+from snapcompile.cli.reports import write_report
+from snapcompile.config import POLICIES, SCOPES
+from snapcompile.errors import SnapcompileError
+from snapcompile.evaluation.tasks import TASKS
+
+DEFAULT_BUDGETS = (256, 512, 1024, 2048)
+
+
+@click.command(name="eval")
+@click.argument("model_or_dir")
+@click.option("--task", type=click.Choice(TASKS), default="passkey", show_default=True)
+@click.option("--policies", default=",".join(POLICIES), show_default=True, callback=csv_option(str))
+@click.option("--budgets", default=None, callback=csv_option(int),
+              help="KV budgets; a budget >= a prompt's length compresses nothing and is skipped for it. "
+                   f"[default: {','.join(map(str, DEFAULT_BUDGETS))}, or none when --ratios is given]")
+@click.option("--ratios", default="", callback=csv_option(int),
+              help="Compression ratios: at each length L, also evaluate budget L // ratio "
+                   "(--ratios 4 is budget = context/4 at every length).")
+@click.option("--lengths", default="1000,2000,4000,7500", show_default=True, callback=csv_option(int),
+              help="Prompt lengths in tokens (chat template included).")
+@click.option("--depths", default="0.1,0.5,0.9", show_default=True, callback=csv_option(float),
+              help="Needle depths in [0, 1] (passkey, multikey).")
+@click.option("--samples", default=3, show_default=True, help="Cases per (length, depth).")
+@click.option("--seed", default=0, show_default=True)
+@click.option("--scope", type=click.Choice(SCOPES), default="head", show_default=True,
+              help="SnapStream selection scope.")
+@click.option("--slots", default=4, show_default=True, help="Engine slots (continuous batching).")
+@report_options("results.json", "eval", "Results JSON; the Markdown table and plots are written beside it. "
+                "An existing results file of the same model, task and seed is resumed and widened.")
+def eval_command(model_or_dir, task, policies, budgets, ratios, lengths, depths, samples, seed, scope, slots, cache_dir,
+                 output, as_json):
+    """Accuracy of dense, StreamingLLM and SnapStream artifacts on generated tasks.
+
+    Builds (or reuses) the artifacts, runs every case through the engine, and writes OUTPUT
+    (JSON), OUTPUT.md and PNG plots. Interrupted runs resume: finished cases are kept in
+    OUTPUT.partial.jsonl until OUTPUT is written. A later run with a wider grid (more samples,
+    depths, policies, budgets) reuses OUTPUT's cases. The same command and seed give the same table.
+    """
+    from tqdm import tqdm
+
+    from snapcompile.atomic import check_output_file
+    from snapcompile.evaluation import report
+    from snapcompile.evaluation.runner import EvalConfig, partial_path, run_eval
+    from snapcompile.models.loader import cache_root
+    output = check_output_file(output, force=True)      # an existing results file is this run's to update
+    unknown = set(policies) - set(POLICIES)
+    if unknown:
+        raise SnapcompileError(f"unknown policies: {', '.join(sorted(unknown))}")
+    if budgets is None:
+        budgets = () if ratios else DEFAULT_BUDGETS
+    config = EvalConfig(model_or_dir, task, policies, budgets, lengths, depths, samples, seed, slots=slots,
+                        scope=scope, ratios=ratios)
+    started = time.perf_counter()
+    with tqdm(desc=f"eval {task}", unit="case", file=sys.stderr, disable=as_json) as bar:
+        def progress(advance, total=None):
+            if total is not None:
+                bar.total = total
+            bar.update(advance)
+        records = run_eval(config, output, cache_dir or cache_root() / "eval", progress=progress,
+                           log=lambda msg: tqdm.write(msg, file=sys.stderr))
+    seconds = time.perf_counter() - started
+    rows = report.summarize(records, task, config.ratios)
+    lost = report.lost_cases(records) if task != "fidelity" else []
+    payload = {"config": json.loads(json.dumps(config.__dict__)), "summary": rows, "lost": lost,
+               "records": sorted(records, key=lambda r: r["id"]), "seconds_this_run": seconds}
+    write_report(output, payload, report.markdown(rows, task) + report.lost_markdown(lost),
+                 lambda stem: report.plots(rows, records, task, stem),
+                 {"summary": rows, "seconds_this_run": seconds}, as_json, f"{seconds:.0f} s this run")
+    partial_path(output).unlink(missing_ok=True)      # its records are in OUTPUT now

@@ -1,0 +1,246 @@
+"""`snapcompile run` and `snapcompile validate`."""
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import click
+
+from snapcompile.config import DEFAULT_TIE_GAP, DEFAULT_TOLERANCE
+from snapcompile.errors import ParityError, SnapcompileError
+from snapcompile.runtime import BACKENDS, PROVIDERS
+
+
+def _load_prompt_records(prompt: tuple[str, ...], prompts_file: Path | None, demo: bool) -> list:
+    from snapcompile.prompts import PromptRecord, demo_prompts, read_prompts_file
+    sources = sum([bool(prompt), prompts_file is not None, demo])
+    if sources != 1:
+        raise SnapcompileError("give exactly one of --prompt (repeatable), --prompts FILE.jsonl or --demo")
+    if prompts_file is not None:
+        return read_prompts_file(prompts_file)
+    flag = "--demo prompt" if demo else "--prompt"
+    texts = demo_prompts() if demo else list(prompt)
+    return [PromptRecord({"prompt": text}, f"{flag} {index}") for index, text in enumerate(texts, 1)]
+
+
+def _percentile(values: list[float], q: float) -> float | None:
+    import numpy as np
+    return float(np.percentile(values, q)) if values else None
+
+
+@click.command()
+@click.argument("artifact", type=click.Path(path_type=Path))
+@click.option("--prompt", multiple=True, help="Prompt text (repeat for several).")
+@click.option("--prompts", "prompts_file", type=click.Path(path_type=Path),
+              help='JSONL file: {"prompt": ..., optional "id", "max_new_tokens", "stop", "temperature", "top_k", '
+                   '"top_p", "seed"}.')
+@click.option("--demo", is_flag=True, help="Run the built-in demo prompts (two questions and a pass-key prompt).")
+@click.option("--max-new-tokens", default=64, show_default=True, type=click.IntRange(min=1))
+@click.option("--temperature", default=0.0, show_default=True, help="0 = greedy.")
+@click.option("--top-k", default=0, show_default=True, type=click.IntRange(min=0), help="0 = off.")
+@click.option("--top-p", default=1.0, show_default=True, help="Nucleus sampling mass in (0, 1].")
+@click.option("--seed", type=int, default=None, help="Sampling seed (per request: seed + request index).")
+@click.option("--stop", multiple=True, help="Stop string (repeatable).")
+@click.option("--top-logprobs", default=0, show_default=True,
+              help="Record the N likeliest tokens (with natural-log probabilities) at every generated token "
+                   "in the JSON / JSONL results.")
+@click.option("--raw", is_flag=True, help="Do not apply the chat template of instruct models.")
+@click.option("--provider", type=click.Choice(list(PROVIDERS)), default="cpu", show_default=True,
+              help="ONNX Runtime execution provider.")
+@click.option("--backend", type=click.Choice(BACKENDS), default="ort", show_default=True,
+              help="ort: ONNX Runtime on an artifact folder; trt: TensorRT engines from `snapcompile build`.")
+@click.option("--slots", "max_slots", type=click.IntRange(min=1), default=None,
+              help="Serve at most this many requests at once (default: all of the artifact's static slots).")
+@click.option("--prefill-tokens-per-step", type=click.IntRange(min=1), default=None,
+              help="Prompt tokens prefilled between two decode steps (default: one chunk).")
+@click.option("-o", "--output", type=click.Path(path_type=Path),
+              help="Write results as JSONL (checked before anything runs; written atomically).")
+@click.option("--force", is_flag=True, help="Replace the --output file if it exists.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object (results and summary).")
+def run(artifact, prompt, prompts_file, demo, max_new_tokens, temperature, top_k, top_p, seed, stop, top_logprobs,
+        raw, provider, backend, max_slots, prefill_tokens_per_step, output, force, as_json):
+    """Generate for prompts with continuous batching over the artifact's static slots.
+
+    Every request value (command line and prompts file) is checked before the artifact loads; a
+    request that still fails while running gets an error result and the others go on (exit 1).
+    """
+    from tqdm import tqdm
+
+    from snapcompile.atomic import check_output_file
+    from snapcompile.engine.engine import Engine
+    if output is not None:
+        output = check_output_file(output, force, inputs=(prompts_file,))
+    records = _load_prompt_records(prompt, prompts_file, demo)
+    defaults = dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, max_new_tokens=max_new_tokens,
+                    stop=stop, top_logprobs=top_logprobs)
+    _request_without_prompt({"prompt": ""}, 0, defaults)        # the command line's own values
+    pending = [_request_without_prompt(record.fields, index, defaults, record.where)
+               for index, record in enumerate(records)]
+    _refuse_duplicate_ids(pending, records)
+    engine = Engine.from_artifact(artifact, provider=provider, prefill_tokens_per_step=prefill_tokens_per_step,
+                                  backend=backend, max_slots=max_slots)
+    chat = engine.backend.manifest.chat and not raw
+    requests = [replace(request, prompt_ids=engine.encode(record.prompt, chat))
+                for request, record in zip(pending, records)]
+    records = [record.fields for record in records]
+    start = engine.clock()
+    with tqdm(total=len(requests), desc="requests", unit="req", file=sys.stderr,
+              disable=not sys.stderr.isatty() and as_json) as bar:
+        for event in engine.stream(requests):
+            if event.finished:
+                bar.update(1)
+    elapsed = engine.clock() - start
+    results = [engine.result(r.request_id) for r in requests]
+    summary = _summary(engine, results, elapsed)
+    rows = [{"id": r.request_id, "prompt": rec["prompt"], "text": r.text, "finish_reason": r.finish_reason,
+             "error": r.error, "prompt_tokens": r.prompt_tokens, "output_tokens": len(r.output_ids),
+             "ttft_s": r.ttft_s} for r, rec in zip(results, records)]
+    if top_logprobs:
+        for row, result in zip(rows, results):
+            row["top_logprobs"] = [[{"id": i, "token": engine.tokenizer.decode([i]), "logprob": lp} for i, lp in top]
+                                   for top in result.top_logprobs]
+    for row, rec in zip(rows, records):      # prompts files may carry the expected answer
+        if "answer" in rec:
+            row["correct"] = str(rec["answer"]) in row["text"]
+    if any("correct" in row for row in rows):
+        summary["correct"] = sum(row.get("correct", False) for row in rows)
+    if output:
+        from snapcompile.atomic import write_text_atomic
+        write_text_atomic(output, "".join(json.dumps(row) + "\n" for row in rows))
+    if as_json:
+        click.echo(json.dumps({"results": rows, "summary": summary}))
+    else:
+        if not output:
+            for row in rows:
+                shown = row["text"] if row["error"] is None else f"[error] {row['error']}"
+                click.echo(f"--- {row['id']} ({row['prompt_tokens']} prompt tokens, {row['finish_reason']})\n{shown}")
+        click.echo(_format_summary(summary), err=True)
+    if summary["errors"]:
+        sys.exit(1)   # every result was written; some requests could not be served
+
+
+def _request_without_prompt(record: dict, index: int, defaults: dict, where: str | None = None):
+    """A validated Request of one prompts record (no token ids yet); fields the record lacks come
+    from the command line. Errors name `where` (the file line or the --prompt)."""
+    from snapcompile.engine.request import Request, SamplingParams
+    fields = {key: record.get(key, default) for key, default in defaults.items()}
+    if "seed" not in record and defaults["seed"] is not None:
+        fields["seed"] = defaults["seed"] + index
+    stop = fields["stop"]
+    try:
+        if not isinstance(stop, (str, list, tuple)):
+            raise SnapcompileError(f"stop must be a string or a list of strings, got {stop!r}")
+        sampling = SamplingParams(temperature=fields["temperature"], top_k=fields["top_k"], top_p=fields["top_p"],
+                                  seed=fields["seed"])
+        stops = (stop,) if isinstance(stop, str) else tuple(stop)
+        return Request([], max_new_tokens=fields["max_new_tokens"], stop=stops, sampling=sampling,
+                       request_id=str(record.get("id", index)), top_logprobs=fields["top_logprobs"])
+    except SnapcompileError as err:
+        raise SnapcompileError(f"{where}: {err}" if where else str(err)) from None
+
+
+def _refuse_duplicate_ids(requests: list, records: list) -> None:
+    seen = set()
+    for request, record in zip(requests, records):
+        if request.request_id in seen:
+            raise SnapcompileError(f"{record.where}: id {request.request_id!r} is used by an earlier prompt")
+        seen.add(request.request_id)
+
+
+def _summary(engine, results, elapsed: float) -> dict:
+    tokens = sum(len(r.output_ids) for r in results)
+    ttfts = [r.ttft_s for r in results if r.ttft_s is not None]
+    steps = engine.decode_step_seconds
+    prompt_tokens = sum(r.prompt_tokens for r in results if r.error is None)
+    return {"requests": len(results), "errors": sum(r.error is not None for r in results),
+            "prompt_tokens": prompt_tokens, "output_tokens": tokens, "seconds": elapsed,
+            "tokens_per_s": tokens / elapsed if elapsed else None,
+            "prompt_tokens_per_s": prompt_tokens / elapsed if elapsed else None,
+            "ttft_p50_s": _percentile(ttfts, 50), "ttft_p95_s": _percentile(ttfts, 95),
+            "step_p50_ms": _ms(_percentile(steps, 50)), "step_p95_ms": _ms(_percentile(steps, 95)),
+            "decode_steps": len(steps), "kv_bytes": engine.kv_bytes_in_use(),
+            "slots": engine.scheduler.pool.capacity, "policy": engine.backend.manifest.policy.policy}
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1000
+
+
+def _fmt(value: float | None, unit: str = "") -> str:
+    return "n/a" if value is None else f"{value:.3g}{unit}"
+
+
+def _format_summary(s: dict) -> str:
+    fmt = _fmt      # a short name keeps the format below readable
+    answers = f" | answers correct {s['correct']}/{s['requests']}" if "correct" in s else ""
+    return (f"{s['requests']} requests ({s['errors']} errors), {s['prompt_tokens']} prompt + {s['output_tokens']} "
+            f"generated tokens in {s['seconds']:.2f} s = {fmt(s['prompt_tokens_per_s'])} prompt tok/s, "
+            f"{fmt(s['tokens_per_s'])} generated tok/s"
+            f" | TTFT p50 {fmt(s['ttft_p50_s'], ' s')} p95 {fmt(s['ttft_p95_s'], ' s')}"
+            f" | step p50 {fmt(s['step_p50_ms'], ' ms')} p95 {fmt(s['step_p95_ms'], ' ms')}"
+            f" | KV {s['kv_bytes'] / 2**20:.1f} MiB ({s['slots']} slots, {s['policy']}){answers}")
+
+
+@click.command()
+@click.argument("artifact", type=click.Path(path_type=Path))
+@click.option("--prompt", multiple=True, help="Prompt text (repeat for several).")
+@click.option("--prompts", "prompts_file", type=click.Path(path_type=Path), help="JSONL prompts file.")
+@click.option("--demo", is_flag=True, help="Use the built-in demo prompts.")
+@click.option("--steps", default=32, show_default=True, type=click.IntRange(min=1),
+              help="Decode steps compared after the prefill step.")
+@click.option("--raw", is_flag=True, help="Do not apply the chat template.")
+@click.option("--tolerance", default=DEFAULT_TOLERANCE, show_default=True, type=click.FloatRange(min=0),
+              help="Fail when max |logit difference| exceeds this.")
+@click.option("--min-agreement", default=1.0, show_default=True, type=click.FloatRange(0, 1),
+              help="Fail when greedy-token agreement (0..1) is below this.")
+@click.option("--tie-gap", default=DEFAULT_TIE_GAP, show_default=True, type=click.FloatRange(min=0),
+              help="Selection differences whose score gap is below this are reported as near-ties, not failures.")
+@click.option("--backend", type=click.Choice(BACKENDS), default="ort", show_default=True,
+              help="ort: ONNX Runtime on an artifact folder; trt: TensorRT engines from `snapcompile build`.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def validate(artifact, prompt, prompts_file, demo, steps, raw, tolerance, min_agreement, tie_gap, backend, as_json):
+    """Compare the artifact step by step with the PyTorch oracle (same cache policy).
+
+    Both run teacher-forced on the oracle's greedy tokens. Exit 1 when max |logit diff| >
+    --tolerance, greedy agreement < --min-agreement, or selected positions differ beyond
+    near-ties. With no prompts given, the demo prompts are used.
+    """
+    from snapcompile.artifact import read_manifest
+    from snapcompile.models import load_model
+    from snapcompile.models.tokenizer import load_tokenizer
+    from snapcompile.prompts import encode
+    from snapcompile.validate import Validator, summarize
+    if not (prompt or prompts_file or demo):
+        demo = True
+    records = _load_prompt_records(prompt, prompts_file, demo)
+    manifest = read_manifest(artifact)
+    tokenizer = load_tokenizer(artifact)
+    prompts = [encode(tokenizer, r.prompt, manifest.chat and not raw) for r in records]
+    limit = manifest.export.max_context - (0 if manifest.policy.compressed else steps + 1)
+    too_long = [len(p) for p in prompts if len(p) > limit]
+    if too_long:
+        raise SnapcompileError(f"a prompt of {too_long[0]} tokens leaves no room for {steps} steps within "
+                               f"--max-context {manifest.export.max_context}")
+    validator = Validator(artifact, load_model(manifest.source or manifest.model_name).model, tie_gap=tie_gap,
+                          backend=backend)
+    from tqdm import tqdm
+    with tqdm(total=len(prompts), desc="validate", unit="prompt", file=sys.stderr, disable=as_json) as bar:
+        reports = validator.run(prompts, steps, progress=bar.update)
+    summary = summarize(reports, steps)
+    summary.update(tolerance=tolerance, min_agreement=min_agreement)
+    summary["passed"] = (summary["max_abs_logit_diff"] <= tolerance and summary["greedy_agreement"] >= min_agreement
+                         and not summary["selection_mismatches"])
+    if as_json:
+        click.echo(json.dumps(summary))
+    else:
+        click.echo(f"prompts {summary['prompt_tokens']} tokens, {steps} steps: max |logit diff| "
+                   f"{summary['max_abs_logit_diff']:.3g}, greedy agreement {summary['greedy_agreement']:.3f}, "
+                   f"near-ties {len(summary['near_ties'])}, "
+                   f"selection mismatches {len(summary['selection_mismatches'])}")
+        for tie in summary["near_ties"]:
+            click.echo(f"  near-tie: prompt {tie['prompt']} layer {tie['layer']} head {tie['head']} "
+                       f"gap {tie['score_gap']:.2e}")
+    if not summary["passed"]:
+        raise ParityError("parity check failed (see figures above)")

@@ -1,0 +1,15 @@
+"""The export front end: a loaded model -> static dense ONNX graphs and an artifact folder.
+
+`dense.py` writes the artifact; `llama_graph.py` builds the prefill and decode graphs of a
+Llama-family decoder, `attention_graph.py` their cached attention, `onnx_builder.py` the node
+helper they share with the passes. The names below load lazily, so the passes, which use only
+`onnx_builder` and `attention_graph`, never import torch."""
+
+__all__ = ["build_dense_graphs", "check_export_config", "eos_ids", "export_model", "new_manifest"]
+
+
+def __getattr__(name):
+    if name in __all__:
+        from snapcompile.export import dense
+        return getattr(dense, name)
+    raise AttributeError(name)

@@ -1,0 +1,71 @@
+"""`snapcompile export`: a loaded model -> a dense-cache artifact folder (prefill graphs + decode graph)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import onnx
+
+from snapcompile.artifact import Manifest, graph_name, save_graphs
+from snapcompile.atomic import atomic_directory
+from snapcompile.config import ExportConfig, PolicyConfig
+from snapcompile.errors import SnapcompileError
+from snapcompile.export.llama_graph import DecodeWriter, PrefillWriter, Weights
+from snapcompile.models.loader import LoadedModel
+from snapcompile.verify import verify_graph
+
+
+def check_export_config(loaded: LoadedModel, export: ExportConfig) -> None:
+    spec = loaded.spec
+    if export.max_context > spec.max_positions:
+        raise SnapcompileError(
+            f"--max-context {export.max_context} exceeds the model's {spec.max_positions} positions")
+    if spec.sliding_window is not None and spec.sliding_window < export.max_context:
+        raise SnapcompileError(
+            f"{loaded.name} uses sliding-window attention ({spec.sliding_window} tokens); "
+            f"--max-context {export.max_context} must not exceed it")
+
+
+def build_dense_graphs(loaded: LoadedModel, export: ExportConfig) -> dict[str, onnx.ModelProto]:
+    check_export_config(loaded, export)
+    weights = Weights(loaded.model, loaded.spec)
+    graphs = {"prefill": PrefillWriter(loaded.spec, weights, export).build().model(),
+              "decode": DecodeWriter(loaded.spec, weights, export).build().model()}
+    for rows in export.prefill_buckets():
+        bucket = PrefillWriter(loaded.spec, weights, export, rows)
+        graphs[graph_name("prefill", rows, export.max_context)] = bucket.build().model()
+    for name, model in graphs.items():
+        verify_graph(model, name)
+    return graphs
+
+
+def eos_ids(tokenizer) -> list[int]:
+    """Token ids that end a generation: the tokenizer's EOS plus <|im_end|> where it exists."""
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    if isinstance(im_end, int) and im_end != tokenizer.unk_token_id:
+        ids.add(im_end)
+    return sorted(ids)
+
+
+def new_manifest(loaded: LoadedModel, export: ExportConfig, policy: PolicyConfig) -> Manifest:
+    return Manifest(model_name=loaded.name, spec=loaded.spec, export=export, policy=policy,
+                    chat=loaded.chat, eos_token_ids=eos_ids(loaded.tokenizer), source=loaded.source)
+
+
+def export_model(loaded: LoadedModel, export: ExportConfig, out_dir: Path, force: bool = False,
+                 policy: PolicyConfig | None = None, transform=None) -> Manifest:
+    """Write a dense artifact to out_dir atomically.
+
+    transform(graphs, manifest), when given, rewrites the graphs before they are saved (the
+    passes use it so `convert` writes one artifact instead of a dense one then a compressed one).
+    """
+    policy = policy or PolicyConfig(policy="dense")
+    policy.check_against(export)
+    with atomic_directory(Path(out_dir), force=force) as staging:
+        graphs = build_dense_graphs(loaded, export)
+        manifest = new_manifest(loaded, export, PolicyConfig(policy="dense"))
+        if transform is not None:
+            graphs = transform(graphs, manifest)
+        loaded.tokenizer.save_pretrained(staging)
+        save_graphs(staging, graphs, manifest)
+    return manifest

@@ -1,0 +1,189 @@
+"""Writes a Llama-family decoder (Llama, Mistral, Qwen2) as static ONNX prefill and decode graphs.
+
+Graph contracts (L = max_context, C = chunk, N = slots, Hkv KV heads, D head dim, V vocab):
+
+prefill (one sequence, one chunk of C tokens, against a cache of R rows: R = L for the graph
+  "prefill", R = Lb for the bucket graphs "prefill_<Lb>" that serve prompts of at most Lb tokens
+  without attending over L rows):
+  inputs  input_ids [1, C] int64; start [1] int64 (position of the chunk's first token; cache
+          rows [0, start) are valid); chunk_len [1] int64 (valid tokens, the rest is padding);
+          past_key.{i}, past_value.{i} [1, Hkv, R, D] float32
+  outputs logits [1, V] (of token chunk_len-1); key.{i}, value.{i} [1, Hkv, C, D] (the chunk's
+          post-RoPE K/V, for the caller to write at rows [start, start+C))
+decode (N slots, one token each):
+  inputs  input_ids [N, 1]; position [N] (RoPE position); cache_len [N] (rows [0, cache_len)
+          valid); past_key.{i}, past_value.{i} [N, Hkv, L, D]
+  outputs logits [N, V]; key.{i}, value.{i} [N, Hkv, 1, D] (to be written by the caller)
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from snapcompile.artifact import graph_name
+from snapcompile.config import ExportConfig
+from snapcompile.export.attention_graph import additive_mask, emit_cached_attention
+from snapcompile.export.onnx_builder import GraphBuilder
+from snapcompile.models.spec import ModelSpec
+
+
+class Weights:
+    """fp32 numpy views of the HF state dict, arranged for MatMul (linear weights transposed)."""
+
+    def __init__(self, model, spec: ModelSpec):
+        state = {k: v.detach().to(torch.float32).numpy() for k, v in model.state_dict().items()}
+        self.arrays: dict[str, np.ndarray] = {}
+        self.embed = self._add("embed_tokens", state["model.embed_tokens.weight"])
+        head = state.get("lm_head.weight")
+        self.lm_head = self.embed if spec.tie_word_embeddings or head is None else self._add("lm_head", head)
+        self.final_norm = self._add("norm", state["model.norm.weight"])
+        self.layers = [self._layer(state, i, spec) for i in range(spec.num_layers)]
+        rotary = model.model.rotary_emb
+        self.inv_freq = rotary.inv_freq.detach().to(torch.float32).numpy()
+        self.rope_scaling = float(getattr(rotary, "attention_scaling", 1.0))
+
+    def _add(self, name: str, array: np.ndarray) -> str:
+        self.arrays[name] = np.ascontiguousarray(array)
+        return name
+
+    def _layer(self, state: dict, i: int, spec: ModelSpec) -> dict[str, str]:
+        p = f"model.layers.{i}."
+        names = {"in_norm": self._add(f"l{i}.input_norm", state[p + "input_layernorm.weight"]),
+                 "post_norm": self._add(f"l{i}.post_norm", state[p + "post_attention_layernorm.weight"])}
+        for short, key in (("q", "self_attn.q_proj"), ("k", "self_attn.k_proj"), ("v", "self_attn.v_proj"),
+                           ("o", "self_attn.o_proj"), ("gate", "mlp.gate_proj"), ("up", "mlp.up_proj"),
+                           ("down", "mlp.down_proj")):
+            names[short] = self._add(f"l{i}.{short}.wT", state[p + key + ".weight"].T)
+            if p + key + ".bias" in state:
+                names[short + "_bias"] = self._add(f"l{i}.{short}.bias", state[p + key + ".bias"])
+        return names
+
+
+class LlamaGraphWriter:
+    """Emits the decoder body shared by prefill and decode; subclasses differ in attention layout."""
+
+    def __init__(self, spec: ModelSpec, weights: Weights, export: ExportConfig):
+        self.spec, self.w, self.export = spec, weights, export
+
+    def _attach_weights(self, b: GraphBuilder) -> None:
+        for name, array in self.w.arrays.items():
+            b.weight(name, array)
+
+    def _linear(self, b: GraphBuilder, x: str, layer: dict, key: str) -> str:
+        y = b.op("MatMul", x, layer[key])
+        return b.op("Add", y, layer[key + "_bias"]) if key + "_bias" in layer else y
+
+    def _rms_norm(self, b: GraphBuilder, x: str, weight: str) -> str:
+        var = b.op("ReduceMean", b.op("Mul", x, x), b.const([-1]), keepdims=1)
+        inv = b.op("Reciprocal", b.op("Sqrt", b.op("Add", var, b.const(self.spec.rms_norm_eps, np.float32))))
+        return b.op("Mul", b.op("Mul", x, inv), weight)
+
+    def _rope_tables(self, b: GraphBuilder, positions: str, shape: list[int]) -> tuple[str, str]:
+        """cos/sin [.., D/2] of int64 positions, reshaped to `shape` for broadcasting."""
+        pos = b.op("Cast", b.op("Unsqueeze", positions, b.const([-1])), to=1)
+        freqs = b.op("Mul", pos, b.const(self.w.inv_freq, np.float32))
+        cos, sin = b.op("Cos", freqs), b.op("Sin", freqs)
+        if self.w.rope_scaling != 1.0:
+            factor = b.const(self.w.rope_scaling, np.float32)
+            cos, sin = b.op("Mul", cos, factor), b.op("Mul", sin, factor)
+        return b.op("Reshape", cos, b.const(shape)), b.op("Reshape", sin, b.const(shape))
+
+    def _rotate(self, b: GraphBuilder, x: str, cos: str, sin: str) -> str:
+        """HF rotate-half RoPE on the last axis."""
+        half = self.spec.head_dim // 2
+        x1, x2 = b.op("Split", x, b.const([half, half]), outputs=2, axis=-1)
+        lo = b.op("Sub", b.op("Mul", x1, cos), b.op("Mul", x2, sin))
+        hi = b.op("Add", b.op("Mul", x2, cos), b.op("Mul", x1, sin))
+        return b.op("Concat", lo, hi, axis=-1)
+
+    def _mlp(self, b: GraphBuilder, x: str, layer: dict) -> str:
+        gate = self._linear(b, x, layer, "gate")
+        act = b.op("Mul", gate, b.op("Sigmoid", gate))
+        return self._linear(b, b.op("Mul", act, self._linear(b, x, layer, "up")), layer, "down")
+
+    def _logits(self, b: GraphBuilder, hidden: str) -> str:
+        """[rows, hidden] -> [rows, V]; Gemm with transB reads a tied embedding without a copy."""
+        normed = self._rms_norm(b, hidden, self.w.final_norm)
+        return b.op("Gemm", normed, self.w.lm_head, transB=1)
+
+    def _cache_inputs(self, b: GraphBuilder, batch: int, length: int) -> list[tuple[str, str]]:
+        shape = [batch, self.spec.num_kv_heads, length, self.spec.head_dim]
+        return [(b.input(f"past_key.{i}", np.float32, shape), b.input(f"past_value.{i}", np.float32, shape))
+                for i in range(self.spec.num_layers)]
+
+
+class PrefillWriter(LlamaGraphWriter):
+    """The prefill graph against a cache of `cache_rows` rows (default: max_context)."""
+
+    def __init__(self, spec: ModelSpec, weights: Weights, export: ExportConfig, cache_rows: int | None = None):
+        super().__init__(spec, weights, export)
+        self.cache_rows = cache_rows or export.max_context
+
+    def build(self) -> GraphBuilder:
+        s, c, L = self.spec, self.export.chunk, self.cache_rows
+        hkv, g, d = s.num_kv_heads, s.group_size, s.head_dim
+        b = GraphBuilder(graph_name("prefill", L, self.export.max_context))
+        self._attach_weights(b)
+        ids = b.input("input_ids", np.int64, [1, c])
+        start = b.input("start", np.int64, [1])
+        chunk_len = b.input("chunk_len", np.int64, [1])
+        caches = self._cache_inputs(b, 1, L)
+        positions = b.op("Add", b.op("Unsqueeze", b.const(np.arange(c)), b.const([0])), start)  # [1, C]
+        cos, sin = self._rope_tables(b, positions, [1, 1, c, d // 2])
+        cache_visible = b.op("Less", b.const(np.arange(L)), start)                      # [L]
+        cache_mask = b.op("Reshape", additive_mask(b, cache_visible), b.const([1, 1, 1, L]))
+        rows = b.const((np.arange(g * c) % c)[:, None])                                  # [G*C, 1]
+        new_mask = additive_mask(b, b.op("LessOrEqual", b.const(np.arange(c)[None, :]), rows))
+        x = b.op("Gather", self.w.embed, ids)                                            # [1, C, hidden]
+        for i, layer in enumerate(self.w.layers):
+            h = self._rms_norm(b, x, layer["in_norm"])
+            q = self._heads(b, self._linear(b, h, layer, "q"), s.num_heads, cos, sin)    # [1, H, C, D]
+            k = self._heads(b, self._linear(b, h, layer, "k"), hkv, cos, sin)            # [1, Hkv, C, D]
+            v = self._heads(b, self._linear(b, h, layer, "v"), hkv, None, None)
+            q = b.op("Reshape", q, b.const([1, hkv, g * c, d]))
+            attn = emit_cached_attention(b, q, k, v, *caches[i], cache_mask, new_mask,
+                                         s.head_dim ** -0.5, L, c)                       # [1,Hkv,G*C,D]
+            attn = b.op("Reshape", attn, b.const([1, s.num_heads, c, d]))
+            attn = b.op("Reshape", b.op("Transpose", attn, perm=[0, 2, 1, 3]), b.const([1, c, s.num_heads * d]))
+            x = b.op("Add", x, self._linear(b, attn, layer, "o"))
+            x = b.op("Add", x, self._mlp(b, self._rms_norm(b, x, layer["post_norm"]), layer))
+            b.output(k, f"key.{i}", np.float32, [1, hkv, c, d])
+            b.output(v, f"value.{i}", np.float32, [1, hkv, c, d])
+        last = b.op("Gather", b.op("Reshape", x, b.const([c, s.hidden_size])),
+                    b.op("Sub", chunk_len, b.const([1])), axis=0)                        # [1, hidden]
+        b.output(self._logits(b, last), "logits", np.float32, [1, s.vocab_size])
+        return b
+
+    def _heads(self, b: GraphBuilder, x: str, heads: int, cos: str | None, sin: str | None) -> str:
+        """[1, C, heads*D] -> [1, heads, C, D], rotated when cos/sin are given."""
+        x = b.op("Transpose", b.op("Reshape", x, b.const([1, self.export.chunk, heads, self.spec.head_dim])),
+                 perm=[0, 2, 1, 3])
+        return x if cos is None else self._rotate(b, x, cos, sin)
+
+
+class DecodeWriter(LlamaGraphWriter):
+    def build(self) -> GraphBuilder:
+        s, n, L = self.spec, self.export.slots, self.export.max_context
+        hkv, g, d = s.num_kv_heads, s.group_size, s.head_dim
+        b = GraphBuilder("decode")
+        self._attach_weights(b)
+        ids = b.input("input_ids", np.int64, [n, 1])
+        position = b.input("position", np.int64, [n])
+        cache_len = b.input("cache_len", np.int64, [n])
+        caches = self._cache_inputs(b, n, L)
+        cos, sin = self._rope_tables(b, position, [n, 1, 1, d // 2])
+        visible = b.op("Less", b.const(np.arange(L)[None, :]), b.op("Unsqueeze", cache_len, b.const([1])))
+        cache_mask = b.op("Reshape", additive_mask(b, visible), b.const([n, 1, 1, L]))
+        x = b.op("Reshape", b.op("Gather", self.w.embed, ids), b.const([n, s.hidden_size]))
+        for i, layer in enumerate(self.w.layers):
+            h = self._rms_norm(b, x, layer["in_norm"])
+            q = self._rotate(b, b.op("Reshape", self._linear(b, h, layer, "q"), b.const([n, hkv, g, d])), cos, sin)
+            k = self._rotate(b, b.op("Reshape", self._linear(b, h, layer, "k"), b.const([n, hkv, 1, d])), cos, sin)
+            v = b.op("Reshape", self._linear(b, h, layer, "v"), b.const([n, hkv, 1, d]))
+            attn = emit_cached_attention(b, q, k, v, *caches[i], cache_mask, None, s.head_dim ** -0.5, L, 1)
+            x = b.op("Add", x, self._linear(b, b.op("Reshape", attn, b.const([n, s.num_heads * d])), layer, "o"))
+            x = b.op("Add", x, self._mlp(b, self._rms_norm(b, x, layer["post_norm"]), layer))
+            b.output(k, f"key.{i}", np.float32, [n, hkv, 1, d])
+            b.output(v, f"value.{i}", np.float32, [n, hkv, 1, d])
+        b.output(self._logits(b, x), "logits", np.float32, [n, s.vocab_size])
+        return b

@@ -1,0 +1,187 @@
+"""The PyTorch oracle: the eager Hugging Face model with the cache policy applied in PyTorch.
+
+Attention is swapped for `_policy_attention` through transformers' AttentionInterface; every
+other operation (embeddings, RoPE, norms, MLP, head) is the HF model's own. Each attention
+module gets a `_LayerCache` holding that layer's fixed-capacity cache for one sequence.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+from snapcompile.config import PolicyConfig
+from snapcompile.layout import SlotLayout
+from snapcompile.policy_torch import Selection, ring_decode_attention, snapkv_select, streaming_select
+
+ATTENTION_NAME = "snapcompile_reference"
+
+
+@dataclass(frozen=True)
+class LayerPrefill:
+    """One layer's recorded prefill: window_query [H, W, D] (the last W prompt queries, post-RoPE),
+    keys / values [Hkv, T, D] (post-RoPE keys), and the attention scale."""
+
+    window_query: torch.Tensor
+    keys: torch.Tensor
+    values: torch.Tensor
+    scale: float
+
+
+class _LayerCache:
+    """One layer's cache for one sequence: K/V [Hkv, capacity, D] laid out as in the runner.
+
+    record_window: when > 0, prefill keeps a LayerPrefill with that many trailing queries.
+    """
+
+    def __init__(self, policy: PolicyConfig, capacity: int, forced: torch.Tensor | None, record_window: int = 0):
+        self.policy, self.capacity, self.forced = policy, capacity, forced
+        self.keys = self.values = None
+        self.layout: SlotLayout | None = None
+        self.selection: Selection | None = None
+        self.generated = 0
+        self.record_window = record_window
+        self.recorded: LayerPrefill | None = None
+
+    def prefill(self, query, key, value, scale):
+        """query [1, H, T, D], key/value [1, Hkv, T, D]; returns dense causal attention [1, H, T, D]."""
+        length = key.shape[2]
+        out = _attend(query, key, value, scale, torch.ones(length, length).tril().bool())
+        if self.record_window:
+            self.recorded = LayerPrefill(query[0, :, -self.record_window:].clone(), key[0].clone(),
+                                         value[0].clone(), scale)
+        self.load(query[0, :, -self.policy.window:], key[0], value[0], scale)
+        return out
+
+    def load(self, window_query, key, value, scale) -> None:
+        """Select the kept prompt rows and lay them out: window_query [H, >=W, D] (the last
+        prompt queries), key/value [Hkv, T, D]."""
+        length = key.shape[1]
+        share = self.policy.resolved_prompt_share if self.policy.compressed else None
+        self.layout = SlotLayout.for_prompt(length, self.capacity, share)
+        kept = self._kept_positions(window_query, key, scale)                  # [Hkv, kept]
+        hkv, _, d = key.shape
+        self.keys = torch.zeros(hkv, self.capacity, d)
+        self.values = torch.zeros(hkv, self.capacity, d)
+        index = kept[:, :, None].expand(-1, -1, d)
+        self.keys[:, : self.layout.kept] = torch.gather(key, 1, index)
+        self.values[:, : self.layout.kept] = torch.gather(value, 1, index)
+
+    def _kept_positions(self, window_query, key, scale) -> torch.Tensor:
+        hkv, length, _ = key.shape
+        if not self.layout.compressed:
+            return torch.arange(length).expand(hkv, -1)
+        if self.forced is not None:
+            self.selection = Selection(self.forced, None)
+        elif self.policy.policy == "streamingllm":
+            self.selection = streaming_select(length, hkv, self.policy)
+        else:
+            self.selection = snapkv_select(window_query[:, -self.policy.window:], key, self.policy, scale)
+        return self.selection.indices
+
+    def decode(self, query, key, value, scale):
+        """query [1, H, 1, D], key/value [1, Hkv, 1, D]: write into the ring, then attend."""
+        step = self.layout.step(self.generated)
+        self.generated += 1
+        heads, kv_heads, dim = query.shape[1], key.shape[1], query.shape[3]
+        out = ring_decode_attention(
+            query.reshape(1, kv_heads, heads // kv_heads, dim), key, value, self.keys[None], self.values[None],
+            torch.tensor([step.write_index]), torch.tensor([step.cache_len]), scale)
+        self.keys[:, step.write_index] = key[0, :, 0]
+        self.values[:, step.write_index] = value[0, :, 0]
+        return out.reshape(1, heads, 1, dim)
+
+
+def _attend(query, key, value, scale, visible):
+    """GQA attention: query [1, H, Q, D], key/value [1, Hkv, K, D], visible [Q, K] bool."""
+    group = query.shape[1] // key.shape[1]
+    key = key.repeat_interleave(group, dim=1)
+    value = value.repeat_interleave(group, dim=1)
+    scores = torch.matmul(query, key.transpose(-1, -2)) * scale
+    scores = scores.masked_fill(~visible, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1), value)
+
+
+def _policy_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    cache: _LayerCache = module._snapcompile_cache
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if cache.layout is None:
+        out = cache.prefill(query, key, value, scale)
+    else:
+        out = cache.decode(query, key, value, scale)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+    AttentionInterface.register(ATTENTION_NAME, _policy_attention)
+    with contextlib.suppress(ImportError):
+        from transformers.masking_utils import AttentionMaskInterface
+        AttentionMaskInterface.register(ATTENTION_NAME, lambda *args, **kwargs: None)
+
+
+class ReferenceSequence:
+    """Runs one sequence through the HF model under `policy` (batch 1, no HF cache).
+
+    capacity: cache rows (the budget for compressed policies; for dense, enough for the run).
+    forced_selection: optional per-layer [Hkv, P] positions that replace the policy's own
+    selection (validate uses it to continue past a reported near-tie with the backend's choice).
+    record_window: keep the prompt's K/V and last record_window queries per layer, so other
+    policies can start from this prefill (`from_prefill`).
+    """
+
+    def __init__(self, model, policy: PolicyConfig, capacity: int,
+                 forced_selection: list[torch.Tensor] | None = None, record_window: int = 0):
+        _register()
+        self.model = model
+        layers = model.model.layers
+        self.caches = [_LayerCache(policy, capacity, forced_selection[i] if forced_selection else None,
+                                   record_window) for i in range(len(layers))]
+        self.position = 0
+
+    @classmethod
+    def from_prefill(cls, model, prefill: list[LayerPrefill], policy: PolicyConfig,
+                     capacity: int) -> ReferenceSequence:
+        """A sequence whose prompt was already run (and recorded, see `recorded_prefill`),
+        compressed under `policy` and ready for decode: the same state `feed(prompt)` under
+        `policy` leaves, without running the prompt again (prefill attention is dense either way)."""
+        sequence = cls(model, policy, capacity)
+        for cache, layer in zip(sequence.caches, prefill):
+            cache.load(layer.window_query, layer.keys, layer.values, layer.scale)
+        sequence.position = prefill[0].keys.shape[1]
+        return sequence
+
+    def recorded_prefill(self) -> list[LayerPrefill]:
+        """Per-layer prefill tensors (needs record_window >= the policies' window)."""
+        if any(cache.recorded is None for cache in self.caches):
+            raise ValueError("no prefill was recorded: create the sequence with record_window > 0 and feed a prompt")
+        return [cache.recorded for cache in self.caches]
+
+    @contextlib.contextmanager
+    def _installed(self):
+        attn_modules = [layer.self_attn for layer in self.model.model.layers]
+        previous = self.model.config._attn_implementation
+        for module, cache in zip(attn_modules, self.caches):
+            module._snapcompile_cache = cache
+        self.model.config._attn_implementation = ATTENTION_NAME
+        try:
+            yield
+        finally:
+            self.model.config._attn_implementation = previous
+            for module in attn_modules:
+                del module._snapcompile_cache
+
+    @torch.no_grad()
+    def feed(self, token_ids: list[int]) -> torch.Tensor:
+        """Feed the prompt (first call) or one decode token; returns the last token's logits [V]."""
+        ids = torch.tensor([token_ids])
+        positions = torch.arange(self.position, self.position + len(token_ids))[None]
+        with self._installed():
+            out = self.model(input_ids=ids, position_ids=positions, use_cache=False,
+                             logits_to_keep=1)
+        self.position += len(token_ids)
+        return out.logits[0, -1].float()
+
+    def selections(self) -> list[Selection | None]:
+        return [cache.selection for cache in self.caches]
