@@ -11,6 +11,8 @@ from transformers import PreTrainedTokenizerFast
 from snapcompile.errors import SnapcompileError, first_line
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+          "'<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
 CODE_CONFIGS = ("config.json", "tokenizer_config.json")
 
 
@@ -42,7 +44,9 @@ def load_tokenizer(folder: Path, gguf_file: str | None = None):
 
 
 def byte_tokenizer() -> PreTrainedTokenizerFast:
-    """256 byte tokens (ids 0..255) followed by the special tokens; EOS is <|im_end|>."""
+    """256 byte tokens (ids 0..255) followed by the special tokens; EOS is <|im_end|>. It carries
+    SmolLM2's ChatML template (the tiny models still take raw prompts by default: their `chat`
+    flag is off), so chat endpoints can be tested on them."""
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
     core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
@@ -52,4 +56,5 @@ def byte_tokenizer() -> PreTrainedTokenizerFast:
                                         eos_token="<|im_end|>", unk_token=None,
                                         pad_token="<|endoftext|>")
     tokenizer.add_special_tokens({"additional_special_tokens": list(SPECIAL_TOKENS)})
+    tokenizer.chat_template = CHATML
     return tokenizer

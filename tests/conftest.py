@@ -60,3 +60,25 @@ def write_hf_folder(loaded, folder):
 @pytest.fixture(scope="session")
 def tiny_hf_dir(tiny_llama, tmp_path_factory):
     return write_hf_folder(tiny_llama, tmp_path_factory.mktemp("hf") / "tiny-hf")
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    return load_model("smollm2-135m-instruct")
+
+
+@pytest.fixture(scope="session")
+def smol_dense(smollm2, tmp_path_factory):
+    """SmolLM2-135M-Instruct, dense, 3 slots, 2304 positions (the slow tests' artifact)."""
+    folder = tmp_path_factory.mktemp("smol") / "dense"
+    export_model(smollm2, ExportConfig(slots=3, max_context=2304, chunk=256), folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def smol_snap(smol_dense):
+    """The same compressed to B = 256 (snapstream)."""
+    from snapcompile.compress import compress_artifact
+    folder = smol_dense.parent / "snap256"
+    compress_artifact(smol_dense, folder, PolicyConfig(policy="snapstream", budget=256))
+    return folder

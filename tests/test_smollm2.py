@@ -2,34 +2,13 @@
 import pytest
 
 from snapcompile.compress import compress_artifact
-from snapcompile.config import ExportConfig, PolicyConfig
+from snapcompile.config import PolicyConfig
 from snapcompile.engine.engine import Engine
 from snapcompile.engine.request import Request
-from snapcompile.export import export_model
-from snapcompile.models import load_model
 from snapcompile.prompts import encode, passkey_prompt
 from snapcompile.validate import Validator, summarize
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def smollm2():
-    return load_model("smollm2-135m-instruct")
-
-
-@pytest.fixture(scope="module")
-def smol_dense(smollm2, tmp_path_factory):
-    folder = tmp_path_factory.mktemp("smol") / "dense"
-    export_model(smollm2, ExportConfig(slots=3, max_context=2304, chunk=256), folder)
-    return folder
-
-
-@pytest.fixture(scope="module")
-def smol_snap(smol_dense):
-    folder = smol_dense.parent / "snap256"
-    compress_artifact(smol_dense, folder, PolicyConfig(policy="snapstream", budget=256))
-    return folder
 
 
 def test_tokenizer_round_trip_and_stop_token(smollm2, smol_dense):

@@ -226,7 +226,8 @@ def _add_commands() -> None:
     from snapcompile.cli.bench import bench
     from snapcompile.cli.eval import eval_command
     from snapcompile.cli.run import run, validate
-    for command in (run, validate, eval_command, bench):
+    from snapcompile.cli.serve import bench_serve, serve
+    for command in (run, validate, serve, bench_serve, eval_command, bench):
         main.add_command(command)
 
 

@@ -47,6 +47,7 @@ def _percentile(values: list[float], q: float) -> float | None:
               help="Record the N likeliest tokens (with natural-log probabilities) at every generated token "
                    "in the JSON / JSONL results.")
 @click.option("--raw", is_flag=True, help="Do not apply the chat template of instruct models.")
+@click.option("--ignore-eos", is_flag=True, help="Generate past EOS up to --max-new-tokens (fixed-length benchmarks).")
 @click.option("--provider", type=click.Choice(list(PROVIDERS)), default="cpu", show_default=True,
               help="ONNX Runtime execution provider.")
 @click.option("--backend", type=click.Choice(BACKENDS), default="ort", show_default=True,
@@ -60,7 +61,7 @@ def _percentile(values: list[float], q: float) -> float | None:
 @click.option("--force", is_flag=True, help="Replace the --output file if it exists.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (results and summary).")
 def run(artifact, prompt, prompts_file, demo, max_new_tokens, temperature, top_k, top_p, seed, stop, top_logprobs,
-        raw, provider, backend, max_slots, prefill_tokens_per_step, output, force, as_json):
+        raw, ignore_eos, provider, backend, max_slots, prefill_tokens_per_step, output, force, as_json):
     """Generate for prompts with continuous batching over the artifact's static slots.
 
     Every request value (command line and prompts file) is checked before the artifact loads; a
@@ -82,7 +83,7 @@ def run(artifact, prompt, prompts_file, demo, max_new_tokens, temperature, top_k
     engine = Engine.from_artifact(artifact, provider=provider, prefill_tokens_per_step=prefill_tokens_per_step,
                                   backend=backend, max_slots=max_slots)
     chat = engine.backend.manifest.chat and not raw
-    requests = [replace(request, prompt_ids=engine.encode(record.prompt, chat))
+    requests = [replace(request, prompt_ids=engine.encode(record.prompt, chat), ignore_eos=ignore_eos)
                 for request, record in zip(pending, records)]
     records = [record.fields for record in records]
     start = engine.clock()
@@ -160,7 +161,7 @@ def _summary(engine, results, elapsed: float) -> dict:
             "prompt_tokens_per_s": prompt_tokens / elapsed if elapsed else None,
             "ttft_p50_s": _percentile(ttfts, 50), "ttft_p95_s": _percentile(ttfts, 95),
             "step_p50_ms": _ms(_percentile(steps, 50)), "step_p95_ms": _ms(_percentile(steps, 95)),
-            "decode_steps": len(steps), "kv_bytes": engine.kv_bytes_in_use(),
+            "decode_steps": engine.decode_steps, "kv_bytes": engine.kv_bytes_in_use(),
             "slots": engine.scheduler.pool.capacity, "policy": engine.backend.manifest.policy.policy}
 
 

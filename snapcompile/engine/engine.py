@@ -8,26 +8,34 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
 
 from snapcompile.engine.request import Request, Sequence
-from snapcompile.engine.sampling import sample, top_logprobs
+from snapcompile.engine.sampling import sample, token_logprob, top_logprobs
 from snapcompile.engine.scheduler import Scheduler
 from snapcompile.errors import SnapcompileError, first_line
 
 log = logging.getLogger("snapcompile.engine")
+STEP_TIMES_KEPT = 100_000      # decode step durations kept for percentiles (a server runs forever)
 
 
 @dataclass(frozen=True)
 class TokenEvent:
+    """One step of one request. `text` is the text that became final with this token: text that
+    may still turn into a stop string or an incomplete UTF-8 character is held back until it
+    cannot, so the events' texts add up to the result's text exactly."""
+
     request_id: str
     token_id: int | None     # None for an error or a finish without a new token
-    text: str                # text added by this token (after stop-string trimming)
+    text: str
     finished: bool
     finish_reason: str | None = None
+    logprob: float | None = None                          # of token_id, when the request asked
+    top_logprobs: list[tuple[int, float]] | None = None   # the request's top_logprobs likeliest
 
 
 @dataclass(frozen=True)
@@ -41,6 +49,7 @@ class Result:
     ttft_s: float | None
     latency_s: float
     top_logprobs: list[list[tuple[int, float]]]   # per output token; empty unless the request asked
+    token_logprobs: list[float] = ()              # per output token, when the request asked (logprobs)
 
 
 class Engine:
@@ -58,7 +67,8 @@ class Engine:
         self.max_positions = backend.manifest.spec.max_positions
         self.sequences: dict[str, Sequence] = {}
         self._rngs: dict[str, np.random.Generator] = {}
-        self.decode_step_seconds: list[float] = []
+        self.decode_step_seconds: deque[float] = deque(maxlen=STEP_TIMES_KEPT)   # the latest steps
+        self.decode_steps = 0
 
     @classmethod
     def from_artifact(cls, folder, provider: str = "cpu", threads: int | None = None,
@@ -110,7 +120,24 @@ class Engine:
         ttft = seq.first_token_at - seq.submitted_at if seq.first_token_at is not None else None
         return Result(request_id, len(seq.request.prompt_ids), list(seq.output_ids), seq.text,
                       seq.finish_reason, seq.error, ttft, seq.finished_at - seq.submitted_at,
-                      list(seq.top_logprobs))
+                      list(seq.top_logprobs), list(seq.token_logprobs))
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request that has not finished (finish reason "abort"); its slot is free at once.
+        False when it is unknown or already finished."""
+        seq = self.sequences.get(request_id)
+        if seq is None or seq.finished:
+            return False
+        seq.prefill = None
+        self._finish(seq, "abort")
+        return True
+
+    def forget(self, request_id: str) -> None:
+        """Drop a finished request's state (a long-running server calls it after reading the result)."""
+        seq = self.sequences.get(request_id)
+        if seq is not None and seq.finished:
+            del self.sequences[request_id]
+            self._rngs.pop(request_id, None)
 
     def kv_bytes_in_use(self) -> int:
         return self.backend.kv_bytes_in_use()
@@ -149,6 +176,7 @@ class Engine:
             events.extend(self._fail(seq, err) for seq in running.values())
             return
         self.decode_step_seconds.append(self.clock() - start)
+        self.decode_steps += 1
         for slot, seq in running.items():
             events.append(self._emit(seq, logits[slot]))
 
@@ -171,20 +199,44 @@ class Engine:
     def _next_token(self, seq: Sequence, logits: np.ndarray) -> TokenEvent:
         request = seq.request
         token = sample(logits, request.sampling, self._rngs[request.request_id])
-        if request.top_logprobs:
-            seq.top_logprobs.append(top_logprobs(logits, request.top_logprobs))
+        logprob, top = self._record_logprobs(seq, logits, token)
         if seq.first_token_at is None:
             seq.first_token_at = self.clock()
         seq.output_ids.append(token)
-        if token in self.eos_ids:
-            self._finish(seq, "eos")
-            return TokenEvent(request.request_id, token, "", True, "eos")
-        previous = seq.text
-        seq.text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=True)
-        reason = self._stop_reason(seq)
+        if token in self.eos_ids and not request.ignore_eos:
+            reason = "eos"
+        else:
+            seq.text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=True)
+            reason = self._stop_reason(seq)
         if reason:
             self._finish(seq, reason)
-        return TokenEvent(request.request_id, token, seq.text[len(previous):], seq.finished, seq.finish_reason)
+        return TokenEvent(request.request_id, token, self._final_text(seq), seq.finished, seq.finish_reason,
+                          logprob, top)
+
+    @staticmethod
+    def _record_logprobs(seq: Sequence, logits: np.ndarray, token: int):
+        request, logprob, top = seq.request, None, None
+        if request.top_logprobs:
+            top = top_logprobs(logits, request.top_logprobs)
+            seq.top_logprobs.append(top)
+        if request.logprobs:
+            logprob = token_logprob(logits, token)
+            seq.token_logprobs.append(logprob)
+        return logprob, top
+
+    @staticmethod
+    def _final_text(seq: Sequence) -> str:
+        """The text of `seq` that became final since the last event. Until the request finishes,
+        a trailing incomplete UTF-8 character and a tail that could begin a stop string wait."""
+        end = len(seq.text)
+        if not seq.finished:
+            end = len(seq.text.rstrip("\ufffd"))
+            held = max((k for stop in seq.request.stop for k in range(1, len(stop))
+                        if seq.text[:end].endswith(stop[:k])), default=0)
+            end -= held
+        new = seq.text[seq.emitted:end] if end > seq.emitted else ""
+        seq.emitted = max(seq.emitted, end)
+        return new
 
     def _stop_reason(self, seq: Sequence) -> str | None:
         hits = [seq.text.find(s, max(0, len(seq.text) - 64 - len(s))) for s in seq.request.stop]

@@ -48,6 +48,8 @@ class Request:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     request_id: str = ""
     top_logprobs: int = 0          # record this many most likely tokens per generated token
+    logprobs: bool = False         # record the log probability of each generated token
+    ignore_eos: bool = False       # generate past EOS until max_new_tokens (fixed-length benchmarks)
 
     def __post_init__(self):
         if not self.request_id:
@@ -58,6 +60,8 @@ class Request:
             raise SnapcompileError(f"top_logprobs must be an integer >= 0, got {self.top_logprobs!r}")
         if not isinstance(self.stop, tuple) or not all(isinstance(s, str) and s for s in self.stop):
             raise SnapcompileError(f"stop must be a list of non-empty strings, got {self.stop!r}")
+        if not isinstance(self.logprobs, bool) or not isinstance(self.ignore_eos, bool):
+            raise SnapcompileError("logprobs and ignore_eos must be true or false")
         if not isinstance(self.sampling, SamplingParams):
             raise SnapcompileError("sampling must be a SamplingParams")
         if not all(_integer(t) for t in self.prompt_ids):
@@ -73,14 +77,16 @@ class Status(Enum):
 
 @dataclass
 class Sequence:
-    """A request's progress. finish_reason: "eos" | "length" | "stop" | "context" | "error"."""
+    """A request's progress. finish_reason: "eos" | "length" | "stop" | "context" | "error" | "abort"."""
 
     request: Request
     status: Status = Status.WAITING
     slot: int | None = None
     output_ids: list[int] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    token_logprobs: list[float] = field(default_factory=list)
     text: str = ""
+    emitted: int = 0               # characters of `text` already handed out in events
     finish_reason: str | None = None
     error: str | None = None
     submitted_at: float = 0.0

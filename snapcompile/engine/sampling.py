@@ -34,3 +34,9 @@ def top_logprobs(logits: np.ndarray, k: int) -> list[tuple[int, float]]:
     candidates = np.flatnonzero(shifted >= kth)
     order = candidates[np.lexsort((candidates, -shifted[candidates]))][:k]
     return [(int(i), float(shifted[i] - log_norm)) for i in order]
+
+
+def token_logprob(logits: np.ndarray, token: int) -> float:
+    """The natural-log probability of `token` under logits [V]."""
+    shifted = logits.astype(np.float64) - float(logits.max())
+    return float(shifted[token] - np.log(np.exp(shifted).sum()))

@@ -44,7 +44,10 @@ class Scheduler:
         self.decoding[seq.slot] = seq
 
     def release(self, seq: Sequence) -> None:
-        """Free the sequence's slot at once (finished or failed)."""
+        """Free the sequence's slot at once (finished, failed or aborted); a sequence still waiting
+        leaves the queue."""
+        if seq in self.waiting:
+            self.waiting.remove(seq)
         if seq.slot is None:
             return
         self.decoding.pop(seq.slot, None)

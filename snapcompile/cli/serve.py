@@ -1,0 +1,116 @@
+"""`snapcompile serve` and `snapcompile bench-serve`."""
+from __future__ import annotations
+
+import ipaddress
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from snapcompile.runtime import BACKENDS
+
+LOOPBACK = ("localhost",)
+
+
+@click.command()
+@click.argument("artifact", type=click.Path(path_type=Path))
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to listen on (another than loopback without --api-key prints a warning).")
+@click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535))
+@click.option("--slots", type=click.IntRange(min=1), default=None,
+              help="Serve at most this many requests at once (default: all of the artifact's static slots).")
+@click.option("--max-waiting", type=click.IntRange(min=0), default=256, show_default=True,
+              help="Answer 429 (with Retry-After) once this many requests wait for a slot.")
+@click.option("--api-key", envvar="SNAPCOMPILE_API_KEY", default=None,
+              help="Require 'Authorization: Bearer KEY' on /v1 routes (or set SNAPCOMPILE_API_KEY).")
+@click.option("--served-model-name", default=None, help="The model name clients send (default: the folder name).")
+@click.option("--backend", type=click.Choice(BACKENDS), default="ort", show_default=True,
+              help="ort: ONNX Runtime on an artifact folder; trt: TensorRT engines from `snapcompile build`.")
+@click.option("--drain-timeout", default=30.0, show_default=True, type=click.FloatRange(min=0),
+              help="On SIGTERM / Ctrl-C, seconds running requests get to finish (new ones get 503).")
+@click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]),
+              default="info", show_default=True)
+def serve(artifact, host, port, slots, max_waiting, api_key, served_model_name, backend, drain_timeout, log_level):
+    """Serve ARTIFACT over an OpenAI-compatible HTTP API.
+
+    POST /v1/chat/completions and /v1/completions (streamed or not), GET /v1/models, /health
+    (200 once the graphs are loaded, 503 before and while draining) and /metrics (Prometheus).
+    Requests join and leave the continuous batch at any step; a client that disconnects frees
+    its slot. SIGTERM or Ctrl-C drains: new requests get 503, running ones finish (up to
+    --drain-timeout), then the server exits 0; a second signal stops at once.
+    """
+    from snapcompile.artifact import read_manifest, verify_files
+    from snapcompile.serve.app import ServerSettings
+    from snapcompile.serve.server import serve as run_server
+    manifest = read_manifest(artifact)                 # bad artifacts fail here, before the port opens
+    verify_files(artifact, manifest, checksums=False)
+    if api_key is not None and not api_key.strip():
+        raise click.BadParameter("the API key is empty", param_hint="--api-key")
+    if api_key is None and not _loopback(host):
+        click.echo(f"warning: serving on {host} without --api-key: anyone who reaches this address can use it",
+                   err=True)
+    settings = ServerSettings(Path(artifact), served_model_name or Path(artifact).resolve().name, api_key,
+                              max_waiting, slots, backend)
+    run_server(settings, host, port, drain_timeout, log_level)
+
+
+def _loopback(host: str) -> bool:
+    if host in LOOPBACK:
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+@click.command(name="bench-serve")
+@click.argument("url")
+@click.option("--model", required=True, help="The served model name.")
+@click.option("--requests", "num_requests", default=32, show_default=True, type=click.IntRange(min=1))
+@click.option("--concurrency", default=8, show_default=True, type=click.IntRange(min=1))
+@click.option("--prompt-tokens", default=2000, show_default=True, type=click.IntRange(min=1))
+@click.option("--output-tokens", default=128, show_default=True, type=click.IntRange(min=1))
+@click.option("--request-rate", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Requests per second (Poisson arrivals); default: all at once, --concurrency at a time.")
+@click.option("--tokenizer", "tokenizer_dir", type=click.Path(path_type=Path), default=None,
+              help="An artifact (or model folder) whose tokenizer makes prompts of exactly --prompt-tokens.")
+@click.option("--api-key", envvar="SNAPCOMPILE_API_KEY", default=None)
+@click.option("--seed", default=0, show_default=True)
+@click.option("--save-prompts", type=click.Path(path_type=Path), default=None,
+              help="Also write the prompts as a JSONL prompts file (for `snapcompile run --prompts` on the same).")
+@click.option("-o", "--output", type=click.Path(path_type=Path), default=Path("bench-serve.json"), show_default=True,
+              help="Results JSON; the Markdown table is written beside it.")
+@click.option("--force", is_flag=True, help="Replace the --output file if it exists.")
+@click.option("--json", "as_json", is_flag=True, help="Print the results as one JSON object.")
+def bench_serve(url, model, num_requests, concurrency, prompt_tokens, output_tokens, request_rate, tokenizer_dir,
+                api_key, seed, save_prompts, output, force, as_json):
+    """Benchmark a running server at URL through real HTTP streaming.
+
+    Sends --requests completions of --prompt-tokens prompt tokens and exactly --output-tokens
+    generated tokens each, --concurrency at a time, and reports requests/s, output tokens/s,
+    TTFT, inter-token and end-to-end latency (mean, p50, p95, p99) and failures.
+    """
+    from tqdm import tqdm
+
+    from snapcompile.atomic import check_output_file, write_json_atomic, write_text_atomic
+    from snapcompile.serve.bench import ServeBenchConfig, make_prompts, markdown, run_serve_bench
+    config = ServeBenchConfig(url.rstrip("/"), model, num_requests, concurrency, prompt_tokens, output_tokens,
+                              request_rate, seed, api_key)
+    output = check_output_file(output, force)
+    tokenizer = None
+    if tokenizer_dir is not None:
+        from snapcompile.models.tokenizer import load_tokenizer
+        tokenizer = load_tokenizer(tokenizer_dir)
+    prompts = make_prompts(num_requests, prompt_tokens, seed, tokenizer)
+    if save_prompts is not None:
+        write_text_atomic(check_output_file(save_prompts, force),
+                          "".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    with tqdm(total=num_requests, desc="requests", unit="req", file=sys.stderr, disable=as_json) as bar:
+        result = run_serve_bench(config, prompts, progress=lambda: bar.update(1))
+    table = markdown(result)
+    write_json_atomic(output, result)
+    write_text_atomic(output.with_suffix(".md"), table)
+    click.echo(json.dumps(result) if as_json else table + f"wrote {output}, {output.with_suffix('.md')}")
+    if result["summary"]["failed"]:
+        sys.exit(1)

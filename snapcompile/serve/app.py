@@ -1,0 +1,162 @@
+"""The FastAPI application: routes, authentication, admission control and error shapes.
+
+Route functions only parse, check and hand over to `OpenAIServing`; the engine is loaded on a
+worker thread after the server starts, so `/health` answers 503 until the graphs are loaded.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from snapcompile.serve.completions import OpenAIServing
+from snapcompile.serve.engine_loop import EngineLoop
+from snapcompile.serve.metrics import CONTENT_TYPE, Metrics
+from snapcompile.serve.protocol import ApiError, ChatRequest, CompletionRequest, now, parse
+
+log = logging.getLogger("snapcompile.serve")
+RETRY_AFTER_S = 1
+
+
+@dataclass
+class ServerSettings:
+    artifact: Path
+    model_name: str
+    api_key: str | None = None
+    max_waiting: int | None = None      # 429 beyond this many requests waiting for a slot
+    slots: int | None = None            # use at most this many of the artifact's static slots
+    backend: str = "ort"
+
+
+@dataclass
+class ServerState:
+    """What the routes read: the engine once loaded, and whether the server is draining."""
+
+    settings: ServerSettings
+    metrics: Metrics = field(default_factory=Metrics)
+    serving: OpenAIServing | None = None
+    engine_loop: EngineLoop | None = None
+    draining: bool = False
+    load_error: str | None = None
+
+    @property
+    def status(self) -> str:
+        if self.draining:
+            return "draining"
+        return "ok" if self.serving is not None else ("failed" if self.load_error else "loading")
+
+
+def load_engine(state: ServerState) -> None:
+    """Open the artifact and start the engine thread (runs on a worker thread)."""
+    from snapcompile.engine.engine import Engine
+    settings = state.settings
+    engine = Engine.from_artifact(settings.artifact, backend=settings.backend, max_slots=settings.slots)
+    state.metrics.set_capacity(engine.scheduler.pool.capacity, engine.kv_bytes_in_use())
+    engine_loop = EngineLoop(engine, state.metrics)
+    engine_loop.start()
+    export = engine.backend.manifest.export
+    state.engine_loop = engine_loop
+    state.serving = OpenAIServing(engine_loop, engine.tokenizer, settings.model_name, export.max_context,
+                                  engine.backend.max_prompt_len())
+
+
+def create_app(state: ServerState) -> FastAPI:
+    app = FastAPI(title="snapcompile", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.server = state
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, err: ApiError) -> JSONResponse:
+        if err.status in (400, 404, 429, 503):
+            state.metrics.rejected()
+        return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        return JSONResponse({"status": state.status}, status_code=200 if state.status == "ok" else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.exposition(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> JSONResponse:
+        _authenticate(request, state.settings.api_key)
+        card = {"id": state.settings.model_name, "object": "model", "created": now(), "owned_by": "snapcompile"}
+        return JSONResponse({"object": "list", "data": [card]})
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        return await _complete(state, request, "chat", ChatRequest)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await _complete(state, request, "completion", CompletionRequest)
+
+    return app
+
+
+async def _complete(state: ServerState, request: Request, kind: str, model):
+    _authenticate(request, state.settings.api_key)
+    serving = _ready(state)
+    call = serving.accept(kind, parse(model, await _json_body(request)))
+    _admit(state)
+    if call.params.stream:
+        return StreamingResponse(serving.stream(call), media_type="text/event-stream")
+    return JSONResponse(await serving.complete(call, request.is_disconnected))
+
+
+def _authenticate(request: Request, api_key: str | None) -> None:
+    if api_key is None:
+        return
+    header = request.headers.get("authorization", "")
+    scheme, _, given = header.partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), api_key.encode()):
+        raise ApiError(401, "missing or wrong API key (send it as: Authorization: Bearer KEY)", code="invalid_api_key")
+
+
+def _ready(state: ServerState) -> OpenAIServing:
+    if state.draining:
+        raise ApiError(503, "the server is shutting down", headers={"Retry-After": str(RETRY_AFTER_S)})
+    if state.serving is None:
+        raise ApiError(503, "the model is still loading", headers={"Retry-After": str(RETRY_AFTER_S)})
+    return state.serving
+
+
+def _admit(state: ServerState) -> None:
+    limit = state.settings.max_waiting
+    if limit is not None and state.engine_loop.waiting >= limit:
+        raise ApiError(429, f"{limit} requests are already waiting for a slot; retry later",
+                       headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
+async def _json_body(request: Request):
+    raw = await request.body()
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ApiError(400, f"the request body is not valid JSON: {err}") from None
+
+
+async def drain(state: ServerState, timeout_s: float, poll_s: float = 0.1) -> int:
+    """Refuse new requests and wait up to `timeout_s` for the running ones to finish; abort the
+    rest. Returns how many were aborted."""
+    state.draining = True
+    engine_loop = state.engine_loop
+    if engine_loop is None:
+        return 0
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while engine_loop.active and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(poll_s)
+    left = engine_loop.active
+    if left:
+        log.warning("drain timeout: aborting %d unfinished requests", left)
+        for request_id in engine_loop.running_ids():
+            engine_loop.abort(request_id)
+        await asyncio.sleep(poll_s * 5)
+    return left

@@ -1,0 +1,178 @@
+"""`snapcompile bench-serve`: drive a running OpenAI-compatible server through real HTTP streaming
+and report what serving benchmarks report (vLLM's benchmark_serving): request and token
+throughput, time to first token, inter-token latency and end-to-end latency at p50/p95/p99.
+
+Each request streams `/v1/completions` with a fixed output length (`max_tokens`, `ignore_eos`)
+and `stream_options.include_usage`, so the token counts are the server's own.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from snapcompile.errors import SnapcompileError
+
+PERCENTILES = (50, 95, 99)
+
+
+@dataclass(frozen=True)
+class ServeBenchConfig:
+    url: str                        # the server's base URL, e.g. http://127.0.0.1:8000
+    model: str
+    requests: int = 32
+    concurrency: int = 8
+    prompt_tokens: int = 2000
+    output_tokens: int = 128
+    request_rate: float | None = None   # requests/s (Poisson arrivals); None = all at once
+    seed: int = 0
+    api_key: str | None = None
+    timeout_s: float = 3600.0
+
+    def __post_init__(self):
+        if self.requests < 1 or self.concurrency < 1:
+            raise SnapcompileError("--requests and --concurrency must be >= 1")
+        if self.prompt_tokens < 1 or self.output_tokens < 1:
+            raise SnapcompileError("--prompt-tokens and --output-tokens must be >= 1")
+        if self.request_rate is not None and not self.request_rate > 0:
+            raise SnapcompileError("--request-rate must be > 0")
+
+
+@dataclass
+class RequestRecord:
+    ok: bool = False
+    error: str | None = None
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    ttft_s: float | None = None
+    e2e_s: float | None = None
+    itl_s: list[float] = field(default_factory=list)
+
+
+def make_prompts(count: int, tokens: int, seed: int, tokenizer=None) -> list[str]:
+    """`count` distinct prompts of `tokens` tokens (exactly, with `tokenizer`; about, without:
+    one filler word is about one token)."""
+    rng = random.Random(seed)
+    words = ("grass", "green", "sky", "blue", "sun", "yellow", "river", "stone", "cloud", "field")
+    prompts = []
+    for index in range(count):
+        text = f"Request {index}, key {rng.randint(10000, 99999)}. " + " ".join(
+            rng.choice(words) for _ in range(tokens + 16))
+        if tokenizer is not None:
+            ids = tokenizer.encode(text, add_special_tokens=False)[:tokens]
+            text = tokenizer.decode(ids)
+        else:
+            text = " ".join(text.split()[:tokens])
+        prompts.append(text)
+    return prompts
+
+
+async def _one(client, config: ServeBenchConfig, prompt: str) -> RequestRecord:
+    record = RequestRecord()
+    body = {"model": config.model, "prompt": prompt, "max_tokens": config.output_tokens, "temperature": 0.0,
+            "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
+    start = last = time.perf_counter()
+    try:
+        async with client.stream("POST", "/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                record.error = f"HTTP {response.status_code}: {(await response.aread()).decode()[:200]}"
+                return record
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[len("data: "):])
+                if "error" in chunk:
+                    record.error = chunk["error"].get("message", "error")
+                    return record
+                if chunk.get("usage"):
+                    record.prompt_tokens = chunk["usage"]["prompt_tokens"]
+                    record.output_tokens = chunk["usage"]["completion_tokens"]
+                if any(choice.get("text") for choice in chunk.get("choices", [])):
+                    now = time.perf_counter()
+                    if record.ttft_s is None:
+                        record.ttft_s = now - start
+                    else:
+                        record.itl_s.append(now - last)
+                    last = now
+        record.e2e_s = time.perf_counter() - start
+        record.ok = record.output_tokens > 0
+        if not record.ok:
+            record.error = "the stream ended without usage or tokens"
+    except Exception as err:  # connection errors, timeouts: a failed request, not a failed benchmark
+        record.error = f"{type(err).__name__}: {err}"
+    return record
+
+
+async def _run(config: ServeBenchConfig, prompts: list[str], progress: Callable[[], None]) -> tuple[list, float]:
+    import httpx
+    headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
+    limits = httpx.Limits(max_connections=config.concurrency, max_keepalive_connections=config.concurrency)
+    gate = asyncio.Semaphore(config.concurrency)
+    rng = np.random.default_rng(config.seed)
+
+    async def limited(prompt: str, delay: float) -> RequestRecord:
+        await asyncio.sleep(delay)
+        async with gate:
+            record = await _one(client, config, prompt)
+        progress()
+        return record
+    delays = np.zeros(len(prompts))
+    if config.request_rate:
+        delays = np.cumsum(rng.exponential(1.0 / config.request_rate, len(prompts)))
+    async with httpx.AsyncClient(base_url=config.url, headers=headers, limits=limits,
+                                 timeout=httpx.Timeout(config.timeout_s)) as client:
+        start = time.perf_counter()
+        records = await asyncio.gather(*(limited(p, d) for p, d in zip(prompts, delays)))
+        return list(records), time.perf_counter() - start
+
+
+def run_serve_bench(config: ServeBenchConfig, prompts: list[str], progress: Callable[[], None] = lambda: None) -> dict:
+    """Send `prompts` (one request each) as `config` says; returns the summary, config and errors."""
+    records, duration = asyncio.run(_run(config, prompts, progress))
+    return summarize(config, records, duration)
+
+
+def summarize(config: ServeBenchConfig, records: list[RequestRecord], duration_s: float) -> dict:
+    done = [r for r in records if r.ok]
+    output = sum(r.output_tokens for r in done)
+    summary = {"completed": len(done), "failed": len(records) - len(done), "duration_s": duration_s,
+               "requests_per_s": len(done) / duration_s, "output_tokens_per_s": output / duration_s,
+               "input_tokens_per_s": sum(r.prompt_tokens for r in done) / duration_s,
+               "total_output_tokens": output, "total_prompt_tokens": sum(r.prompt_tokens for r in done)}
+    for name, values in (("ttft", [r.ttft_s for r in done if r.ttft_s is not None]),
+                         ("itl", [gap for r in done for gap in r.itl_s]),
+                         ("e2e", [r.e2e_s for r in done if r.e2e_s is not None])):
+        summary[f"{name}_ms"] = _stats(values)
+    errors = sorted({r.error for r in records if r.error})
+    return {"config": asdict(config) | {"api_key": None}, "summary": summary, "errors": errors}
+
+
+def _stats(seconds: list[float]) -> dict:
+    if not seconds:
+        return {"mean": None, **{f"p{q}": None for q in PERCENTILES}}
+    values = np.asarray(seconds) * 1000
+    return {"mean": float(values.mean()), **{f"p{q}": float(np.percentile(values, q)) for q in PERCENTILES}}
+
+
+def markdown(result: dict) -> str:
+    s, c = result["summary"], result["config"]
+    rate = "all at once" if c["request_rate"] is None else f"{c['request_rate']:g} req/s"
+    lines = [f"{c['requests']} requests, concurrency {c['concurrency']}, {c['prompt_tokens']} prompt tokens, "
+             f"{c['output_tokens']} output tokens each, arrivals {rate}", "",
+             "| completed | failed | duration s | requests/s | output tok/s | input tok/s |",
+             "|---|---|---|---|---|---|",
+             f"| {s['completed']} | {s['failed']} | {s['duration_s']:.1f} | {s['requests_per_s']:.3f} | "
+             f"{s['output_tokens_per_s']:.1f} | {s['input_tokens_per_s']:.1f} |", "",
+             "| ms | mean | p50 | p95 | p99 |", "|---|---|---|---|---|"]
+    for name, label in (("ttft", "time to first token"), ("itl", "inter-token latency"), ("e2e", "end to end")):
+        row = s[f"{name}_ms"]
+        cells = ["—" if row[k] is None else f"{row[k]:.1f}" for k in ("mean", "p50", "p95", "p99")]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    if result["errors"]:
+        lines += ["", "Errors: " + "; ".join(result["errors"])]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,189 @@
+"""The two completion endpoints: an OpenAI request -> an engine request -> OpenAI responses.
+
+`OpenAIServing` holds no HTTP code: it turns a validated body into an engine `Request`, and the
+engine's updates into response bodies or server-sent-event chunks.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from snapcompile.engine.engine import Result, TokenEvent
+from snapcompile.engine.request import Request, SamplingParams
+from snapcompile.errors import SnapcompileError
+from snapcompile.serve.engine_loop import EngineLoop, Update
+from snapcompile.serve.protocol import ApiError, ChatRequest, CompletionRequest, finish_reason, new_id, now, usage
+
+DISCONNECT_POLL_S = 0.5
+
+
+@dataclass(frozen=True)
+class Call:
+    """One accepted request: what it asked for and how to answer it."""
+
+    kind: str                    # "chat" | "completion"
+    params: ChatRequest | CompletionRequest
+    request: Request
+    response_id: str
+    model: str
+
+
+class OpenAIServing:
+    def __init__(self, engine_loop: EngineLoop, tokenizer, model_name: str, max_context: int, max_prompt: int):
+        self.engine_loop, self.tokenizer, self.model_name = engine_loop, tokenizer, model_name
+        self.max_context, self.max_prompt = max_context, max_prompt
+
+    # ------------------------------------------------------------------ requests
+    def accept(self, kind: str, params: ChatRequest | CompletionRequest) -> Call:
+        """Check `params` against this model and build the engine request (400s name the field)."""
+        params.unsupported()
+        if params.model != self.model_name:
+            raise ApiError(404, f"the model {params.model!r} does not exist; this server serves {self.model_name!r}",
+                           param="model", code="model_not_found")
+        prompt = self._chat_prompt(params) if kind == "chat" else self._raw_prompt(params)
+        if not prompt:
+            raise ApiError(400, "the prompt is empty", param="messages" if kind == "chat" else "prompt")
+        if len(prompt) > self.max_prompt:
+            raise ApiError(400, f"the prompt has {len(prompt)} tokens; this model's context allows at most "
+                                f"{self.max_prompt} prompt tokens", param="messages" if kind == "chat" else "prompt",
+                           code="context_length_exceeded")
+        logprobs, top = params.logprob_counts()
+        try:
+            sampling = SamplingParams(temperature=params.temperature, top_p=params.top_p, seed=params.seed)
+            request = Request(prompt, max_new_tokens=params.max_new_tokens(max(1, self.max_context - len(prompt))),
+                              stop=tuple(params.stop), sampling=sampling, request_id=new_id("req"),
+                              top_logprobs=top, logprobs=logprobs, ignore_eos=params.ignore_eos)
+        except SnapcompileError as err:
+            raise ApiError(400, str(err)) from None
+        prefix = "chatcmpl" if kind == "chat" else "cmpl"
+        return Call(kind, params, request, new_id(prefix), self.model_name)
+
+    def _chat_prompt(self, params: ChatRequest) -> list[int]:
+        if self.tokenizer.chat_template is None:
+            raise ApiError(400, "this model has no chat template; use /v1/completions", param="messages")
+        messages = [{"role": m.role, "content": m.text()} for m in params.messages]
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+        return [int(i) for i in ids]
+
+    def _raw_prompt(self, params: CompletionRequest) -> list[int]:
+        return [int(i) for i in self.tokenizer.encode(params.prompt_text(), add_special_tokens=False)]
+
+    # ------------------------------------------------------------------ responses
+    async def complete(self, call: Call, disconnected) -> dict:
+        """Run `call` to its end and return the response body; abort it if the client leaves."""
+        updates = self.engine_loop.submit(call.request)
+        tokens: list[TokenEvent] = []
+        try:
+            while True:
+                try:
+                    update: Update = await asyncio.wait_for(updates.get(), DISCONNECT_POLL_S)
+                except asyncio.TimeoutError:
+                    if await disconnected():
+                        self.engine_loop.abort(call.request.request_id)
+                        raise asyncio.CancelledError from None
+                    continue
+                if update.event.token_id is not None:
+                    tokens.append(update.event)
+                if update.result is not None:
+                    return self._final_body(call, update.result, tokens)
+        except asyncio.CancelledError:
+            self.engine_loop.abort(call.request.request_id)
+            raise
+
+    async def stream(self, call: Call) -> AsyncIterator[str]:
+        """Server-sent events in OpenAI's chunk format, ending with `data: [DONE]`; the request is
+        aborted when the client goes away (the generator is closed or cancelled)."""
+        updates = self.engine_loop.submit(call.request)
+        finished = False
+        try:
+            if call.kind == "chat":
+                yield _sse(self._chunk(call, {"role": "assistant", "content": ""}, None))
+            while not finished:
+                update: Update = await updates.get()
+                finished = update.result is not None
+                if finished and _failed(update.result):
+                    yield _sse(_generation_error(update.result).body())
+                    break
+                chunk = self._event_chunk(call, update)
+                if chunk is not None:
+                    yield _sse(chunk)
+                if finished and call.params.include_usage:
+                    yield _sse(self._usage_chunk(call, update.result))
+            yield "data: [DONE]\n\n"
+        finally:
+            if not finished:
+                self.engine_loop.abort(call.request.request_id)
+
+    def _final_body(self, call: Call, result: Result, tokens: list[TokenEvent]) -> dict:
+        if _failed(result):
+            raise _generation_error(result)
+        reason = finish_reason(result.finish_reason)
+        logprobs = self._logprobs(call, tokens)
+        if call.kind == "chat":
+            choice = {"index": 0, "message": {"role": "assistant", "content": result.text},
+                      "logprobs": logprobs, "finish_reason": reason}
+        else:
+            choice = {"index": 0, "text": result.text, "logprobs": logprobs, "finish_reason": reason}
+        return {"id": call.response_id, "object": _object(call, chunk=False), "created": now(), "model": call.model,
+                "choices": [choice], "usage": usage(result.prompt_tokens, len(result.output_ids))}
+
+    def _event_chunk(self, call: Call, update: Update) -> dict | None:
+        event = update.event
+        reason = finish_reason(update.result.finish_reason) if update.result is not None else None
+        tokens = [event] if event.token_id is not None else []
+        if not event.text and reason is None and not (tokens and call.request.logprobs):
+            return None
+        delta = {"content": event.text} if event.text else {}
+        return self._chunk(call, delta if call.kind == "chat" else event.text, reason, self._logprobs(call, tokens))
+
+    def _chunk(self, call: Call, delta, reason: str | None, logprobs=None) -> dict:
+        choice = {"index": 0, "logprobs": logprobs, "finish_reason": reason}
+        choice.update({"delta": delta} if call.kind == "chat" else {"text": delta})
+        return {"id": call.response_id, "object": _object(call, chunk=True), "created": now(), "model": call.model,
+                "choices": [choice]}
+
+    def _usage_chunk(self, call: Call, result: Result) -> dict:
+        return {"id": call.response_id, "object": _object(call, chunk=True), "created": now(), "model": call.model,
+                "choices": [], "usage": usage(result.prompt_tokens, len(result.output_ids))}
+
+    def _logprobs(self, call: Call, tokens: list[TokenEvent]) -> dict | None:
+        if not call.request.logprobs:
+            return None
+        if call.kind == "chat":
+            return {"content": [self._chat_logprob(event) for event in tokens]}
+        return {"tokens": [self._token_text(e.token_id) for e in tokens],
+                "token_logprobs": [e.logprob for e in tokens],
+                "top_logprobs": [{self._token_text(i): lp for i, lp in (e.top_logprobs or [])} for e in tokens]}
+
+    def _chat_logprob(self, event: TokenEvent) -> dict:
+        entry = self._token_entry(event.token_id, event.logprob)
+        entry["top_logprobs"] = [self._token_entry(i, lp) for i, lp in (event.top_logprobs or [])]
+        return entry
+
+    def _token_entry(self, token_id: int, logprob: float) -> dict:
+        text = self._token_text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+
+def _object(call: Call, chunk: bool) -> str:
+    if call.kind == "chat":
+        return "chat.completion.chunk" if chunk else "chat.completion"
+    return "text_completion"
+
+
+def _failed(result: Result) -> bool:
+    return result.error is not None or result.finish_reason in ("error", "abort")
+
+
+def _generation_error(result: Result) -> ApiError:
+    return ApiError(500, f"the request failed while generating: {result.error or result.finish_reason}")
+
+
+def _sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload)}\n\n"

@@ -1,0 +1,156 @@
+"""The engine on a thread of its own, reached from the event loop through a thread-safe queue.
+
+The engine thread is the only one that touches the engine (and so the backend's tensors). HTTP
+handlers submit requests and aborts into `inbox`; the thread runs `Engine.step()` while there is
+work, and hands each token event back to the requesting handler's asyncio queue with
+`loop.call_soon_threadsafe`. A request's last event carries its `Result`.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from dataclasses import dataclass
+
+from snapcompile.engine.engine import Engine, Result, TokenEvent
+from snapcompile.engine.request import Request
+from snapcompile.errors import SnapcompileError
+from snapcompile.serve.metrics import Metrics
+
+log = logging.getLogger("snapcompile.serve")
+
+
+@dataclass(frozen=True)
+class Update:
+    """What a handler receives: a token event, and on the last one the request's result."""
+
+    event: TokenEvent
+    result: Result | None = None
+
+
+@dataclass
+class _Sink:
+    loop: asyncio.AbstractEventLoop
+    updates: asyncio.Queue
+
+
+class EngineLoop:
+    """Owns `engine` on a daemon thread; `submit` and `abort` may be called from any thread."""
+
+    def __init__(self, engine: Engine, metrics: Metrics):
+        self.engine, self.metrics = engine, metrics
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._sinks: dict[str, _Sink] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="snapcompile-engine", daemon=True)
+        self._lock = threading.Lock()
+        self._active = 0            # submitted and not yet finished (both threads update it)
+        self._waiting = 0           # in the engine's queue, without a slot (engine thread, after each step)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self.inbox.put(("wake",))
+        self._thread.join(timeout)
+
+    # ------------------------------------------------------------- event-loop side
+    @property
+    def active(self) -> int:
+        """Requests submitted and not yet finished."""
+        return self._active
+
+    @property
+    def waiting(self) -> int:
+        """Requests not yet given a slot: in the engine's queue or still in the inbox."""
+        return self._waiting + self.inbox.qsize()
+
+    def submit(self, request: Request) -> asyncio.Queue:
+        """Queue `request`; its updates arrive on the returned queue."""
+        updates: asyncio.Queue = asyncio.Queue()
+        with self._lock:
+            self._active += 1
+        self.inbox.put(("submit", request, _Sink(asyncio.get_running_loop(), updates)))
+        return updates
+
+    def abort(self, request_id: str) -> None:
+        self.inbox.put(("abort", request_id))
+
+    def running_ids(self) -> list[str]:
+        """Ids of the requests not yet finished (a copy)."""
+        return list(self._sinks)
+
+    # ------------------------------------------------------------- engine thread
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._take_inbox(block=self.engine.scheduler.idle)
+            if not self.engine.scheduler.idle:
+                self._step()
+            self._publish_gauges()
+
+    def _step(self) -> None:
+        try:
+            events = self.engine.step()
+        except Exception:           # Engine.step fails requests, not itself: this is a bug
+            log.exception("engine step failed; failing the requests in flight")
+            events = [self._fail_all_event(seq_id) for seq_id in list(self._sinks)]
+        for event in events:
+            self._deliver(event)
+
+    def _take_inbox(self, block: bool) -> None:
+        try:
+            item = self.inbox.get(timeout=0.5) if block else self.inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._handle(item)
+            try:
+                item = self.inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _handle(self, item: tuple) -> None:
+        if item[0] == "submit":
+            _, request, sink = item
+            self._sinks[request.request_id] = sink
+            try:
+                self.engine.submit(request)
+            except SnapcompileError as err:      # refused: it never entered the engine
+                self._deliver(TokenEvent(request.request_id, None, "", True, "error"), refused=str(err))
+        elif item[0] == "abort":
+            if self.engine.abort(item[1]):
+                self._deliver(TokenEvent(item[1], None, "", True, "abort"))
+
+    def _fail_all_event(self, request_id: str) -> TokenEvent:
+        self.engine.abort(request_id)
+        return TokenEvent(request_id, None, "", True, "error")
+
+    def _deliver(self, event: TokenEvent, refused: str | None = None) -> None:
+        sink = self._sinks.get(event.request_id)
+        if sink is None:
+            return
+        result = None
+        if event.finished:
+            del self._sinks[event.request_id]
+            result = self._finished_result(event, refused)
+        self.metrics.on_event(event, result)
+        sink.loop.call_soon_threadsafe(sink.updates.put_nowait, Update(event, result))
+
+    def _finished_result(self, event: TokenEvent, refused: str | None) -> Result:
+        with self._lock:
+            self._active -= 1
+        if refused is not None:
+            return Result(event.request_id, 0, [], "", "error", refused, None, 0.0, [])
+        result = self.engine.result(event.request_id)
+        self.engine.forget(event.request_id)
+        return result
+
+    def _publish_gauges(self) -> None:
+        scheduler = self.engine.scheduler
+        in_slots = len(scheduler.decoding) + len(scheduler.prefilling)
+        self._waiting = len(scheduler.waiting)
+        per_slot = self.engine.kv_bytes_in_use() // self.engine.backend.slots
+        self.metrics.set_load(running=in_slots, waiting=len(scheduler.waiting), slots_in_use=in_slots,
+                              kv_bytes_in_use=in_slots * per_slot)

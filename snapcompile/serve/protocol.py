@@ -1,0 +1,170 @@
+"""The OpenAI wire format: request bodies (validated), error bodies and response builders.
+
+Fields OpenAI clients send that do not change the result here are accepted and ignored (the
+models allow extra fields); fields asking for something this server does not do (n > 1, tools,
+...) are refused with a 400 naming the field.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+MAX_TOP_LOGPROBS = 20
+
+
+class ApiError(Exception):
+    """An error response in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
+
+    @property
+    def kind(self) -> str:
+        return {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+                429: "rate_limit_error", 503: "service_unavailable"}.get(self.status, "server_error")
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    include_usage: bool = False
+
+
+class _Sampling(BaseModel):
+    """Parameters shared by both endpoints, with OpenAI's ranges."""
+
+    model_config = ConfigDict(extra="allow")
+    model: str
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    seed: int | None = Field(None, ge=0, lt=2**63)
+    stop: str | list[str] | None = Field(None, validate_default=True)
+    n: int = 1
+    ignore_eos: bool = False               # vLLM's extension, for fixed-length benchmarks
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, value):
+        stops = [value] if isinstance(value, str) else (value or [])
+        if any(not s for s in stops):
+            raise ValueError("stop strings must not be empty")
+        return stops
+
+    def unsupported(self) -> None:
+        """Refuse what this server does not implement, naming the field."""
+        if self.n != 1:
+            raise ApiError(400, "only n=1 is supported", param="n")
+        for name in ("tools", "functions", "logit_bias", "suffix"):
+            if getattr(self, name, None):
+                raise ApiError(400, f"{name} is not supported", param=name)
+        if getattr(self, "tool_choice", None) not in (None, "none"):
+            raise ApiError(400, "tool_choice is not supported", param="tool_choice")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name, 0) not in (0, 0.0, None):
+                raise ApiError(400, f"{name} is not supported", param=name)
+        response_format = getattr(self, "response_format", None)
+        if response_format and (not isinstance(response_format, dict) or response_format.get("type") != "text"):
+            raise ApiError(400, "response_format other than text is not supported", param="response_format")
+        if getattr(self, "best_of", None) not in (None, 1):
+            raise ApiError(400, "best_of is not supported", param="best_of")
+        if getattr(self, "echo", False):
+            raise ApiError(400, "echo is not supported", param="echo")
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: str | None = None
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            if any(part.type != "text" or part.text is None for part in self.content):
+                raise ApiError(400, "only text content parts are supported", param="messages")
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class ChatRequest(_Sampling):
+    messages: list[Message] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    def max_new_tokens(self, default: int) -> int:
+        return self.max_completion_tokens or self.max_tokens or default
+
+    def logprob_counts(self) -> tuple[bool, int]:
+        """(record each token's log probability, how many likeliest tokens per position)."""
+        if self.top_logprobs and not self.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs to be true", param="top_logprobs")
+        return self.logprobs, (self.top_logprobs or 0) if self.logprobs else 0
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str]
+    max_tokens: int | None = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=5)
+
+    def prompt_text(self) -> str:
+        if isinstance(self.prompt, list):
+            if len(self.prompt) != 1:
+                raise ApiError(400, "a list of prompts is not supported; send one prompt per request", param="prompt")
+            return self.prompt[0]
+        return self.prompt
+
+    def max_new_tokens(self, default: int) -> int:
+        return self.max_tokens or default
+
+    def logprob_counts(self) -> tuple[bool, int]:
+        return self.logprobs is not None, self.logprobs or 0
+
+
+def parse(model: type[BaseModel], body: Any) -> BaseModel:
+    """Validate a JSON body; the first problem becomes a 400 naming its field."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    try:
+        return model.model_validate(body)
+    except ValidationError as err:
+        first = err.errors()[0]
+        param = ".".join(str(p) for p in first["loc"]) or None
+        raise ApiError(400, f"{param}: {first['msg']}" if param else first["msg"], param=param) from None
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def finish_reason(engine_reason: str | None) -> str | None:
+    """OpenAI's finish_reason for the engine's: EOS and stop strings are "stop"; the token limit
+    and a full (dense) context are "length"."""
+    return {"eos": "stop", "stop": "stop", "length": "length", "context": "length"}.get(engine_reason)
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}

@@ -1,0 +1,83 @@
+"""`snapcompile serve`: uvicorn running the app, the engine loaded in the background, and a
+graceful drain on SIGTERM / Ctrl-C (a second signal stops at once)."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+
+import uvicorn
+
+from snapcompile.errors import SnapcompileError, first_line
+from snapcompile.serve.app import ServerSettings, ServerState, create_app, drain, load_engine
+
+log = logging.getLogger("snapcompile.serve")
+
+
+class DrainingServer(uvicorn.Server):
+    """A uvicorn server whose first exit signal drains (503 for new requests, running ones finish
+    up to `drain_timeout_s`) before it stops, and whose second signal stops at once."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState, drain_timeout_s: float):
+        super().__init__(config)
+        self.state, self.drain_timeout_s = state, drain_timeout_s
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._drain_task: asyncio.Task | None = None
+
+    async def startup(self, sockets=None) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._load_task = self._loop.create_task(self._load())
+        await super().startup(sockets)
+
+    async def _load(self) -> None:
+        try:
+            await asyncio.to_thread(load_engine, self.state)
+            log.info("serving %s", self.state.settings.model_name)
+        except Exception as err:  # a user error (bad artifact, too little memory) or a bug: stop either way
+            self.state.load_error = str(err) if isinstance(err, SnapcompileError) else first_line(err)
+            log.error("cannot load %s: %s", self.state.settings.artifact, self.state.load_error)
+            self.should_exit = True
+
+    def handle_exit(self, sig, frame) -> None:
+        """Not uvicorn's: it would re-raise the signal after shutdown, and a drained server exits 0."""
+        if self._drain_task is not None or self._loop is None:
+            self.should_exit = self.force_exit = True
+            return
+        self._loop.call_soon_threadsafe(self._begin_drain)
+
+    def _begin_drain(self) -> None:
+        self._drain_task = self._loop.create_task(self._drain())
+
+    async def _drain(self) -> None:
+        log.info("draining: new requests get 503; waiting up to %.0f s for %d running",
+                 self.drain_timeout_s, self.state.engine_loop.active if self.state.engine_loop else 0)
+        await drain(self.state, self.drain_timeout_s)
+        self.should_exit = True
+
+
+def serve(settings: ServerSettings, host: str, port: int, drain_timeout_s: float, log_level: str = "info") -> None:
+    """Serve until a signal drains and stops the server; raises SnapcompileError when the artifact
+    cannot be loaded or the address cannot be bound."""
+    state = ServerState(settings)
+    config = uvicorn.Config(create_app(state), host=host, port=port, log_level=log_level,
+                            timeout_graceful_shutdown=5, lifespan="off")
+    server = DrainingServer(config, state, drain_timeout_s)
+    _check_bindable(host, port)
+    try:
+        server.run()
+    finally:
+        if state.engine_loop is not None:
+            state.engine_loop.stop()
+    if state.load_error is not None:
+        raise SnapcompileError(f"cannot serve {settings.artifact}: {state.load_error}")
+
+
+def _check_bindable(host: str, port: int) -> None:
+    """One clear error line for an address in use or not available, before uvicorn tries."""
+    try:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind((host, port))
+    except OSError as err:
+        raise SnapcompileError(f"cannot listen on {host}:{port}: {err.strerror or err}") from None

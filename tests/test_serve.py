@@ -1,0 +1,298 @@
+"""`snapcompile serve`: a real server process on a free local port, driven by the official openai client."""
+import json
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+from click.testing import CliRunner
+
+from snapcompile.cli import main
+from snapcompile.config import ExportConfig
+from tests.conftest import TINY_SNAPSTREAM, build_artifact
+from tests.server_process import ServerProcess
+
+PROMPTS = ["The quick brown fox", "jumps over", "the lazy dog " * 20, "a", "hello world " * 8, "x y z"]
+
+
+@pytest.fixture(scope="module")
+def artifact(tiny_llama, tmp_path_factory):
+    return build_artifact(tiny_llama, tmp_path_factory.mktemp("serve") / "tiny4",
+                          ExportConfig(slots=4, max_context=512, chunk=64), TINY_SNAPSTREAM)
+
+
+@pytest.fixture(scope="module")
+def server(artifact, tmp_path_factory):
+    process = ServerProcess(artifact, log=tmp_path_factory.mktemp("log") / "server.log").wait_ready()
+    yield process
+    assert process.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def run_results(artifact):
+    """`snapcompile run` on PROMPTS (raw prompts, greedy, 12 new tokens): the reference texts."""
+    args = ["run", str(artifact), "--max-new-tokens", "12", "--json"]
+    for prompt in PROMPTS:
+        args += ["--prompt", prompt]
+    result = CliRunner().invoke(main, args, catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    return json.loads(result.output.strip().splitlines()[-1])["results"]
+
+
+def test_completions_equal_run_streamed_or_not(client, run_results):
+    for prompt, expected in zip(PROMPTS, run_results):
+        whole = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0)
+        assert whole.choices[0].text == expected["text"]
+        assert whole.usage.prompt_tokens == expected["prompt_tokens"]
+        assert whole.usage.completion_tokens == expected["output_tokens"]
+        assert whole.choices[0].finish_reason == {"eos": "stop", "length": "length"}[expected["finish_reason"]]
+        chunks = list(client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0,
+                                                stream=True, stream_options={"include_usage": True}))
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == expected["text"]
+        assert chunks[-1].usage.completion_tokens == expected["output_tokens"] and chunks[-1].choices == []
+
+
+def test_chat_equals_the_engine_with_the_chat_template(client, artifact):
+    from snapcompile import Engine, Request
+    engine = Engine.from_artifact(artifact)
+    for text in PROMPTS[:3]:
+        expected = engine.generate([Request(engine.encode(text, chat=True), max_new_tokens=10)])[0]
+        messages = [{"role": "user", "content": text}]
+        whole = client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0)
+        assert whole.choices[0].message.content == expected.text and whole.choices[0].message.role == "assistant"
+        assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (expected.prompt_tokens,
+                                                                               len(expected.output_ids))
+        stream = client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0,
+                                                stream=True)
+        chunks = list(stream)
+        assert chunks[0].choices[0].delta.role == "assistant"
+        assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected.text
+        assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+
+
+def test_logprobs_and_stop_strings(client, run_results):
+    reply = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=6,
+                                           temperature=0, logprobs=True, top_logprobs=3)
+    content = reply.choices[0].logprobs.content
+    assert len(content) == reply.usage.completion_tokens
+    for entry in content:
+        assert len(entry.top_logprobs) == 3 and entry.logprob == pytest.approx(entry.top_logprobs[0].logprob)
+        assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob >= entry.top_logprobs[2].logprob
+    text = run_results[2]["text"]
+    stop = text[3:5]
+    if len(stop) == 2:                           # a stop string from the middle of the greedy text
+        cut = client.completions.create(model="tiny", prompt=PROMPTS[2], max_tokens=12, temperature=0, stop=[stop])
+        assert cut.choices[0].text == text[:text.find(stop)] and cut.choices[0].finish_reason == "stop"
+        streamed = client.completions.create(model="tiny", prompt=PROMPTS[2], max_tokens=12, temperature=0,
+                                             stop=stop, stream=True)
+        assert "".join(c.choices[0].text for c in streamed) == text[:text.find(stop)]
+
+
+def test_32_requests_from_16_clients_on_4_slots(client, artifact, server):
+    from snapcompile import Engine, Request
+    prompts = [f"request {i} " * (1 + i % 7) for i in range(32)]
+    lengths = [4 + i % 9 for i in range(32)]
+    engine = Engine.from_artifact(artifact)
+    alone = [engine.generate([Request(engine.encode(p, chat=False), max_new_tokens=n)])[0].text
+             for p, n in zip(prompts, lengths)]
+
+    def ask(index):
+        reply = client.completions.create(model="tiny", prompt=prompts[index], max_tokens=lengths[index],
+                                          temperature=0)
+        return reply.choices[0].text
+    with ThreadPoolExecutor(16) as pool:
+        texts = list(pool.map(ask, range(32)))
+    assert texts == alone
+    assert server.metric("snapcompile_slots_in_use") == 0
+
+
+@pytest.mark.parametrize("kwargs, status, fragment", [
+    ({"model": "nope"}, 404, "does not exist"),
+    ({"n": 2}, 400, "only n=1"),
+    ({"temperature": 5}, 400, "temperature"),
+    ({"top_p": 0}, 400, "top_p"),
+    ({"max_tokens": 0}, 400, "max_tokens"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools is not supported"),
+    ({"messages": [{"role": "user", "content": ""}]}, 200, ""),           # the template makes it non-empty
+    ({"messages": [{"role": "user", "content": "x" * 600}]}, 400, "tokens; this model's context allows at most 512"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400,
+     "only text content parts"),
+    ({"top_logprobs": 2}, 400, "top_logprobs needs logprobs"),
+    ({"stop": [""]}, 400, "stop strings must not be empty"),
+])
+def test_chat_errors_have_openai_shape(server, kwargs, status, fragment):
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **kwargs}
+    response = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
+    assert response.status_code == status, response.text
+    if status != 200:
+        error = response.json()["error"]
+        assert fragment in error["message"] and set(error) == {"message", "type", "param", "code"}
+
+
+@pytest.mark.parametrize("body, fragment", [
+    (b"{not json", "not valid JSON"),
+    (b"[1, 2]", "must be a JSON object"),
+    (json.dumps({"model": "tiny", "prompt": ""}).encode(), "the prompt is empty"),
+    (json.dumps({"model": "tiny", "prompt": "x" * 513}).encode(), "513 tokens; this model's context allows"),
+    (json.dumps({"model": "tiny"}).encode(), "prompt: Field required"),
+    (json.dumps({"model": "tiny", "prompt": ["a", "b"]}).encode(), "a list of prompts is not supported"),
+])
+def test_completion_errors(server, body, fragment):
+    response = httpx.post(server.url + "/v1/completions", content=body, timeout=60)
+    assert response.status_code == 400 and fragment in response.json()["error"]["message"], response.text
+
+
+def test_unknown_fields_are_ignored(server):
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 2, "user": "me", "metadata": {"a": 1}, "store": False}
+    assert httpx.post(server.url + "/v1/completions", json=body, timeout=60).status_code == 200
+
+
+def test_a_disconnect_frees_the_slot(server):
+    aborted = server.metric("snapcompile_requests_total", 'outcome="abort"')
+    body = {"model": "tiny", "prompt": "go", "max_tokens": 100_000, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as response:
+        lines = response.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))
+        assert server.metric("snapcompile_slots_in_use") == 1
+    deadline = time.monotonic() + 30
+    while server.metric("snapcompile_slots_in_use") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.metric("snapcompile_slots_in_use") == 0
+    assert server.metric("snapcompile_requests_total", 'outcome="abort"') == aborted + 1
+
+
+def test_models_health_and_metrics(server, client):
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    assert server.metric("snapcompile_slots") == 4
+    assert server.metric("snapcompile_generation_tokens_total") > 0
+    assert server.metric("snapcompile_time_to_first_token_seconds_count") > 0
+    assert server.metric("snapcompile_kv_cache_bytes") == 4 * 64 * 512
+
+
+def test_api_key_and_queue_limit(artifact, tmp_path):
+    process = ServerProcess(artifact, "--api-key", "secret", "--max-waiting", "0",
+                            log=tmp_path / "server.log").wait_ready()
+    try:
+        body = {"model": "tiny", "prompt": "hi", "max_tokens": 2}
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "secret"}):
+            response = httpx.post(process.url + "/v1/completions", json=body, headers=headers, timeout=30)
+            assert response.status_code == 401 and response.json()["error"]["type"] == "authentication_error"
+        assert httpx.get(process.url + "/v1/models", timeout=30).status_code == 401
+        assert httpx.get(process.url + "/health", timeout=30).status_code == 200
+        response = httpx.post(process.url + "/v1/completions", json=body,
+                              headers={"Authorization": "Bearer secret"}, timeout=30)
+        assert response.status_code == 429 and response.headers["retry-after"] == "1"
+    finally:
+        assert process.stop() == 0
+
+
+def test_sigterm_drains_running_requests_and_exits_0(artifact, tmp_path):
+    process = ServerProcess(artifact, "--drain-timeout", "60", log=tmp_path / "server.log").wait_ready()
+    body = {"model": "tiny", "prompt": "go", "max_tokens": 300, "ignore_eos": True, "stream": True}
+    texts, started = [], threading.Event()
+
+    def stream():
+        with httpx.stream("POST", process.url + "/v1/completions", json=body, timeout=120) as response:
+            for line in response.iter_lines():
+                started.set()
+                texts.append(line)
+    reader = threading.Thread(target=stream)
+    reader.start()
+    assert started.wait(60)
+    process.process.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + 10
+    while httpx.get(process.url + "/health", timeout=5).status_code == 200 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    health = httpx.get(process.url + "/health", timeout=5)
+    refused = httpx.post(process.url + "/v1/completions", json={"model": "tiny", "prompt": "x"}, timeout=5)
+    reader.join(120)
+    assert process.process.wait(60) == 0
+    assert health.status_code == 503 and health.json() == {"status": "draining"}
+    assert refused.status_code == 503 and "shutting down" in refused.json()["error"]["message"]
+    finals = [json.loads(t[6:]) for t in texts if t.startswith("data: {")]
+    assert finals[-1]["choices"][0]["finish_reason"] == "length" and [t for t in texts if t][-1] == "data: [DONE]"
+
+
+def test_bench_serve_reports_a_run(server, artifact, tmp_path):
+    out, prompts = tmp_path / "bs.json", tmp_path / "prompts.jsonl"
+    result = CliRunner().invoke(main, ["bench-serve", server.url, "--model", "tiny", "--requests", "8",
+                                       "--concurrency", "4", "--prompt-tokens", "40", "--output-tokens", "6",
+                                       "--tokenizer", str(artifact), "--save-prompts", str(prompts),
+                                       "-o", str(out), "--json"], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    same = CliRunner().invoke(main, ["run", str(artifact), "--prompts", str(prompts), "--max-new-tokens", "6",
+                                     "--ignore-eos", "--json"], catch_exceptions=False)
+    rows = json.loads(same.output.strip().splitlines()[-1])["results"]
+    assert [(r["prompt_tokens"], r["output_tokens"]) for r in rows] == [(40, 6)] * 8, "the same prompts, run alone"
+    summary = json.loads(out.read_text())["summary"]
+    assert (summary["completed"], summary["failed"], summary["total_output_tokens"]) == (8, 0, 48)
+    assert summary["ttft_ms"]["p50"] <= summary["e2e_ms"]["p50"] and summary["itl_ms"]["p99"] is not None
+    assert "| time to first token |" in out.with_suffix(".md").read_text()
+    bad = CliRunner().invoke(main, ["bench-serve", server.url, "--model", "nope", "--requests", "2",
+                                    "-o", str(tmp_path / "b2.json")])
+    assert bad.exit_code == 1 and json.loads((tmp_path / "b2.json").read_text())["summary"]["failed"] == 2
+
+
+def test_an_engine_fault_fails_one_request_and_the_server_goes_on(artifact, monkeypatch):
+    """In-process (the fault is injected into this process's engine), still over real HTTP."""
+    import uvicorn
+
+    from snapcompile.engine import engine as engine_module
+    from snapcompile.serve.app import ServerSettings, ServerState, create_app, load_engine
+    from tests.server_process import free_port
+    real = engine_module.sample
+
+    def faulty(logits, params, rng):
+        if params.seed == 666:
+            raise RuntimeError("injected fault")
+        return real(logits, params, rng)
+    monkeypatch.setattr(engine_module, "sample", faulty)
+    state = ServerState(ServerSettings(artifact, "tiny"))
+    load_engine(state)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(create_app(state), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 30
+        while not server.started and time.monotonic() < deadline:
+            time.sleep(0.05)
+        body = {"model": "tiny", "prompt": "hello", "max_tokens": 5, "temperature": 0}
+        with ThreadPoolExecutor(3) as pool:
+            replies = list(pool.map(lambda seed: httpx.post(url + "/v1/completions", json={**body, "seed": seed},
+                                                            timeout=60), [1, 666, 2]))
+        assert [r.status_code for r in replies] == [200, 500, 200]
+        assert "injected fault" in replies[1].json()["error"]["message"]
+        assert httpx.post(url + "/v1/completions", json=body, timeout=60).status_code == 200
+        assert httpx.get(url + "/health").status_code == 200
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        state.engine_loop.stop()
+
+
+@pytest.mark.slow
+def test_smollm2_through_the_server(smol_snap, tmp_path):
+    from snapcompile.prompts import passkey_prompt
+    process = ServerProcess(smol_snap, model="smollm2", log=tmp_path / "server.log").wait_ready(300)
+    try:
+        client = openai.OpenAI(base_url=process.url + "/v1", api_key="unused", max_retries=0, timeout=600)
+        question = passkey_prompt(48213, 1200, depth=0.3)
+        reply = client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": question}],
+                                               max_tokens=12, temperature=0)
+        assert "48213" in reply.choices[0].message.content
+        chunks = list(client.chat.completions.create(model="smollm2", max_tokens=12, temperature=0, stream=True,
+                                                     messages=[{"role": "user", "content": question}]))
+        assert "".join(c.choices[0].delta.content or "" for c in chunks) == reply.choices[0].message.content
+    finally:
+        assert process.stop() == 0
