@@ -72,9 +72,16 @@ class OpenAIServing:
         return [int(i) for i in self.tokenizer.encode(params.prompt_text(), add_special_tokens=False)]
 
     # ------------------------------------------------------------------ responses
+    def _submit(self, request: Request) -> asyncio.Queue:
+        """Submit to the engine thread; the updates arrive on the returned queue of this event loop."""
+        updates: asyncio.Queue = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        self.engine_loop.submit(request, lambda update: loop.call_soon_threadsafe(updates.put_nowait, update))
+        return updates
+
     async def complete(self, call: Call, disconnected) -> dict:
         """Run `call` to its end and return the response body; abort it if the client leaves."""
-        updates = self.engine_loop.submit(call.request)
+        updates = self._submit(call.request)
         tokens: list[TokenEvent] = []
         try:
             while True:
@@ -96,7 +103,7 @@ class OpenAIServing:
     async def stream(self, call: Call) -> AsyncIterator[str]:
         """Server-sent events in OpenAI's chunk format, ending with `data: [DONE]`; the request is
         aborted when the client goes away (the generator is closed or cancelled)."""
-        updates = self.engine_loop.submit(call.request)
+        updates = self._submit(call.request)
         finished = False
         try:
             if call.kind == "chat":

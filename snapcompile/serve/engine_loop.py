@@ -1,16 +1,17 @@
-"""The engine on a thread of its own, reached from the event loop through a thread-safe queue.
+"""The engine on a thread of its own, reached through a thread-safe queue.
 
-The engine thread is the only one that touches the engine (and so the backend's tensors). HTTP
-handlers submit requests and aborts into `inbox`; the thread runs `Engine.step()` while there is
-work, and hands each token event back to the requesting handler's asyncio queue with
-`loop.call_soon_threadsafe`. A request's last event carries its `Result`.
+The engine thread is the only one that touches the engine (and so the backend's tensors). Callers
+(HTTP handlers, Triton's Python backend) submit requests and aborts into `inbox`, each request with
+a `deliver` callback; the thread runs `Engine.step()` while there is work and calls the request's
+`deliver` with every update (an HTTP handler's callback hands it to its asyncio queue with
+`loop.call_soon_threadsafe`). A request's last update carries its `Result`.
 """
 from __future__ import annotations
 
-import asyncio
 import logging
 import queue
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from snapcompile.engine.engine import Engine, Result, TokenEvent
@@ -29,10 +30,7 @@ class Update:
     result: Result | None = None
 
 
-@dataclass
-class _Sink:
-    loop: asyncio.AbstractEventLoop
-    updates: asyncio.Queue
+Deliver = Callable[[Update], None]    # called on the engine thread: must not block
 
 
 class EngineLoop:
@@ -41,7 +39,7 @@ class EngineLoop:
     def __init__(self, engine: Engine, metrics: Metrics):
         self.engine, self.metrics = engine, metrics
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._sinks: dict[str, _Sink] = {}
+        self._sinks: dict[str, Deliver] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="snapcompile-engine", daemon=True)
         self._lock = threading.Lock()
@@ -67,13 +65,11 @@ class EngineLoop:
         """Requests not yet given a slot: in the engine's queue or still in the inbox."""
         return self._waiting + self.inbox.qsize()
 
-    def submit(self, request: Request) -> asyncio.Queue:
-        """Queue `request`; its updates arrive on the returned queue."""
-        updates: asyncio.Queue = asyncio.Queue()
+    def submit(self, request: Request, deliver: Deliver) -> None:
+        """Queue `request`; `deliver(update)` is called on the engine thread for each of its updates."""
         with self._lock:
             self._active += 1
-        self.inbox.put(("submit", request, _Sink(asyncio.get_running_loop(), updates)))
-        return updates
+        self.inbox.put(("submit", request, deliver))
 
     def abort(self, request_id: str) -> None:
         self.inbox.put(("abort", request_id))
@@ -113,8 +109,8 @@ class EngineLoop:
 
     def _handle(self, item: tuple) -> None:
         if item[0] == "submit":
-            _, request, sink = item
-            self._sinks[request.request_id] = sink
+            _, request, deliver = item
+            self._sinks[request.request_id] = deliver
             try:
                 self.engine.submit(request)
             except SnapcompileError as err:      # refused: it never entered the engine
@@ -128,15 +124,18 @@ class EngineLoop:
         return TokenEvent(request_id, None, "", True, "error")
 
     def _deliver(self, event: TokenEvent, refused: str | None = None) -> None:
-        sink = self._sinks.get(event.request_id)
-        if sink is None:
+        deliver = self._sinks.get(event.request_id)
+        if deliver is None:
             return
         result = None
         if event.finished:
             del self._sinks[event.request_id]
             result = self._finished_result(event, refused)
         self.metrics.on_event(event, result)
-        sink.loop.call_soon_threadsafe(sink.updates.put_nowait, Update(event, result))
+        try:
+            deliver(Update(event, result))
+        except Exception:                 # a caller's callback must not stop the engine
+            log.exception("delivering an update of %s failed", event.request_id)
 
     def _finished_result(self, event: TokenEvent, refused: str | None) -> Result:
         with self._lock:
