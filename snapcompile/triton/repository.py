@@ -1,0 +1,79 @@
+"""`snapcompile triton-repo`: a Triton model repository that serves an artifact.
+
+    REPO/snapcompile.json            what wrote it (the marker `--force` looks for)
+    REPO/NAME/config.pbtxt           python backend, decoupled, K instances on the CPU
+    REPO/NAME/1/model.py             snapcompile/triton/model.py, copied
+    REPO/NAME/1/artifact/            the artifact: its manifest's files, copied and verified
+                                     (or a symbolic link to it with --link)
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+from snapcompile.artifact import MANIFEST, read_manifest, verify_files
+from snapcompile.atomic import atomic_directory
+from snapcompile.errors import SnapcompileError
+
+MARKER = "snapcompile.json"
+MODEL_FILE = Path(__file__).with_name("model.py")
+NAME_RULE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+INPUTS = (("text_input", "TYPE_STRING", "[ 1 ]", False), ("max_tokens", "TYPE_INT32", "[ 1 ]", True),
+          ("temperature", "TYPE_FP32", "[ 1 ]", True), ("top_p", "TYPE_FP32", "[ 1 ]", True),
+          ("seed", "TYPE_INT64", "[ 1 ]", True), ("stop", "TYPE_STRING", "[ -1 ]", True),
+          ("stream", "TYPE_BOOL", "[ 1 ]", True), ("ignore_eos", "TYPE_BOOL", "[ 1 ]", True))
+OUTPUTS = (("text_output", "TYPE_STRING", "[ -1 ]"), ("prompt_tokens", "TYPE_INT32", "[ 1 ]"),
+           ("completion_tokens", "TYPE_INT32", "[ 1 ]"), ("finish_reason", "TYPE_STRING", "[ 1 ]"))
+
+
+def config_pbtxt(name: str, instances: int, parameters: dict[str, str]) -> str:
+    """The model configuration (protobuf text format)."""
+    inputs = ",\n".join(f'  {{ name: "{n}" data_type: {t} dims: {d}{" optional: true" if o else ""} }}'
+                        for n, t, d, o in INPUTS)
+    outputs = ",\n".join(f'  {{ name: "{n}" data_type: {t} dims: {d} }}' for n, t, d in OUTPUTS)
+    params = "\n".join(f'parameters {{ key: "{k}" value: {{ string_value: {json.dumps(v)} }} }}'
+                       for k, v in parameters.items())
+    return (f'name: "{name}"\nbackend: "python"\nmax_batch_size: 0\n'
+            f"model_transaction_policy {{ decoupled: true }}\n"
+            f"input [\n{inputs}\n]\noutput [\n{outputs}\n]\n"
+            f"instance_group [ {{ count: {instances} kind: KIND_CPU }} ]\n{params}\n")
+
+
+def write_repository(artifact: Path, output: Path, name: str, instances: int = 1, backend: str = "ort",
+                     slots: int | None = None, link: bool = False, force: bool = False) -> dict:
+    """Write the repository atomically; returns what was written (for the CLI and tests)."""
+    if not NAME_RULE.match(name):
+        raise SnapcompileError(f"model name {name!r} must be letters, digits, '_', '-' or '.'")
+    if instances < 1:
+        raise SnapcompileError("--instances must be >= 1")
+    artifact = Path(artifact).resolve()
+    manifest = read_manifest(artifact)
+    verify_files(artifact, manifest)
+    if slots is not None and not 1 <= slots <= manifest.export.slots:
+        raise SnapcompileError(f"--slots must be in 1..{manifest.export.slots} (the artifact's static slots)")
+    params = {"artifact": "artifact", "fingerprint": manifest.fingerprint(), "backend": backend,
+              "slots": "" if slots is None else str(slots)}
+    with atomic_directory(Path(output), force=force, marker=MARKER) as staging:
+        version = staging / name / "1"
+        version.mkdir(parents=True)
+        (staging / name / "config.pbtxt").write_text(config_pbtxt(name, instances, params))
+        shutil.copyfile(MODEL_FILE, version / "model.py")
+        _place_artifact(artifact, manifest, version / "artifact", link)
+        info = {"model": name, "artifact": str(artifact), "artifact_placed": "linked" if link else "copied",
+                "instances": instances, "backend": backend, "slots": slots}
+        (staging / MARKER).write_text(json.dumps(info, indent=2) + "\n")
+    return info
+
+
+def _place_artifact(artifact: Path, manifest, target: Path, link: bool) -> None:
+    if link:
+        os.symlink(artifact, target, target_is_directory=True)
+        return
+    target.mkdir()
+    for name in [*manifest.files, MANIFEST]:
+        shutil.copyfile(artifact / name, target / name)
+    verify_files(target, manifest)

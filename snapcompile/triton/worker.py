@@ -1,0 +1,169 @@
+"""Triton requests -> the engine -> Triton responses, inside the Python backend's stub process.
+
+`TritonWorker` owns an `EngineLoop` (the engine on its own thread). `execute` hands each request
+over and returns at once (decoupled model); updates come back on the engine thread and go out
+through the request's response sender: one response with the whole text when `stream` is false
+(Triton's `generate` endpoint), or one per new text when true (`generate_stream`), the last one
+flagged final. A cancelled request (`is_cancelled()`) is aborted: its slot is free within a step.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from snapcompile.engine.request import Request, SamplingParams
+from snapcompile.errors import SnapcompileError
+from snapcompile.serve.engine_loop import EngineLoop, Update
+from snapcompile.serve.metrics import Metrics
+
+CANCEL_POLL_S = 0.1
+DEFAULT_MAX_TOKENS = 16
+_ids = itertools.count()
+
+
+@dataclass
+class _Pending:
+    """A request in flight: its sender, whether it streams, and the text sent so far."""
+
+    request: object             # the Triton request (for is_cancelled)
+    sender: object
+    stream: bool
+    chunks: list[str] = field(default_factory=list)
+
+
+class TritonWorker:
+    def __init__(self, pb_utils, artifact: Path, fingerprint: str, slots: int | None, backend: str = "ort"):
+        """pb_utils: the Python backend's `triton_python_backend_utils` module."""
+        from snapcompile.artifact import read_manifest
+        from snapcompile.engine.engine import Engine
+        self.pb = pb_utils
+        manifest = read_manifest(artifact)
+        if manifest.fingerprint() != fingerprint:
+            raise SnapcompileError(f"{artifact} is not the artifact this repository was written for "
+                                   "(its manifest's configuration differs); write the repository again")
+        self.engine = Engine.from_artifact(artifact, backend=backend, max_slots=slots)
+        self.max_prompt = self.engine.backend.max_prompt_len()
+        self.loop = EngineLoop(self.engine, Metrics())
+        self._pending: dict[str, _Pending] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._watcher = threading.Thread(target=self._watch_cancellations, name="snapcompile-cancel", daemon=True)
+        self.loop.start()
+        self._watcher.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.loop.stop()
+        self._watcher.join(5)
+
+    # ------------------------------------------------------------------ requests in
+    def submit(self, triton_request) -> None:
+        """Hand one Triton request to the engine; a bad one gets an error response at once."""
+        sender = triton_request.get_response_sender()
+        try:
+            request, stream = self._engine_request(triton_request)
+        except SnapcompileError as err:
+            sender.send(self.pb.InferenceResponse(output_tensors=[], error=self.pb.TritonError(str(err))),
+                        flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            return
+        with self._lock:
+            self._pending[request.request_id] = _Pending(triton_request, sender, stream)
+        self.loop.submit(request, self._deliver)
+
+    def _engine_request(self, triton_request) -> tuple[Request, bool]:
+        text = self._scalar(triton_request, "text_input", None)
+        if text is None:
+            raise SnapcompileError("text_input is required")
+        text = text.decode("utf-8", errors="replace") if isinstance(text, bytes) else str(text)
+        prompt = [int(i) for i in self.engine.tokenizer.encode(text, add_special_tokens=False)]
+        if not prompt:
+            raise SnapcompileError("text_input is empty")
+        if len(prompt) > self.max_prompt:
+            raise SnapcompileError(f"text_input has {len(prompt)} tokens; this model's context allows at most "
+                                   f"{self.max_prompt}")
+        sampling = SamplingParams(temperature=float(self._scalar(triton_request, "temperature", 0.0)),
+                                  top_p=float(self._scalar(triton_request, "top_p", 1.0)),
+                                  seed=_optional_int(self._scalar(triton_request, "seed", None)))
+        request = Request(prompt, max_new_tokens=int(self._scalar(triton_request, "max_tokens", DEFAULT_MAX_TOKENS)),
+                          stop=self._stops(triton_request), sampling=sampling, request_id=f"triton-{next(_ids)}",
+                          ignore_eos=bool(self._scalar(triton_request, "ignore_eos", False)))
+        return request, bool(self._scalar(triton_request, "stream", False))
+
+    def _scalar(self, triton_request, name: str, default):
+        tensor = self.pb.get_input_tensor_by_name(triton_request, name)
+        if tensor is None:
+            return default
+        values = tensor.as_numpy().reshape(-1)
+        if values.size != 1:
+            raise SnapcompileError(f"{name} must hold one value, got {values.size}")
+        value = values[0]
+        return value.item() if isinstance(value, np.generic) else value
+
+    def _stops(self, triton_request) -> tuple[str, ...]:
+        tensor = self.pb.get_input_tensor_by_name(triton_request, "stop")
+        if tensor is None:
+            return ()
+        stops = [s.decode("utf-8") if isinstance(s, bytes) else str(s) for s in tensor.as_numpy().reshape(-1)]
+        if len(stops) == 1 and stops[0].startswith("["):       # a JSON list sent as one string
+            try:
+                stops = [str(s) for s in json.loads(stops[0])]
+            except json.JSONDecodeError:
+                pass
+        return tuple(stops)
+
+    # ------------------------------------------------------------------ responses out
+    def _deliver(self, update: Update) -> None:
+        """On the engine thread: send what a Triton client should see of this update."""
+        request_id = update.event.request_id
+        with self._lock:
+            pending = self._pending.get(request_id)
+            if pending is not None and update.result is not None:
+                del self._pending[request_id]
+        if pending is None:
+            return
+        if update.result is not None and (update.result.error or update.result.finish_reason in ("error", "abort")):
+            self._send_error(pending, update)
+            return
+        pending.chunks.append(update.event.text)
+        final = update.result is not None
+        if pending.stream and (update.event.text or final):
+            self._send(pending, update.event.text, update, final)
+        elif final:
+            self._send(pending, "".join(pending.chunks), update, final)
+
+    def _send(self, pending: _Pending, text: str, update: Update, final: bool) -> None:
+        pb = self.pb
+        result = update.result
+        outputs = [pb.Tensor("text_output", np.array([text.encode("utf-8")], dtype=np.object_))]
+        if final:
+            reason = {"eos": "stop", "stop": "stop", "context": "length"}.get(result.finish_reason,
+                                                                              result.finish_reason)
+            outputs += [pb.Tensor("prompt_tokens", np.array([result.prompt_tokens], dtype=np.int32)),
+                        pb.Tensor("completion_tokens", np.array([len(result.output_ids)], dtype=np.int32)),
+                        pb.Tensor("finish_reason", np.array([reason.encode()], dtype=np.object_))]
+        flags = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0
+        pending.sender.send(pb.InferenceResponse(output_tensors=outputs), flags=flags)
+
+    def _send_error(self, pending: _Pending, update: Update) -> None:
+        if update.result.finish_reason == "abort":        # cancelled: the client is gone, close the stream
+            pending.sender.send(flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            return
+        message = f"generation failed: {update.result.error or update.result.finish_reason}"
+        pending.sender.send(self.pb.InferenceResponse(output_tensors=[], error=self.pb.TritonError(message)),
+                            flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+    def _watch_cancellations(self) -> None:
+        while not self._stop.wait(CANCEL_POLL_S):
+            with self._lock:
+                cancelled = [rid for rid, p in self._pending.items() if p.request.is_cancelled()]
+            for request_id in cancelled:
+                self.loop.abort(request_id)
+
+
+def _optional_int(value) -> int | None:
+    return None if value is None else int(value)
