@@ -169,6 +169,18 @@ def test_a_disconnect_frees_the_slot(server):
     assert server.metric("snapcompile_requests_total", 'outcome="abort"') == aborted + 1
 
 
+def test_a_disconnect_during_a_non_streamed_request_frees_the_slot(server):
+    aborted = server.metric("snapcompile_requests_total", 'outcome="abort"')
+    body = {"model": "tiny", "prompt": "go", "max_tokens": 100_000, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):            # the client gives up and closes the connection
+        httpx.post(server.url + "/v1/completions", json=body, timeout=httpx.Timeout(60, read=0.2))
+    deadline = time.monotonic() + 30
+    while server.metric("snapcompile_requests_total", 'outcome="abort"') == aborted and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.metric("snapcompile_requests_total", 'outcome="abort"') == aborted + 1
+    assert server.metric("snapcompile_slots_in_use") == 0
+
+
 def test_models_health_and_metrics(server, client):
     assert [m.id for m in client.models.list().data] == ["tiny"]
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}

@@ -223,3 +223,15 @@ def test_missing_tritonserver_names_the_extra(monkeypatch, tmp_path):
     monkeypatch.setattr(launch.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(SnapcompileError, match=r'pip install "snapcompile\[triton\]"'):
         launch.prepare(tmp_path)
+
+
+def test_bench_serve_drives_triton(triton, artifact, tmp_path):
+    out = tmp_path / "bt.json"
+    result = CliRunner().invoke(main, ["bench-serve", triton.url, "--api", "triton", "--model", "tiny",
+                                       "--requests", "8", "--concurrency", "4", "--prompt-tokens", "40",
+                                       "--output-tokens", "6", "--tokenizer", str(artifact), "-o", str(out)],
+                                catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    summary = json.loads(out.read_text())["summary"]
+    assert (summary["completed"], summary["failed"], summary["total_output_tokens"]) == (8, 0, 48)
+    assert summary["total_prompt_tokens"] == 8 * 40 and summary["ttft_ms"]["p50"] is not None

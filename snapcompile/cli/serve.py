@@ -76,6 +76,9 @@ def _loopback(host: str) -> bool:
 @click.option("--tokenizer", "tokenizer_dir", type=click.Path(path_type=Path), default=None,
               help="An artifact (or model folder) whose tokenizer makes prompts of exactly --prompt-tokens.")
 @click.option("--api-key", envvar="SNAPCOMPILE_API_KEY", default=None)
+@click.option("--api", type=click.Choice(["openai", "triton"]), default="openai", show_default=True,
+              help="openai: /v1/completions of `snapcompile serve`; triton: the generate_stream endpoint of a "
+                   "Triton repository from `snapcompile triton-repo` (--model is the Triton model name).")
 @click.option("--seed", default=0, show_default=True)
 @click.option("--save-prompts", type=click.Path(path_type=Path), default=None,
               help="Also write the prompts as a JSONL prompts file (for `snapcompile run --prompts` on the same).")
@@ -84,7 +87,7 @@ def _loopback(host: str) -> bool:
 @click.option("--force", is_flag=True, help="Replace the --output file if it exists.")
 @click.option("--json", "as_json", is_flag=True, help="Print the results as one JSON object.")
 def bench_serve(url, model, num_requests, concurrency, prompt_tokens, output_tokens, request_rate, tokenizer_dir,
-                api_key, seed, save_prompts, output, force, as_json):
+                api_key, api, seed, save_prompts, output, force, as_json):
     """Benchmark a running server at URL through real HTTP streaming.
 
     Sends --requests completions of --prompt-tokens prompt tokens and exactly --output-tokens
@@ -96,7 +99,7 @@ def bench_serve(url, model, num_requests, concurrency, prompt_tokens, output_tok
     from snapcompile.atomic import check_output_file, write_json_atomic, write_text_atomic
     from snapcompile.serve.bench import ServeBenchConfig, make_prompts, markdown, run_serve_bench
     config = ServeBenchConfig(url.rstrip("/"), model, num_requests, concurrency, prompt_tokens, output_tokens,
-                              request_rate, seed, api_key)
+                              request_rate, seed, api_key, api=api)
     output = check_output_file(output, force)
     tokenizer = None
     if tokenizer_dir is not None:

@@ -2,8 +2,10 @@
 and report what serving benchmarks report (vLLM's benchmark_serving): request and token
 throughput, time to first token, inter-token latency and end-to-end latency at p50/p95/p99.
 
-Each request streams `/v1/completions` with a fixed output length (`max_tokens`, `ignore_eos`)
-and `stream_options.include_usage`, so the token counts are the server's own.
+Each request streams with a fixed output length (`max_tokens`, `ignore_eos`), and the token
+counts are the server's own: `/v1/completions` with `stream_options.include_usage` (api "openai",
+`snapcompile serve`), or Triton's `/v2/models/MODEL/generate_stream` (api "triton", a repository
+from `snapcompile triton-repo`), whose final response carries the counts.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import numpy as np
 from snapcompile.errors import SnapcompileError
 
 PERCENTILES = (50, 95, 99)
+APIS = ("openai", "triton")
 
 
 @dataclass(frozen=True)
@@ -33,8 +36,11 @@ class ServeBenchConfig:
     seed: int = 0
     api_key: str | None = None
     timeout_s: float = 3600.0
+    api: str = "openai"
 
     def __post_init__(self):
+        if self.api not in APIS:
+            raise SnapcompileError(f"unknown api {self.api!r}; choose one of {', '.join(APIS)}")
         if self.requests < 1 or self.concurrency < 1:
             raise SnapcompileError("--requests and --concurrency must be >= 1")
         if self.prompt_tokens < 1 or self.output_tokens < 1:
@@ -72,27 +78,45 @@ def make_prompts(count: int, tokens: int, seed: int, tokenizer=None) -> list[str
     return prompts
 
 
+def _request(config: ServeBenchConfig, prompt: str) -> tuple[str, dict]:
+    """(path, body) of one streamed request with a fixed output length."""
+    if config.api == "triton":
+        return (f"/v2/models/{config.model}/generate_stream",
+                {"text_input": prompt, "max_tokens": config.output_tokens, "temperature": 0.0, "stream": True,
+                 "ignore_eos": True})
+    return "/v1/completions", {"model": config.model, "prompt": prompt, "max_tokens": config.output_tokens,
+                               "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True},
+                               "ignore_eos": True}
+
+
+def _read_chunk(chunk: dict, record: RequestRecord) -> bool:
+    """Take the token counts or an error from one streamed chunk; True when it carries new text."""
+    if "error" in chunk:
+        error = chunk["error"]
+        record.error = error.get("message", "error") if isinstance(error, dict) else str(error)
+        return False
+    usage = chunk.get("usage") or (chunk if "completion_tokens" in chunk else None)
+    if usage:
+        record.prompt_tokens, record.output_tokens = usage["prompt_tokens"], usage["completion_tokens"]
+    return bool(chunk.get("text_output") or any(choice.get("text") for choice in chunk.get("choices", [])))
+
+
 async def _one(client, config: ServeBenchConfig, prompt: str) -> RequestRecord:
     record = RequestRecord()
-    body = {"model": config.model, "prompt": prompt, "max_tokens": config.output_tokens, "temperature": 0.0,
-            "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
+    path, body = _request(config, prompt)
     start = last = time.perf_counter()
     try:
-        async with client.stream("POST", "/v1/completions", json=body) as response:
+        async with client.stream("POST", path, json=body) as response:
             if response.status_code != 200:
                 record.error = f"HTTP {response.status_code}: {(await response.aread()).decode()[:200]}"
                 return record
             async for line in response.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
-                chunk = json.loads(line[len("data: "):])
-                if "error" in chunk:
-                    record.error = chunk["error"].get("message", "error")
+                has_text = _read_chunk(json.loads(line[len("data: "):]), record)
+                if record.error:
                     return record
-                if chunk.get("usage"):
-                    record.prompt_tokens = chunk["usage"]["prompt_tokens"]
-                    record.output_tokens = chunk["usage"]["completion_tokens"]
-                if any(choice.get("text") for choice in chunk.get("choices", [])):
+                if has_text:
                     now = time.perf_counter()
                     if record.ttft_s is None:
                         record.ttft_s = now - start

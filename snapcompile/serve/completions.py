@@ -16,7 +16,7 @@ from snapcompile.errors import SnapcompileError
 from snapcompile.serve.engine_loop import EngineLoop, Update
 from snapcompile.serve.protocol import ApiError, ChatRequest, CompletionRequest, finish_reason, new_id, now, usage
 
-DISCONNECT_POLL_S = 0.5
+DISCONNECT_POLL_S = 0.1     # how often a non-streamed request checks that its client is still there
 
 
 @dataclass(frozen=True)
@@ -83,14 +83,20 @@ class OpenAIServing:
         """Run `call` to its end and return the response body; abort it if the client leaves."""
         updates = self._submit(call.request)
         tokens: list[TokenEvent] = []
+        loop = asyncio.get_running_loop()
+        checked = loop.time()
         try:
             while True:
                 try:
                     update: Update = await asyncio.wait_for(updates.get(), DISCONNECT_POLL_S)
                 except asyncio.TimeoutError:
+                    update = None
+                if loop.time() - checked >= DISCONNECT_POLL_S:     # tokens may arrive faster than the poll
+                    checked = loop.time()
                     if await disconnected():
                         self.engine_loop.abort(call.request.request_id)
-                        raise asyncio.CancelledError from None
+                        raise ApiError(499, "the client closed the connection") from None
+                if update is None:
                     continue
                 if update.event.token_id is not None:
                     tokens.append(update.event)
