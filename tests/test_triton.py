@@ -70,7 +70,7 @@ class TritonProcess:
 @pytest.fixture(scope="module")
 def triton(artifact, tmp_path_factory):
     folder = tmp_path_factory.mktemp("repo")
-    write_repository(artifact, folder / "repo", "tiny", instances=2)
+    write_repository(artifact, folder / "repo", "tiny", instances=2, threads=1)
     server = TritonProcess(folder / "repo", folder / "work", folder / "triton.log").wait_ready()
     yield server
     assert server.stop() == 0
@@ -87,8 +87,9 @@ def run_texts(artifact):
 
 
 def test_repository_layout(artifact, tmp_path):
-    info = write_repository(artifact, tmp_path / "repo", "tiny", instances=3, slots=2)
+    info = write_repository(artifact, tmp_path / "repo", "tiny", instances=3, slots=2, threads=1)
     config = (tmp_path / "repo" / "tiny" / "config.pbtxt").read_text()
+    assert 'key: "threads" value: { string_value: "1" }' in config and info["threads"] == 1
     assert 'backend: "python"' in config and "decoupled: true" in config and "count: 3 kind: KIND_CPU" in config
     assert 'name: "text_input" data_type: TYPE_STRING' in config and 'name: "text_output"' in config
     copied = tmp_path / "repo" / "tiny" / "1" / "artifact"

@@ -23,10 +23,12 @@ from snapcompile.runtime import BACKENDS
               help="ort: ONNX Runtime; trt: TensorRT engines from `snapcompile build` (needs a GPU).")
 @click.option("--slots", type=click.IntRange(min=1), default=None,
               help="Serve at most this many requests at once per instance (default: the artifact's slots).")
+@click.option("--threads", type=click.IntRange(min=1), default=None,
+              help="ONNX Runtime threads per instance (default: all cores; with K instances, cores / K).")
 @click.option("--link", is_flag=True, help="Link to the artifact instead of copying it into the repository.")
 @click.option("--force", is_flag=True, help="Replace the output folder if snapcompile wrote it.")
 @click.option("--json", "as_json", is_flag=True, help="Print what was written as one JSON object.")
-def triton_repo(artifact, output, model_name, instances, backend, slots, link, force, as_json):
+def triton_repo(artifact, output, model_name, instances, backend, slots, threads, link, force, as_json):
     """Write a Triton Inference Server model repository that serves ARTIFACT.
 
     The model is a decoupled Python-backend model: inputs text_input (BYTES) and optional
@@ -37,7 +39,7 @@ def triton_repo(artifact, output, model_name, instances, backend, slots, link, f
     """
     from snapcompile.triton.repository import write_repository
     name = model_name or Path(artifact).resolve().name
-    info = write_repository(artifact, output, name, instances, backend, slots, link, force)
+    info = write_repository(artifact, output, name, instances, backend, slots, link, force, threads)
     if as_json:
         click.echo(json.dumps(info))
     else:

@@ -33,7 +33,9 @@ class TritonPythonModel:
         params = {key: value["string_value"] for key, value in config.get("parameters", {}).items()}
         folder = Path(args["model_repository"]) / args["model_version"] / params["artifact"]
         slots = int(params["slots"]) if params.get("slots") else None
-        self.worker = TritonWorker(pb_utils, folder, params["fingerprint"], slots, params.get("backend", "ort"))
+        threads = int(params["threads"]) if params.get("threads") else None
+        self.worker = TritonWorker(pb_utils, folder, params["fingerprint"], slots, params.get("backend", "ort"),
+                                   threads)
 
     def execute(self, requests):
         for request in requests:

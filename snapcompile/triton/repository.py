@@ -44,7 +44,8 @@ def config_pbtxt(name: str, instances: int, parameters: dict[str, str]) -> str:
 
 
 def write_repository(artifact: Path, output: Path, name: str, instances: int = 1, backend: str = "ort",
-                     slots: int | None = None, link: bool = False, force: bool = False) -> dict:
+                     slots: int | None = None, link: bool = False, force: bool = False,
+                     threads: int | None = None) -> dict:
     """Write the repository atomically; returns what was written (for the CLI and tests)."""
     if not NAME_RULE.match(name):
         raise SnapcompileError(f"model name {name!r} must be letters, digits, '_', '-' or '.'")
@@ -55,8 +56,10 @@ def write_repository(artifact: Path, output: Path, name: str, instances: int = 1
     verify_files(artifact, manifest)
     if slots is not None and not 1 <= slots <= manifest.export.slots:
         raise SnapcompileError(f"--slots must be in 1..{manifest.export.slots} (the artifact's static slots)")
+    if threads is not None and threads < 1:
+        raise SnapcompileError("--threads must be >= 1")
     params = {"artifact": "artifact", "fingerprint": manifest.fingerprint(), "backend": backend,
-              "slots": "" if slots is None else str(slots)}
+              "slots": "" if slots is None else str(slots), "threads": "" if threads is None else str(threads)}
     with atomic_directory(Path(output), force=force, marker=MARKER) as staging:
         version = staging / name / "1"
         version.mkdir(parents=True)
@@ -64,7 +67,7 @@ def write_repository(artifact: Path, output: Path, name: str, instances: int = 1
         shutil.copyfile(MODEL_FILE, version / "model.py")
         _place_artifact(artifact, manifest, version / "artifact", link)
         info = {"model": name, "artifact": str(artifact), "artifact_placed": "linked" if link else "copied",
-                "instances": instances, "backend": backend, "slots": slots}
+                "instances": instances, "backend": backend, "slots": slots, "threads": threads}
         (staging / MARKER).write_text(json.dumps(info, indent=2) + "\n")
     return info
 

@@ -37,8 +37,10 @@ class _Pending:
 
 
 class TritonWorker:
-    def __init__(self, pb_utils, artifact: Path, fingerprint: str, slots: int | None, backend: str = "ort"):
-        """pb_utils: the Python backend's `triton_python_backend_utils` module."""
+    def __init__(self, pb_utils, artifact: Path, fingerprint: str, slots: int | None, backend: str = "ort",
+                 threads: int | None = None):
+        """pb_utils: the Python backend's `triton_python_backend_utils` module. threads: ONNX Runtime
+        intra-op threads of this instance (default: all cores; size K instances x threads to the cores)."""
         from snapcompile.artifact import read_manifest
         from snapcompile.engine.engine import Engine
         self.pb = pb_utils
@@ -46,7 +48,7 @@ class TritonWorker:
         if manifest.fingerprint() != fingerprint:
             raise SnapcompileError(f"{artifact} is not the artifact this repository was written for "
                                    "(its manifest's configuration differs); write the repository again")
-        self.engine = Engine.from_artifact(artifact, backend=backend, max_slots=slots)
+        self.engine = Engine.from_artifact(artifact, backend=backend, max_slots=slots, threads=threads)
         self.max_prompt = self.engine.backend.max_prompt_len()
         self.loop = EngineLoop(self.engine, Metrics())
         self._pending: dict[str, _Pending] = {}
