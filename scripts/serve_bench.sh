@@ -3,7 +3,8 @@
 # 32 requests of ~2000 prompt tokens and 128 output tokens each (prompts from bench-serve's seed 0),
 #  1. through `snapcompile serve` (snapstream B=512 and dense), driven by `bench-serve` at
 #     concurrency 1 and 8, and the same prompts through `snapcompile run` (no HTTP);
-#  2. through Triton Inference Server (snapstream, 1 and 2 instances), at concurrency 8.
+#  2. through Triton Inference Server (snapstream: 1 instance; 2 instances with all cores each;
+#     2 instances with one ONNX Runtime thread each), at concurrency 8.
 # Writes $OUT/*.json and *.md. About an hour on 2 cores (prefill dominates). PARTS=serve or
 # PARTS=triton runs one part.
 set -euo pipefail
@@ -41,15 +42,18 @@ fi
 
 if [[ " $PARTS " == *" triton "* ]]; then
     artifact=$ART/smollm2-snap512-n8
-    for instances in 1 2; do
-        repo=$ART/triton-snap512-i$instances
-        $SNAP triton-repo "$artifact" -o "$repo" --model-name smollm2 --instances $instances --link --force
+    for setting in 1 2 2:1; do                          # instances[:threads per instance]
+        instances=${setting%%:*}
+        threads=$([[ $setting == *:* ]] && echo "--threads ${setting##*:}" || true)
+        name=triton-i$instances$([[ $setting == *:* ]] && echo "-threads${setting##*:}" || true)
+        repo=$ART/$name
+        $SNAP triton-repo "$artifact" -o "$repo" --model-name smollm2 --instances "$instances" $threads --link --force
         $SNAP triton-serve "$repo" --http-port "$PORT" --grpc-port $((PORT + 1)) --metrics-port $((PORT + 2)) \
-            > "$OUT/triton-i$instances.log" 2>&1 &
+            > "$OUT/$name.log" 2>&1 &
         server=$!
         wait_for "http://127.0.0.1:$PORT/v2/health/ready"
         $SNAP bench-serve "http://127.0.0.1:$PORT" --api triton --model smollm2 --concurrency 8 "${BENCH[@]}" \
-            --tokenizer "$artifact" -o "$OUT/triton-i$instances-c8.json"
+            --tokenizer "$artifact" -o "$OUT/$name-c8.json"
         kill -TERM $server && wait $server
     done
 fi
