@@ -82,3 +82,34 @@ def smol_snap(smol_dense):
     folder = smol_dense.parent / "snap256"
     compress_artifact(smol_dense, folder, PolicyConfig(policy="snapstream", budget=256))
     return folder
+
+
+FAULT_SEED = 666
+
+
+@pytest.fixture
+def faulty_sampling(monkeypatch):
+    """The engine's sampling raises for requests whose seed is FAULT_SEED: a fault inside one request."""
+    from snapcompile.engine import engine as engine_module
+    real = engine_module.sample
+
+    def sample(logits, params, rng):
+        if params.seed == FAULT_SEED:
+            raise RuntimeError("injected fault")
+        return real(logits, params, rng)
+    monkeypatch.setattr(engine_module, "sample", sample)
+
+
+def run_results(artifact, prompts, max_new_tokens: int) -> list[dict]:
+    """`snapcompile run --json` on `prompts` (greedy): its result rows."""
+    import json
+
+    from click.testing import CliRunner
+
+    from snapcompile.cli import main
+    args = ["run", str(artifact), "--max-new-tokens", str(max_new_tokens), "--json"]
+    for prompt in prompts:
+        args += ["--prompt", prompt]
+    result = CliRunner().invoke(main, args, catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    return json.loads(result.output.strip().splitlines()[-1])["results"]

@@ -17,6 +17,7 @@ from snapcompile.artifact import MANIFEST, WEIGHTS
 from snapcompile.atomic import atomic_directory
 from snapcompile.cli import main
 from snapcompile.errors import SnapcompileError
+from tests.conftest import FAULT_SEED
 from tests.test_cli import rerecord_checksums
 
 REPO = Path(__file__).resolve().parents[1]
@@ -339,19 +340,11 @@ def test_non_utf8_prompts_file(artifact, tmp_path):
     assert_one_line_error(invoke("run", artifact, "--prompts", prompts), "is not UTF-8 text")
 
 
-def test_a_request_failing_inside_the_engine_fails_alone(artifact, monkeypatch):
-    from snapcompile.engine import engine as engine_module
-    real = engine_module.sample
-
-    def sample(logits, params, rng):
-        if params.seed == 666:
-            raise RuntimeError("injected fault")
-        return real(logits, params, rng)
-    monkeypatch.setattr(engine_module, "sample", sample)
+def test_a_request_failing_inside_the_engine_fails_alone(artifact, faulty_sampling):
     from snapcompile import Engine, Request, SamplingParams
     engine = Engine.from_artifact(artifact)
     requests = [Request(engine.encode("one"), max_new_tokens=3),
-                Request(engine.encode("two"), max_new_tokens=3, sampling=SamplingParams(seed=666)),
+                Request(engine.encode("two"), max_new_tokens=3, sampling=SamplingParams(seed=FAULT_SEED)),
                 Request(engine.encode("three"), max_new_tokens=3)]
     results = engine.generate(requests)
     assert [r.error is None for r in results] == [True, False, True]

@@ -12,7 +12,7 @@ from click.testing import CliRunner
 
 from snapcompile.cli import main
 from snapcompile.config import ExportConfig
-from tests.conftest import TINY_SNAPSTREAM, build_artifact
+from tests.conftest import FAULT_SEED, TINY_SNAPSTREAM, build_artifact, run_results
 from tests.server_process import ServerProcess
 
 PROMPTS = ["The quick brown fox", "jumps over", "the lazy dog " * 20, "a", "hello world " * 8, "x y z"]
@@ -37,18 +37,13 @@ def client(server):
 
 
 @pytest.fixture(scope="module")
-def run_results(artifact):
-    """`snapcompile run` on PROMPTS (raw prompts, greedy, 12 new tokens): the reference texts."""
-    args = ["run", str(artifact), "--max-new-tokens", "12", "--json"]
-    for prompt in PROMPTS:
-        args += ["--prompt", prompt]
-    result = CliRunner().invoke(main, args, catch_exceptions=False)
-    assert result.exit_code == 0, result.output
-    return json.loads(result.output.strip().splitlines()[-1])["results"]
+def run_rows(artifact):
+    """`snapcompile run` on PROMPTS (raw prompts, greedy, 12 new tokens): the reference results."""
+    return run_results(artifact, PROMPTS, 12)
 
 
-def test_completions_equal_run_streamed_or_not(client, run_results):
-    for prompt, expected in zip(PROMPTS, run_results):
+def test_completions_equal_run_streamed_or_not(client, run_rows):
+    for prompt, expected in zip(PROMPTS, run_rows):
         whole = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0)
         assert whole.choices[0].text == expected["text"]
         assert whole.usage.prompt_tokens == expected["prompt_tokens"]
@@ -78,7 +73,7 @@ def test_chat_equals_the_engine_with_the_chat_template(client, artifact):
         assert chunks[-1].choices[0].finish_reason in ("stop", "length")
 
 
-def test_logprobs_and_stop_strings(client, run_results):
+def test_logprobs_and_stop_strings(client, run_rows):
     reply = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=6,
                                            temperature=0, logprobs=True, top_logprobs=3)
     content = reply.choices[0].logprobs.content
@@ -86,7 +81,7 @@ def test_logprobs_and_stop_strings(client, run_results):
     for entry in content:
         assert len(entry.top_logprobs) == 3 and entry.logprob == pytest.approx(entry.top_logprobs[0].logprob)
         assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob >= entry.top_logprobs[2].logprob
-    text = run_results[2]["text"]
+    text = run_rows[2]["text"]
     stop = text[3:5]
     if len(stop) == 2:                           # a stop string from the middle of the greedy text
         cut = client.completions.create(model="tiny", prompt=PROMPTS[2], max_tokens=12, temperature=0, stop=[stop])
@@ -254,20 +249,12 @@ def test_bench_serve_reports_a_run(server, artifact, tmp_path):
     assert bad.exit_code == 1 and json.loads((tmp_path / "b2.json").read_text())["summary"]["failed"] == 2
 
 
-def test_an_engine_fault_fails_one_request_and_the_server_goes_on(artifact, monkeypatch):
+def test_an_engine_fault_fails_one_request_and_the_server_goes_on(artifact, faulty_sampling):
     """In-process (the fault is injected into this process's engine), still over real HTTP."""
     import uvicorn
 
-    from snapcompile.engine import engine as engine_module
     from snapcompile.serve.app import ServerSettings, ServerState, create_app, load_engine
     from tests.server_process import free_port
-    real = engine_module.sample
-
-    def faulty(logits, params, rng):
-        if params.seed == 666:
-            raise RuntimeError("injected fault")
-        return real(logits, params, rng)
-    monkeypatch.setattr(engine_module, "sample", faulty)
     state = ServerState(ServerSettings(artifact, "tiny"))
     load_engine(state)
     port = free_port()
@@ -282,7 +269,7 @@ def test_an_engine_fault_fails_one_request_and_the_server_goes_on(artifact, monk
         body = {"model": "tiny", "prompt": "hello", "max_tokens": 5, "temperature": 0}
         with ThreadPoolExecutor(3) as pool:
             replies = list(pool.map(lambda seed: httpx.post(url + "/v1/completions", json={**body, "seed": seed},
-                                                            timeout=60), [1, 666, 2]))
+                                                            timeout=60), [1, FAULT_SEED, 2]))
         assert [r.status_code for r in replies] == [200, 500, 200]
         assert "injected fault" in replies[1].json()["error"]["message"]
         assert httpx.post(url + "/v1/completions", json=body, timeout=60).status_code == 200

@@ -16,7 +16,7 @@ from snapcompile.config import ExportConfig
 from snapcompile.errors import SnapcompileError
 from snapcompile.triton import launch
 from snapcompile.triton.repository import MARKER, write_repository
-from tests.conftest import TINY_SNAPSTREAM, build_artifact
+from tests.conftest import TINY_SNAPSTREAM, build_artifact, run_results
 from tests.server_process import free_port
 
 PROMPTS = ["The quick brown fox", "hello world " * 8, "x y z", "the lazy dog " * 20]
@@ -79,11 +79,7 @@ def triton(artifact, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def run_texts(artifact):
-    args = ["run", str(artifact), "--max-new-tokens", "10", "--json"]
-    for prompt in PROMPTS:
-        args += ["--prompt", prompt]
-    result = CliRunner().invoke(main, args, catch_exceptions=False)
-    return [row["text"] for row in json.loads(result.output.strip().splitlines()[-1])["results"]]
+    return [row["text"] for row in run_results(artifact, PROMPTS, 10)]
 
 
 def test_repository_layout(artifact, tmp_path):
