@@ -223,8 +223,8 @@ def record_files(folder: Path, manifest: Manifest) -> None:
 
 
 def copy_support_files(source: Path, manifest: Manifest, target: Path) -> None:
-    """Copy an artifact's files other than graphs and weights (its tokenizer), verified first."""
-    verify_files(source, manifest, manifest.support_files())
+    """Copy an artifact's files other than graphs and weights (its tokenizer); the caller has
+    verified them (`verify_files`)."""
     for name in manifest.support_files():
         shutil.copyfile(Path(source) / name, Path(target) / name)
 

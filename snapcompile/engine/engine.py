@@ -21,6 +21,7 @@ from snapcompile.errors import SnapcompileError, first_line
 
 log = logging.getLogger("snapcompile.engine")
 STEP_TIMES_KEPT = 100_000      # decode step durations kept for percentiles (a server runs forever)
+OUTCOMES = {"eos": "stop", "stop": "stop", "length": "length", "context": "length"}   # OpenAI's finish_reason
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,17 @@ class Result:
     latency_s: float
     top_logprobs: list[list[tuple[int, float]]]   # per output token; empty unless the request asked
     token_logprobs: list[float] = ()              # per output token, when the request asked (logprobs)
+
+    @property
+    def failed(self) -> bool:
+        """Failed or aborted: no complete answer to give."""
+        return self.error is not None or self.finish_reason in ("error", "abort")
+
+    @property
+    def outcome(self) -> str:
+        """How it ended, in OpenAI's terms where it has an answer: "stop" (EOS or a stop string),
+        "length" (the token limit or a full dense context), else "error" or "abort"."""
+        return "error" if self.error is not None else OUTCOMES.get(self.finish_reason, self.finish_reason)
 
 
 class Engine:

@@ -25,8 +25,7 @@ def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator)
 def top_logprobs(logits: np.ndarray, k: int) -> list[tuple[int, float]]:
     """The k most likely tokens of logits [V] as (token id, natural-log probability), most likely
     first (ties to the lower id, as greedy sampling breaks them)."""
-    shifted = logits.astype(np.float64) - float(logits.max())
-    log_norm = np.log(np.exp(shifted).sum())
+    shifted, log_norm = _shifted_log_norm(logits)
     k = min(k, shifted.size)
     if k <= 0:
         return []
@@ -38,5 +37,11 @@ def top_logprobs(logits: np.ndarray, k: int) -> list[tuple[int, float]]:
 
 def token_logprob(logits: np.ndarray, token: int) -> float:
     """The natural-log probability of `token` under logits [V]."""
+    shifted, log_norm = _shifted_log_norm(logits)
+    return float(shifted[token] - log_norm)
+
+
+def _shifted_log_norm(logits: np.ndarray) -> tuple[np.ndarray, float]:
+    """logits - max (float64) and the log of the softmax denominator of those shifted logits."""
     shifted = logits.astype(np.float64) - float(logits.max())
-    return float(shifted[token] - np.log(np.exp(shifted).sum()))
+    return shifted, float(np.log(np.exp(shifted).sum()))

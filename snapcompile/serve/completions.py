@@ -14,7 +14,7 @@ from snapcompile.engine.engine import Result, TokenEvent
 from snapcompile.engine.request import Request, SamplingParams
 from snapcompile.errors import SnapcompileError
 from snapcompile.serve.engine_loop import EngineLoop, Update
-from snapcompile.serve.protocol import ApiError, ChatRequest, CompletionRequest, finish_reason, new_id, now, usage
+from snapcompile.serve.protocol import ApiError, ChatRequest, CompletionRequest, new_id, now, usage
 
 DISCONNECT_POLL_S = 0.1     # how often a non-streamed request checks that its client is still there
 
@@ -117,7 +117,7 @@ class OpenAIServing:
             while not finished:
                 update: Update = await updates.get()
                 finished = update.result is not None
-                if finished and _failed(update.result):
+                if finished and update.result.failed:
                     yield _sse(_generation_error(update.result).body())
                     break
                 chunk = self._event_chunk(call, update)
@@ -131,9 +131,9 @@ class OpenAIServing:
                 self.engine_loop.abort(call.request.request_id)
 
     def _final_body(self, call: Call, result: Result, tokens: list[TokenEvent]) -> dict:
-        if _failed(result):
+        if result.failed:
             raise _generation_error(result)
-        reason = finish_reason(result.finish_reason)
+        reason = result.outcome
         logprobs = self._logprobs(call, tokens)
         if call.kind == "chat":
             choice = {"index": 0, "message": {"role": "assistant", "content": result.text},
@@ -145,7 +145,7 @@ class OpenAIServing:
 
     def _event_chunk(self, call: Call, update: Update) -> dict | None:
         event = update.event
-        reason = finish_reason(update.result.finish_reason) if update.result is not None else None
+        reason = update.result.outcome if update.result is not None else None
         tokens = [event] if event.token_id is not None else []
         if not event.text and reason is None and not (tokens and call.request.logprobs):
             return None
@@ -188,10 +188,6 @@ def _object(call: Call, chunk: bool) -> str:
     if call.kind == "chat":
         return "chat.completion.chunk" if chunk else "chat.completion"
     return "text_completion"
-
-
-def _failed(result: Result) -> bool:
-    return result.error is not None or result.finish_reason in ("error", "abort")
 
 
 def _generation_error(result: Result) -> ApiError:

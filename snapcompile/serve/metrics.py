@@ -58,8 +58,7 @@ class Metrics:
         if result is None:
             return
         self._last_token.pop(event.request_id, None)
-        outcome = result.finish_reason if result.error is None else "error"
-        self.requests.labels({"eos": "stop", "context": "length"}.get(outcome, outcome)).inc()
+        self.requests.labels(result.outcome).inc()
         self.prompt_tokens.inc(result.prompt_tokens)
         if result.ttft_s is not None:
             self.ttft.observe(result.ttft_s)

@@ -159,12 +159,6 @@ def now() -> int:
     return int(time.time())
 
 
-def finish_reason(engine_reason: str | None) -> str | None:
-    """OpenAI's finish_reason for the engine's: EOS and stop strings are "stop"; the token limit
-    and a full (dense) context are "length"."""
-    return {"eos": "stop", "stop": "stop", "length": "length", "context": "length"}.get(engine_reason)
-
-
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}

@@ -128,7 +128,7 @@ class TritonWorker:
                 del self._pending[request_id]
         if pending is None:
             return
-        if update.result is not None and (update.result.error or update.result.finish_reason in ("error", "abort")):
+        if update.result is not None and update.result.failed:
             self._send_error(pending, update)
             return
         pending.chunks.append(update.event.text)
@@ -143,11 +143,9 @@ class TritonWorker:
         result = update.result
         outputs = [pb.Tensor("text_output", np.array([text.encode("utf-8")], dtype=np.object_))]
         if final:
-            reason = {"eos": "stop", "stop": "stop", "context": "length"}.get(result.finish_reason,
-                                                                              result.finish_reason)
             outputs += [pb.Tensor("prompt_tokens", np.array([result.prompt_tokens], dtype=np.int32)),
                         pb.Tensor("completion_tokens", np.array([len(result.output_ids)], dtype=np.int32)),
-                        pb.Tensor("finish_reason", np.array([reason.encode()], dtype=np.object_))]
+                        pb.Tensor("finish_reason", np.array([result.outcome.encode()], dtype=np.object_))]
         flags = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0
         pending.sender.send(pb.InferenceResponse(output_tensors=outputs), flags=flags)
 
