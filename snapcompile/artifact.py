@@ -16,7 +16,7 @@ from importlib import metadata
 from pathlib import Path
 
 import onnx
-from onnx import TensorProto, external_data_helper
+from onnx import TensorProto, external_data_helper, numpy_helper
 
 from snapcompile import __version__
 from snapcompile.atomic import write_json_atomic
@@ -27,7 +27,8 @@ from snapcompile.models.spec import ModelSpec
 MANIFEST = "manifest.json"
 WEIGHTS = "weights.bin"
 FORMAT_VERSION = 2      # 2: every file's size and sha256 in the manifest
-GRAPHS_REVISION = 4     # bumped whenever the artifacts change (2: prefill buckets, 3: select buckets, 4: checksums)
+GRAPHS_REVISION = 5     # bumped whenever the artifacts change (2: prefill buckets, 3: select buckets, 4: checksums,
+                        # 5: opset 21, --weights)
 METADATA_KEY = "snapcompile.config"
 EXTERNAL_MIN_BYTES = 1024
 
@@ -45,6 +46,7 @@ class Manifest:
     lowering: str = "standard"
     source: str = ""          # what `export` loaded: a built-in name or an absolute path
     files: dict[str, dict] = field(default_factory=dict)    # file name -> {"bytes", "sha256"}
+    weights: dict = field(default_factory=dict)  # {"weights", "weight_bytes"} + the quantization report
 
     def fingerprint(self) -> str:
         """What every graph of the artifact must agree on (stored in each graph's metadata)."""
@@ -69,6 +71,7 @@ class Manifest:
                 "export": self.export.to_dict(), "policy": self.policy.to_dict(),
                 "lowering": self.lowering, "chat": self.chat, "eos_token_ids": self.eos_token_ids,
                 "graphs": self.graphs, "weights": WEIGHTS, "passes": self.passes, "files": self.files,
+                "weights_report": self.weights,
                 "versions": {name: _version(name) for name in ("onnx", "onnxruntime", "torch", "transformers")}}
 
     @classmethod
@@ -79,7 +82,8 @@ class Manifest:
         return cls(model_name=name, spec=ModelSpec(**model), export=ExportConfig(**d["export"]),
                    policy=PolicyConfig.from_dict(d["policy"]), graphs=d["graphs"], chat=d["chat"],
                    eos_token_ids=d["eos_token_ids"], passes=d.get("passes", []),
-                   lowering=d.get("lowering", "standard"), source=source, files=d["files"])
+                   lowering=d.get("lowering", "standard"), source=source, files=d["files"],
+                   weights=d.get("weights_report", {}))
 
     def support_files(self) -> list[str]:
         """The files other than graphs and weights (the tokenizer's)."""
@@ -314,6 +318,9 @@ def _externalize_shared(models, weights_path: Path) -> None:
     with open(weights_path, "wb") as handle:
         for model in models:
             for tensor in model.graph.initializer:
+                if not tensor.HasField("raw_data") and tensor.data_location != TensorProto.EXTERNAL:
+                    # graphsurgeon writes INT4 tensors as int32_data; raw bytes are packed
+                    tensor.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(tensor), tensor.name))
                 if not tensor.HasField("raw_data") or len(tensor.raw_data) < EXTERNAL_MIN_BYTES:
                     continue
                 key = (tensor.name, hashlib.sha1(tensor.raw_data).digest())

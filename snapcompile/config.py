@@ -8,6 +8,7 @@ from snapcompile.errors import SnapcompileError
 POLICIES = ("dense", "streamingllm", "snapstream")
 POOLINGS = ("max", "avg")
 SCOPES = ("head", "layer")
+WEIGHT_FORMATS = ("fp32", "int8", "int4")   # stored weights: float32, or int8 / int4 blocks (weight-only)
 LOWERINGS = ("standard", "plugin")   # compressed attention in standard ONNX ops, or custom op nodes
 DEFAULT_TOLERANCE = 1e-3    # validate: largest |logit difference| from the PyTorch oracle
 DEFAULT_TIE_GAP = 1e-6      # validate: selection score gaps below this are near-ties
@@ -19,12 +20,16 @@ class ExportConfig:
 
     slots: N, decode batch slots. max_context: L, positions a sequence may use (prompt +
     generated). chunk: C, prefill chunk length (a prompt is processed C tokens at a time).
+    weights: how linear layers are stored (WEIGHT_FORMATS); block_size: inputs per quantization
+    block (int8 / int4). Activations, KV cache and graph I/O are float32 in every format.
     """
 
     slots: int = 4
     max_context: int = 2048
     chunk: int = 256
     dtype: str = "float32"
+    weights: str = "fp32"
+    block_size: int = 32
 
     def __post_init__(self):
         if self.slots < 1:
@@ -38,6 +43,14 @@ class ExportConfig:
                 f"--chunk ({self.chunk}) cannot exceed --max-context ({self.max_context})")
         if self.dtype != "float32":
             raise SnapcompileError(f"dtype {self.dtype!r} is not supported yet; use float32")
+        if self.weights not in WEIGHT_FORMATS:
+            raise SnapcompileError(f"unknown --weights {self.weights!r}; choose one of {', '.join(WEIGHT_FORMATS)}")
+        if not isinstance(self.block_size, int) or self.block_size < 16 or self.block_size & (self.block_size - 1):
+            raise SnapcompileError(f"--block-size must be a power of two >= 16, got {self.block_size}")
+
+    @property
+    def quantized(self) -> bool:
+        return self.weights != "fp32"
 
     def prefill_buckets(self) -> list[int]:
         """Cache rows of the bucket prefill graphs: 2C, 4C, 8C, ... up to 3/4 of max_context

@@ -28,6 +28,19 @@ class PromptReport:
     dense_max_diff: float | None = None      # vs dense attention, where everything fits the budget
 
 
+def oracle_model(folder, manifest):
+    """The HF model the artifact was exported from, holding exactly the artifact's weights: for
+    quantized artifacts the dequantized values its graphs hold (read back from the decode graph)."""
+    from snapcompile.artifact import load_graph
+    from snapcompile.export.weights import graph_weights, load_graph_weights
+    from snapcompile.models import load_model
+    model = load_model(manifest.source or manifest.model_name).model
+    if manifest.export.quantized:
+        decode = load_graph(folder, manifest, "decode", with_weights=True)
+        load_graph_weights(model, graph_weights(decode, manifest.spec))
+    return model
+
+
 def compare_selection(backend_kept: list[np.ndarray], reference, tie_gap: float) -> tuple[list, list]:
     """Per layer/head: positions kept by only one side; near-ties when the score gap < tie_gap."""
     ties, mismatches = [], []
@@ -53,8 +66,8 @@ def compare_selection(backend_kept: list[np.ndarray], reference, tie_gap: float)
 
 class Validator:
     def __init__(self, folder, model, provider: str = "cpu", tie_gap: float = DEFAULT_TIE_GAP,
-                 backend: str = "ort"):
-        self.backend = open_backend(folder, backend, provider=provider)
+                 backend: str = "ort", exact_matmul: bool = True):
+        self.backend = open_backend(folder, backend, provider=provider, exact_matmul=exact_matmul)
         self.manifest = self.backend.manifest
         self.model, self.tie_gap = model, tie_gap
 

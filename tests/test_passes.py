@@ -23,7 +23,7 @@ EXPORT = ExportConfig(slots=2, max_context=128, chunk=32)
 
 @pytest.fixture(scope="module")
 def dense_graphs(tiny_llama):
-    return build_dense_graphs(tiny_llama, EXPORT)
+    return build_dense_graphs(tiny_llama, EXPORT)[0]
 
 
 def test_matches_every_layer(dense_graphs, tiny_llama):

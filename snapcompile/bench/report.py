@@ -29,6 +29,7 @@ def markdown(result: dict) -> str:
         cells.append(f"{pre['snapstream']['seconds']['median']:.2f} / {pre['dense']['seconds']['median']:.2f}"
                      f"{eager_prefill} ({100 * pre['snapstream']['selection_share']:.1f}%)")
         lines.append("| " + " | ".join(cells) + " |")
+    lines += _formats_table(result)
     bw = result["bandwidth_bytes_per_s"] / 1e9
     lines.append("")
     lines.append(f"Measured in the same run: copy bandwidth {bw:.1f} GB/s, float32 matmul "
@@ -36,6 +37,29 @@ def markdown(result: dict) -> str:
                  "read per step. Roofline bound = max(bytes / bandwidth, FLOPs / matmul rate), which one binds in "
                  "parentheses. tok/s: median [min-max] over repeats.")
     return "\n".join(lines) + "\n"
+
+
+def _formats_table(result: dict) -> list[str]:
+    """Decode tok/s of every weight format and peer side by side (when more than fp32 ran)."""
+    points = result["points"]
+    names = [n for n in points[0]["systems"] if n != "eager"]
+    if names == ["snapstream", "dense"]:
+        return []
+    head = "| context x slots | " + " | ".join(f"{n} tok/s" for n in names) + " | % of roofline bound |"
+    lines = ["", head, "|" + "---|" * (head.count("|") - 1)]
+    for p in points:
+        s = p["systems"]
+        bound = ", ".join(f"{n} {100 * s[n]['fraction_of_bound']:.0f}%" for n in names if "fraction_of_bound" in s[n])
+        lines.append(f"| {p['context']} x {p['slots']} | "
+                     + " | ".join(f"{s[n]['tokens_per_s']['median']:.1f}" for n in names) + f" | {bound} |")
+    ratios = sorted({k for p in points for k in p["ratios"] if k.startswith("snapstream-")})
+    if ratios:
+        head = "| context x slots | " + " | ".join(r.replace("_vs_", " / ") for r in ratios) + " |"
+        lines += ["", head, "|" + "---|" * (head.count("|") - 1)]
+        for p in points:
+            lines.append(f"| {p['context']} x {p['slots']} | "
+                         + " | ".join(f"{p['ratios'][r]:.2f}x" for r in ratios) + " |")
+    return lines
 
 
 def _range(stats: dict) -> str:

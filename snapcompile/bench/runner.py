@@ -22,6 +22,11 @@ from snapcompile.errors import SnapcompileError
 SYSTEMS = ("snapstream", "dense", "eager")
 
 
+def system_name(policy: str, weights: str) -> str:
+    """"snapstream" / "dense" for fp32 weights, "snapstream-int4" etc. for the others."""
+    return policy if weights == "fp32" else f"{policy}-{weights}"
+
+
 @dataclass(frozen=True)
 class BenchConfig:
     source: str
@@ -35,6 +40,8 @@ class BenchConfig:
     memory_limit_gib: float = 16.0       # for the "largest slot count that fits" figure
     eager_kv_limit_gib: float = 4.0      # eager points whose cache exceeds this are skipped (it is copied per step)
     prefill_repeats: int | None = None   # default: repeats
+    weights: tuple[str, ...] = ("fp32",)  # --weights of the snapstream and dense artifacts measured
+    peers: tuple[str, ...] = ()          # ONNX Runtime GenAI precisions measured beside them
 
     def __post_init__(self):
         if not self.contexts or not self.slots or min(self.contexts) < 64 or min(self.slots) < 1:
@@ -42,10 +49,20 @@ class BenchConfig:
         if self.repeats < 1 or self.new_tokens < 2:
             raise SnapcompileError("--repeats must be >= 1 and --new-tokens >= 2")
         PolicyConfig(budget=self.budget)     # validates the budget
+        if "fp32" not in self.weights:
+            raise SnapcompileError("--weights must include fp32 (the reference every ratio is taken against)")
+        for weights in self.weights:
+            ExportConfig(weights=weights)     # validates the format
+        from snapcompile.bench.peers import PEER_PRECISIONS
+        unknown = [p for p in self.peers if p not in PEER_PRECISIONS]
+        if unknown:
+            raise SnapcompileError(f"unknown --peers precision {unknown[0]!r}; "
+                                   f"choose from {', '.join(PEER_PRECISIONS)}")
 
-    def export(self, context: int, slots: int) -> ExportConfig:
+    def export(self, context: int, slots: int, weights: str = "fp32") -> ExportConfig:
         """The shapes of the artifacts measured at a context: room for the new tokens after it."""
-        return ExportConfig(slots=slots, max_context=context + self.new_tokens + 1, chunk=min(self.chunk, context))
+        return ExportConfig(slots=slots, max_context=context + self.new_tokens + 1, chunk=min(self.chunk, context),
+                            weights=weights)
 
 
 def _stats(values: list[float]) -> dict:
@@ -73,27 +90,54 @@ def run_bench(config: BenchConfig, cache_dir: Path, progress: Callable[[int], No
                                f"model's {positions} positions")
     model = artifacts.loaded.model
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    peers = _build_peers(config, artifacts, cache_dir, log)
+    step_bytes = {}
     with _attention(model, "sdpa"):        # the eager baseline runs as `generate` would
-        points, prefill = _measure_points(config, artifacts, compressed, model, progress, log)
+        points, prefill = _measure_points(config, artifacts, compressed, model, peers, step_bytes, progress, log)
     for point in points:
         point["prefill"] = prefill[point["context"]]
-        _add_roofline(point, config, artifacts.loaded.spec, weight_bytes, bandwidth, flops)
+        _add_roofline(point, config, artifacts.loaded.spec, weight_bytes, step_bytes, bandwidth, flops)
         _add_ratios(point)
     return {"config": asdict(config), "bandwidth_bytes_per_s": bandwidth, "matmul_flops_per_s": flops,
-            "weight_bytes": weight_bytes,
+            "weight_bytes": weight_bytes, "step_weight_bytes": step_bytes,
             "kv_bytes_per_token": artifacts.loaded.spec.kv_bytes_per_token, "points": points,
             "fits": _fits(config, artifacts.loaded.spec, weight_bytes)}
 
 
-def _measure_points(config: BenchConfig, artifacts: ArtifactCache, compressed: PolicyConfig, model, progress,
-                    log) -> tuple[list[dict], dict]:
-    """Decode timings at every (slots, context) point and prefill timings per context."""
+def _build_peers(config: BenchConfig, artifacts: ArtifactCache, cache_dir: Path, log) -> dict:
+    """system name -> PeerModel, built from the safetensors folder of the model measured."""
+    if not config.peers:
+        return {}
+    from snapcompile.bench.peers import PeerModel, build_peer
+    folder = artifacts.loaded.folder
+    if folder is None:
+        raise SnapcompileError("--peers needs a model loaded from a Hugging Face folder or a built-in name")
+    return {f"ortgenai-{p}": PeerModel(build_peer(folder, p, Path(cache_dir) / "peers", log)) for p in config.peers}
+
+
+def _step_weight_bytes(backend, model_bytes: int) -> int:
+    """Weight bytes a decode step reads: the model's float32 bytes, or for a quantized artifact
+    what its graphs hold but the float16 embedding table (a step gathers a row of it)."""
+    report = backend.manifest.weights
+    return report["step_weight_bytes"] if report.get("weights", "fp32") != "fp32" else model_bytes
+
+
+def _measure_points(config: BenchConfig, artifacts: ArtifactCache, compressed: PolicyConfig, model, peers: dict,
+                    step_bytes: dict, progress, log) -> tuple[list[dict], dict]:
+    """Decode timings at every (slots, context) point and prefill timings per context;
+    step_bytes gets each artifact system's weight bytes per step."""
     points, prefill = [], {}
+    model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    dense = PolicyConfig(policy="dense")
     for slots in config.slots:
-        snap_backend = _open(artifacts.get(config.export(max(config.contexts), slots), compressed))
+        snaps = {system_name("snapstream", w): _open(artifacts.get(config.export(max(config.contexts), slots, w),
+                                                                   compressed)) for w in config.weights}
         for context in config.contexts:
-            dense_backend = _open(artifacts.get(config.export(context, slots), PolicyConfig(policy="dense")))
-            systems = {"snapstream": snap_backend, "dense": dense_backend}
+            systems = dict(snaps)
+            for w in config.weights:
+                systems[system_name("dense", w)] = _open(artifacts.get(config.export(context, slots, w), dense))
+            step_bytes.update({name: _step_weight_bytes(b, model_bytes) for name, b in systems.items()})
+            systems.update(peers)
             eager_kv = measure.eager_kv_bytes(model, context + config.new_tokens, slots)
             if config.eager and eager_kv <= config.eager_kv_limit_gib * 2**30:
                 systems["eager"] = model
@@ -103,10 +147,10 @@ def _measure_points(config: BenchConfig, artifacts: ArtifactCache, compressed: P
             points.append(_measure_point(config, systems, context, slots))
             if context not in prefill or len(prefill[context]) < len(systems):
                 prefill[context] = _measure_prefill(config, systems, context)
-            del systems, dense_backend
+            del systems
             if progress:
                 progress(1)
-        del snap_backend
+        del snaps
     return points, prefill
 
 
@@ -132,14 +176,22 @@ def _measure_point(config: BenchConfig, systems: dict, context: int, slots: int)
             before = machine.rss_bytes()
             if name == "eager":
                 seconds = measure.eager_decode_seconds(systems[name], context, slots, config.new_tokens, repeat)
+            elif name.startswith("ortgenai"):
+                seconds, rss[name] = systems[name].decode_seconds(context, slots, config.new_tokens, repeat)
+                steps[name].append(statistics.median(seconds[1:]))
+                continue
             else:
                 seconds = measure.ort_decode_seconds(systems[name], context, slots, config.new_tokens, repeat)
             steps[name].append(statistics.median(seconds[1:]))    # the first step warms caches up
             rss[name] = max(rss.get(name, 0), machine.peak_rss_bytes() - before)
     result = {"context": context, "slots": slots, "systems": {}}
     for name, medians in steps.items():
-        kv = (systems[name].kv_bytes_in_use() if name != "eager"
-              else measure.eager_kv_bytes(systems[name], context + config.new_tokens, slots))
+        if name == "eager":
+            kv = measure.eager_kv_bytes(systems[name], context + config.new_tokens, slots)
+        elif name.startswith("ortgenai"):    # its KV buffers hold max_length rows per sequence
+            kv = slots * (context + config.new_tokens + 1) * systems[name].kv_bytes_per_token
+        else:
+            kv = systems[name].kv_bytes_in_use()
         result["systems"][name] = {"step_ms": _stats([1000 * s for s in medians]),
                                    "tokens_per_s": _stats([slots / s for s in medians]),
                                    "kv_bytes_per_slot": kv // slots, "peak_rss_growth_bytes": rss[name]}
@@ -149,6 +201,8 @@ def _measure_point(config: BenchConfig, systems: dict, context: int, slots: int)
 def _measure_prefill(config: BenchConfig, systems: dict, context: int) -> dict:
     out = {}
     for name, system in systems.items():
+        if name.startswith("ortgenai"):      # it prefills the whole batch at once: not comparable
+            continue
         totals, selects = [], []
         for repeat in range(config.prefill_repeats or config.repeats):
             if name == "eager":
@@ -163,7 +217,7 @@ def _measure_prefill(config: BenchConfig, systems: dict, context: int) -> dict:
     return out
 
 
-def _add_roofline(point: dict, config: BenchConfig, spec, weight_bytes: int, bandwidth: float,
+def _add_roofline(point: dict, config: BenchConfig, spec, weight_bytes: int, step_bytes: dict, bandwidth: float,
                   flops: float) -> None:
     """Per decode step: bytes it must move (weights once + the KV rows it reads) and FLOPs it
     must do (2 per weight per sequence, plus the attention products); the roofline bound is the
@@ -172,11 +226,14 @@ def _add_roofline(point: dict, config: BenchConfig, spec, weight_bytes: int, ban
             "dense": point["context"] + config.new_tokens + 1, "eager": point["context"] + config.new_tokens // 2}
     slots = point["slots"]
     for name, figures in point["systems"].items():
-        step_bytes = weight_bytes + slots * rows[name] * spec.kv_bytes_per_token
-        attention = 4 * slots * spec.num_layers * spec.num_heads * rows[name] * spec.head_dim
+        if name.startswith("ortgenai"):
+            continue
+        kv_rows = rows[name.split("-")[0]]
+        read = step_bytes.get(name, weight_bytes) + slots * kv_rows * spec.kv_bytes_per_token
+        attention = 4 * slots * spec.num_layers * spec.num_heads * kv_rows * spec.head_dim
         step_flops = 2 * slots * weight_bytes // 4 + attention
-        memory_ms, compute_ms = 1000 * step_bytes / bandwidth, 1000 * step_flops / flops
-        figures.update(bytes_per_step=step_bytes, flops_per_step=step_flops, memory_bound_ms=memory_ms,
+        memory_ms, compute_ms = 1000 * read / bandwidth, 1000 * step_flops / flops
+        figures.update(bytes_per_step=read, flops_per_step=step_flops, memory_bound_ms=memory_ms,
                        compute_bound_ms=compute_ms, bound_ms=max(memory_ms, compute_ms),
                        bound="memory" if memory_ms >= compute_ms else "compute")
         figures["fraction_of_bound"] = figures["bound_ms"] / figures["step_ms"]["median"]
@@ -191,6 +248,12 @@ def _add_ratios(point: dict) -> None:
         p = point["prefill"]
         seconds = {name: p[name]["seconds"]["median"] for name in ("snapstream", "dense")}
         point["ratios"]["prefill_snapstream_vs_dense"] = seconds["snapstream"] / seconds["dense"]
+    for name in s:
+        if name.startswith("snapstream-"):
+            point["ratios"][f"{name}_vs_snapstream"] = s[name]["tokens_per_s"]["median"] / snap
+            for peer in (p for p in s if p.startswith("ortgenai")):
+                ours, theirs = s[name]["tokens_per_s"]["median"], s[peer]["tokens_per_s"]["median"]
+                point["ratios"][f"{name}_vs_{peer}"] = ours / theirs
 
 
 def _fits(config: BenchConfig, spec, weight_bytes: int) -> list[dict]:

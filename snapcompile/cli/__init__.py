@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from snapcompile.config import LOWERINGS, POLICIES, POOLINGS, SCOPES
+from snapcompile.config import LOWERINGS, POLICIES, POOLINGS, SCOPES, WEIGHT_FORMATS
 from snapcompile.errors import ParityError, SnapcompileError
 
 EXIT_USER_ERROR = 2
@@ -69,6 +69,13 @@ def _export_options(func):
         click.option("--max-context", default=2048, show_default=True,
                      help="Longest prompt (+ generation, for dense) in tokens: the dense cache length L."),
         click.option("--chunk", default=256, show_default=True, help="Prefill chunk length in tokens."),
+        click.option("--weights", type=click.Choice(WEIGHT_FORMATS), default="fp32", show_default=True,
+                     help="How linear layers and the LM head are stored: fp32, or int8 / int4 blocks (weight-only; "
+                          "int4 keeps the head 8-bit). From a GGUF with 4/8-bit blocks the file's own values are kept "
+                          "where the format holds them exactly."),
+        click.option("--block-size", default=32, show_default=True,
+                     help="Inputs per int8/int4 quantization block (a power of two >= 16 dividing every layer's "
+                          "input size; GGUF blocks are kept only at 32)."),
         click.option("-o", "--output", "output", required=True, type=click.Path(path_type=Path),
                      help="Artifact folder to write (atomically)."),
         click.option("--force", is_flag=True, help="Replace the output folder if it exists."),
@@ -111,7 +118,7 @@ def _policy(policy, budget, sinks, window, kernel, pooling, scope, prompt_share)
 @main.command()
 @click.argument("model")
 @_export_options
-def export(model, slots, max_context, chunk, output, force):
+def export(model, slots, max_context, chunk, weights, block_size, output, force):
     """Export MODEL to dense-cache ONNX graphs (the baseline the passes rewrite).
 
     MODEL is a built-in name (smollm2-135m-instruct, tiny-llama, tiny-mistral, tiny-qwen2), a
@@ -120,7 +127,8 @@ def export(model, slots, max_context, chunk, output, force):
     from snapcompile.config import ExportConfig
     from snapcompile.export import export_model
     from snapcompile.models import load_model
-    export_cfg = ExportConfig(slots=slots, max_context=max_context, chunk=chunk)
+    export_cfg = ExportConfig(slots=slots, max_context=max_context, chunk=chunk, weights=weights,
+                              block_size=block_size)
     _refuse_existing(output, force)
     manifest = export_model(load_model(model), export_cfg, output, force=force)
     click.echo(f"wrote {output} ({', '.join(manifest.graphs)} graphs)")
@@ -130,7 +138,7 @@ def export(model, slots, max_context, chunk, output, force):
 @click.argument("model")
 @_export_options
 @_policy_options
-def convert(model, slots, max_context, chunk, output, force, lowering, **policy_args):
+def convert(model, slots, max_context, chunk, weights, block_size, output, force, lowering, **policy_args):
     """Export MODEL and compress its cache in one go (export + passes).
 
     The budget bounds the decode cache at B rows per slot whatever the context; prompts up to
@@ -140,7 +148,8 @@ def convert(model, slots, max_context, chunk, output, force, lowering, **policy_
     from snapcompile.export import export_model
     from snapcompile.models import load_model
     from snapcompile.passes.pipeline import compress_graphs
-    export_cfg = ExportConfig(slots=slots, max_context=max_context, chunk=chunk)
+    export_cfg = ExportConfig(slots=slots, max_context=max_context, chunk=chunk, weights=weights,
+                              block_size=block_size)
     policy = _policy(**policy_args)
     policy.check_against(export_cfg)
     _refuse_existing(output, force)
@@ -179,6 +188,7 @@ def inspect(artifact, verify, as_json):
             "graphs": sorted(manifest.graphs),
             "blocks_rewritten": {p["graph"]: p["blocks_rewritten"] for p in manifest.passes},
             "passes": [p["pass"] for p in manifest.passes],
+            "weights": manifest.weights, "weights_file_bytes": manifest.files["weights.bin"]["bytes"],
             "kv_bytes_per_slot": manifest.kv_bytes_per_slot(),
             "dense_kv_bytes_per_slot": manifest.dense_kv_bytes_per_slot(),
             "kv_bytes_total": manifest.kv_bytes_per_slot() * manifest.export.slots,
@@ -193,6 +203,7 @@ def inspect(artifact, verify, as_json):
                f"chunk {manifest.export.chunk}")
     click.echo(f"graphs         {', '.join(info['graphs'])}")
     click.echo(f"rewritten      {info['blocks_rewritten'] or 'nothing (dense)'} by {', '.join(info['passes']) or '-'}")
+    click.echo(f"weights        {_weights_line(manifest, info['weights_file_bytes'])}")
     click.echo(f"KV per slot    {_mib(info['kv_bytes_per_slot'])} (dense at max context: "
                f"{_mib(info['dense_kv_bytes_per_slot'])}, ratio {ratio:.3f})")
     needed = info["memory_needed_bytes"]
@@ -237,6 +248,15 @@ _add_commands()
 
 def _blocks(manifest) -> int:
     return max((p["blocks_rewritten"] for p in manifest.passes if p["graph"] == "decode"), default=0)
+
+
+def _weights_line(manifest, file_bytes: int) -> str:
+    report, export = manifest.weights, manifest.export
+    line = f"{export.weights}"
+    if export.quantized:
+        line += (f" (blocks of {export.block_size}, LM head {report.get('head_bits')}-bit; GGUF blocks kept "
+                 f"{report.get('exact_blocks')}, quantized here {report.get('requantized_blocks')})")
+    return line + f", weights.bin {_mib(file_bytes)}"
 
 
 def _mib(n: int) -> str:

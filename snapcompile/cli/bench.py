@@ -23,10 +23,16 @@ from snapcompile.cli.reports import write_report
               help="Skip eager points whose KV cache exceeds this (transformers copies it every step).")
 @click.option("--memory-limit-gib", default=16.0, show_default=True,
               help="Memory for the 'largest slot count that fits' figure.")
+@click.option("--weights", default="fp32", show_default=True, callback=csv_option(str),
+              help="Weight formats of the snapstream and dense artifacts, comma-separated (fp32 first; e.g. "
+                   "fp32,int8,int4). Quantized systems are named snapstream-int4 etc.")
+@click.option("--peers", default="", callback=csv_option(str),
+              help="Also measure ONNX Runtime GenAI builds of the same model at these precisions "
+                   "(fp32,int4), each point in a subprocess (pip install \"snapcompile[peers]\").")
 @click.option("--force", is_flag=True, help="Replace the --output file if it exists.")
 @report_options("bench.json", "bench", "Results JSON; the Markdown table and plots are written beside it.")
 def bench(model, contexts, slots, budget, new_tokens, repeats, prefill_repeats, no_eager, eager_kv_limit_gib,
-          memory_limit_gib, force, cache_dir, output, as_json):
+          memory_limit_gib, weights, peers, force, cache_dir, output, as_json):
     """Decode throughput, prefill time, KV memory and roofline: SnapStream vs dense vs PyTorch.
 
     MODEL is a built-in name, a Hugging Face folder or a GGUF file (artifacts are built and cached).
@@ -40,7 +46,7 @@ def bench(model, contexts, slots, budget, new_tokens, repeats, prefill_repeats, 
     from snapcompile.models.loader import cache_root
     config = BenchConfig(model, contexts, slots, budget, new_tokens, repeats, eager=not no_eager,
                          memory_limit_gib=memory_limit_gib, eager_kv_limit_gib=eager_kv_limit_gib,
-                         prefill_repeats=prefill_repeats)
+                         prefill_repeats=prefill_repeats, weights=tuple(weights), peers=tuple(peers))
     output = check_output_file(output, force)
     started = time.perf_counter()
     with tqdm(total=len(contexts) * len(slots), desc="bench", unit="point", file=sys.stderr, disable=as_json) as bar:

@@ -13,7 +13,7 @@ def csv_option(kind):
         if value is None:
             return None
         try:
-            return tuple(kind(v) for v in value.split(",") if v.strip())
+            return tuple(kind(v.strip()) for v in value.split(",") if v.strip())
         except ValueError:
             raise click.BadParameter(f"expected comma-separated {kind.__name__} values, got {value!r}") from None
     return parse

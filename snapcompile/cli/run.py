@@ -200,8 +200,13 @@ def _format_summary(s: dict) -> str:
               help="Selection differences whose score gap is below this are reported as near-ties, not failures.")
 @click.option("--backend", type=click.Choice(BACKENDS), default="ort", show_default=True,
               help="ort: ONNX Runtime on an artifact folder; trt: TensorRT engines from `snapcompile build`.")
+@click.option("--matmul", type=click.Choice(("fp32", "int8")), default="fp32", show_default=True,
+              help="How ONNX Runtime multiplies int8/int4 weights: fp32 (dequantized blocks; the graph's exact "
+                   "arithmetic, what parity is checked on) or int8 (its fast kernels, which also quantize the "
+                   "activations per block; what run, serve, eval and bench use).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def validate(artifact, prompt, prompts_file, demo, steps, raw, tolerance, min_agreement, tie_gap, backend, as_json):
+def validate(artifact, prompt, prompts_file, demo, steps, raw, tolerance, min_agreement, tie_gap, backend, matmul,
+             as_json):
     """Compare the artifact step by step with the PyTorch oracle (same cache policy).
 
     Both run teacher-forced on the oracle's greedy tokens. Exit 1 when max |logit diff| >
@@ -209,10 +214,9 @@ def validate(artifact, prompt, prompts_file, demo, steps, raw, tolerance, min_ag
     near-ties. With no prompts given, the demo prompts are used.
     """
     from snapcompile.artifact import read_manifest
-    from snapcompile.models import load_model
     from snapcompile.models.tokenizer import load_tokenizer
     from snapcompile.prompts import encode
-    from snapcompile.validate import Validator, summarize
+    from snapcompile.validate import Validator, oracle_model, summarize
     if not (prompt or prompts_file or demo):
         demo = True
     records = _load_prompt_records(prompt, prompts_file, demo)
@@ -224,13 +228,13 @@ def validate(artifact, prompt, prompts_file, demo, steps, raw, tolerance, min_ag
     if too_long:
         raise SnapcompileError(f"a prompt of {too_long[0]} tokens leaves no room for {steps} steps within "
                                f"--max-context {manifest.export.max_context}")
-    validator = Validator(artifact, load_model(manifest.source or manifest.model_name).model, tie_gap=tie_gap,
-                          backend=backend)
+    validator = Validator(artifact, oracle_model(artifact, manifest), tie_gap=tie_gap, backend=backend,
+                          exact_matmul=matmul == "fp32")
     from tqdm import tqdm
     with tqdm(total=len(prompts), desc="validate", unit="prompt", file=sys.stderr, disable=as_json) as bar:
         reports = validator.run(prompts, steps, progress=bar.update)
     summary = summarize(reports, steps)
-    summary.update(tolerance=tolerance, min_agreement=min_agreement)
+    summary.update(tolerance=tolerance, min_agreement=min_agreement, weights=manifest.export.weights, matmul=matmul)
     summary["passed"] = (summary["max_abs_logit_diff"] <= tolerance and summary["greedy_agreement"] >= min_agreement
                          and not summary["selection_mismatches"])
     if as_json:

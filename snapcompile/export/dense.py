@@ -9,7 +9,8 @@ from snapcompile.artifact import Manifest, graph_name, save_graphs
 from snapcompile.atomic import atomic_directory
 from snapcompile.config import ExportConfig, PolicyConfig
 from snapcompile.errors import SnapcompileError
-from snapcompile.export.llama_graph import DecodeWriter, PrefillWriter, Weights
+from snapcompile.export.llama_graph import DecodeWriter, PrefillWriter
+from snapcompile.export.weights import Quantizer, Weights
 from snapcompile.models.loader import LoadedModel
 from snapcompile.verify import verify_graph
 
@@ -25,9 +26,17 @@ def check_export_config(loaded: LoadedModel, export: ExportConfig) -> None:
             f"--max-context {export.max_context} must not exceed it")
 
 
-def build_dense_graphs(loaded: LoadedModel, export: ExportConfig) -> dict[str, onnx.ModelProto]:
+def build_dense_graphs(loaded: LoadedModel, export: ExportConfig) -> tuple[dict[str, onnx.ModelProto], dict]:
+    """The dense graphs, and the quantization report (empty for fp32 weights)."""
     check_export_config(loaded, export)
-    weights = Weights(loaded.model, loaded.spec)
+    quantizer = None
+    if export.quantized:
+        gguf = None
+        if loaded.gguf is not None:
+            from snapcompile.models.gguf_blocks import read_blocks
+            gguf = read_blocks(loaded.gguf, loaded.spec.num_heads, loaded.spec.num_kv_heads)
+        quantizer = Quantizer(export, gguf)
+    weights = Weights(loaded.model, loaded.spec, quantizer)
     graphs = {"prefill": PrefillWriter(loaded.spec, weights, export).build().model(),
               "decode": DecodeWriter(loaded.spec, weights, export).build().model()}
     for rows in export.prefill_buckets():
@@ -35,7 +44,8 @@ def build_dense_graphs(loaded: LoadedModel, export: ExportConfig) -> dict[str, o
         graphs[graph_name("prefill", rows, export.max_context)] = bucket.build().model()
     for name, model in graphs.items():
         verify_graph(model, name)
-    return graphs
+    report = {"weights": export.weights, "weight_bytes": weights.nbytes(), "step_weight_bytes": weights.step_nbytes()}
+    return graphs, report | (quantizer.report() if quantizer else {})
 
 
 def eos_ids(tokenizer) -> list[int]:
@@ -62,8 +72,9 @@ def export_model(loaded: LoadedModel, export: ExportConfig, out_dir: Path, force
     policy = policy or PolicyConfig(policy="dense")
     policy.check_against(export)
     with atomic_directory(Path(out_dir), force=force) as staging:
-        graphs = build_dense_graphs(loaded, export)
+        graphs, weights_report = build_dense_graphs(loaded, export)
         manifest = new_manifest(loaded, export, PolicyConfig(policy="dense"))
+        manifest.weights = weights_report
         if transform is not None:
             graphs = transform(graphs, manifest)
         loaded.tokenizer.save_pretrained(staging)

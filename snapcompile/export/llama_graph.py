@@ -18,45 +18,14 @@ decode (N slots, one token each):
 from __future__ import annotations
 
 import numpy as np
-import torch
 
 from snapcompile.artifact import graph_name
 from snapcompile.config import ExportConfig
 from snapcompile.export.attention_graph import additive_mask, emit_cached_attention
 from snapcompile.export.onnx_builder import GraphBuilder
+from snapcompile.export.quantize import emit_matmul
+from snapcompile.export.weights import Weights
 from snapcompile.models.spec import ModelSpec
-
-
-class Weights:
-    """fp32 numpy views of the HF state dict, arranged for MatMul (linear weights transposed)."""
-
-    def __init__(self, model, spec: ModelSpec):
-        state = {k: v.detach().to(torch.float32).numpy() for k, v in model.state_dict().items()}
-        self.arrays: dict[str, np.ndarray] = {}
-        self.embed = self._add("embed_tokens", state["model.embed_tokens.weight"])
-        head = state.get("lm_head.weight")
-        self.lm_head = self.embed if spec.tie_word_embeddings or head is None else self._add("lm_head", head)
-        self.final_norm = self._add("norm", state["model.norm.weight"])
-        self.layers = [self._layer(state, i, spec) for i in range(spec.num_layers)]
-        rotary = model.model.rotary_emb
-        self.inv_freq = rotary.inv_freq.detach().to(torch.float32).numpy()
-        self.rope_scaling = float(getattr(rotary, "attention_scaling", 1.0))
-
-    def _add(self, name: str, array: np.ndarray) -> str:
-        self.arrays[name] = np.ascontiguousarray(array)
-        return name
-
-    def _layer(self, state: dict, i: int, spec: ModelSpec) -> dict[str, str]:
-        p = f"model.layers.{i}."
-        names = {"in_norm": self._add(f"l{i}.input_norm", state[p + "input_layernorm.weight"]),
-                 "post_norm": self._add(f"l{i}.post_norm", state[p + "post_attention_layernorm.weight"])}
-        for short, key in (("q", "self_attn.q_proj"), ("k", "self_attn.k_proj"), ("v", "self_attn.v_proj"),
-                           ("o", "self_attn.o_proj"), ("gate", "mlp.gate_proj"), ("up", "mlp.up_proj"),
-                           ("down", "mlp.down_proj")):
-            names[short] = self._add(f"l{i}.{short}.wT", state[p + key + ".weight"].T)
-            if p + key + ".bias" in state:
-                names[short + "_bias"] = self._add(f"l{i}.{short}.bias", state[p + key + ".bias"])
-        return names
 
 
 class LlamaGraphWriter:
@@ -69,9 +38,18 @@ class LlamaGraphWriter:
         for name, array in self.w.arrays.items():
             b.weight(name, array)
 
+    def _matmul(self, b: GraphBuilder, x: str, weight: str) -> str:
+        """x @ W for a linear weight name of Weights (quantized or float)."""
+        matrix = self.w.quantized.get(weight)
+        return b.op("MatMul", x, weight) if matrix is None else emit_matmul(b, x, weight, matrix)
+
     def _linear(self, b: GraphBuilder, x: str, layer: dict, key: str) -> str:
-        y = b.op("MatMul", x, layer[key])
+        y = self._matmul(b, x, layer[key])
         return b.op("Add", y, layer[key + "_bias"]) if key + "_bias" in layer else y
+
+    def _embed(self, b: GraphBuilder, ids: str) -> str:
+        rows = b.op("Gather", self.w.embed, ids)
+        return rows if self.w.arrays[self.w.embed].dtype == np.float32 else b.op("Cast", rows, to=1)
 
     def _rms_norm(self, b: GraphBuilder, x: str, weight: str) -> str:
         var = b.op("ReduceMean", b.op("Mul", x, x), b.const([-1]), keepdims=1)
@@ -104,6 +82,8 @@ class LlamaGraphWriter:
     def _logits(self, b: GraphBuilder, hidden: str) -> str:
         """[rows, hidden] -> [rows, V]; Gemm with transB reads a tied embedding without a copy."""
         normed = self._rms_norm(b, hidden, self.w.final_norm)
+        if self.w.lm_head in self.w.quantized:
+            return self._matmul(b, normed, self.w.lm_head)
         return b.op("Gemm", normed, self.w.lm_head, transB=1)
 
     def _cache_inputs(self, b: GraphBuilder, batch: int, length: int) -> list[tuple[str, str]]:
@@ -134,7 +114,7 @@ class PrefillWriter(LlamaGraphWriter):
         cache_mask = b.op("Reshape", additive_mask(b, cache_visible), b.const([1, 1, 1, L]))
         rows = b.const((np.arange(g * c) % c)[:, None])                                  # [G*C, 1]
         new_mask = additive_mask(b, b.op("LessOrEqual", b.const(np.arange(c)[None, :]), rows))
-        x = b.op("Gather", self.w.embed, ids)                                            # [1, C, hidden]
+        x = self._embed(b, ids)                                                          # [1, C, hidden]
         for i, layer in enumerate(self.w.layers):
             h = self._rms_norm(b, x, layer["in_norm"])
             q = self._heads(b, self._linear(b, h, layer, "q"), s.num_heads, cos, sin)    # [1, H, C, D]
@@ -174,7 +154,7 @@ class DecodeWriter(LlamaGraphWriter):
         cos, sin = self._rope_tables(b, position, [n, 1, 1, d // 2])
         visible = b.op("Less", b.const(np.arange(L)[None, :]), b.op("Unsqueeze", cache_len, b.const([1])))
         cache_mask = b.op("Reshape", additive_mask(b, visible), b.const([n, 1, 1, L]))
-        x = b.op("Reshape", b.op("Gather", self.w.embed, ids), b.const([n, s.hidden_size]))
+        x = b.op("Reshape", self._embed(b, ids), b.const([n, s.hidden_size]))
         for i, layer in enumerate(self.w.layers):
             h = self._rms_norm(b, x, layer["in_norm"])
             q = self._rotate(b, b.op("Reshape", self._linear(b, h, layer, "q"), b.const([n, hkv, g, d])), cos, sin)

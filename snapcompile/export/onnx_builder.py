@@ -5,7 +5,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-OPSET = 18
+OPSET = 21       # blocked DequantizeLinear (quantized weights) needs 21
+IR_VERSION = 10  # INT4 initializers need IR 10
 NP_TO_ONNX = {np.dtype(np.float32): TensorProto.FLOAT, np.dtype(np.float16): TensorProto.FLOAT16,
               np.dtype(np.int64): TensorProto.INT64, np.dtype(np.bool_): TensorProto.BOOL}
 
@@ -61,7 +62,7 @@ class GraphBuilder:
         graph = helper.make_graph(self.nodes, self.name, self.inputs, self.outputs, self.initializers)
         model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)],
                                   producer_name="snapcompile")
-        model.ir_version = 9
+        model.ir_version = IR_VERSION
         if metadata:
             helper.set_model_props(model, metadata)
         return model

@@ -10,11 +10,13 @@ PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider",   #
              "tensorrt": "TensorrtExecutionProvider"}
 
 
-def open_backend(folder: Path, backend: str = "ort", provider: str = "cpu", threads: int | None = None):
-    """ONNX Runtime on an artifact folder, or TensorRT on an engine folder from `snapcompile build`."""
+def open_backend(folder: Path, backend: str = "ort", provider: str = "cpu", threads: int | None = None,
+                 exact_matmul: bool = False):
+    """ONNX Runtime on an artifact folder, or TensorRT on an engine folder from `snapcompile build`.
+    exact_matmul (ONNX Runtime): quantized weights multiplied in float32, not its int8 kernels."""
     if backend == "ort":
         from snapcompile.runtime.ort_backend import OrtBackend
-        return OrtBackend(folder, provider=provider, threads=threads)
+        return OrtBackend(folder, provider=provider, threads=threads, exact_matmul=exact_matmul)
     if backend == "trt":
         from snapcompile.runtime.trt_backend import TrtBackend
         return TrtBackend(folder)

@@ -15,11 +15,14 @@ class OrtGraph:
     """An InferenceSession plus an IOBinding whose inputs/outputs point into numpy buffers."""
 
     def __init__(self, path: Path, providers: list[str], threads: int | None, custom_ops: bool,
-                 initializers: dict | None = None):
+                 initializers: dict | None = None, exact_matmul: bool = False):
         """initializers: name -> OrtValue the session uses instead of reading the weights
-        itself (SharedWeights); MatMul pre-packing is then off, so it keeps no copy either."""
+        itself (SharedWeights); MatMul pre-packing is then off, so it keeps no copy either.
+        exact_matmul: quantized weights are multiplied in float32 (dequantized blocks) instead of
+        ORT's default int8 kernels, which also quantize the activations per block."""
         import onnxruntime as ort
         options = ort.SessionOptions()
+        options.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", "1" if exact_matmul else "4")
         if initializers:
             for name, value in initializers.items():
                 options.add_initializer(name, value)
@@ -48,6 +51,9 @@ class OrtGraph:
         self.session.run_with_iobinding(self.binding)
 
 
+_PACKED_TYPES = (22, 21)   # INT4, UINT4: two values a byte, which numpy views cannot express; ORT loads them
+
+
 class SharedWeights:
     """An artifact's weights.bin, memory-mapped once and given to sessions as user-provided
     initializers, with MatMul pre-packing off: such a session keeps no weight copy of its own
@@ -65,7 +71,7 @@ class SharedWeights:
         (an onnx.ModelProto loaded without its data)."""
         from onnx import TensorProto
         return {tensor.name: self._value(tensor) for tensor in model.graph.initializer
-                if tensor.data_location == TensorProto.EXTERNAL}
+                if tensor.data_location == TensorProto.EXTERNAL and tensor.data_type not in _PACKED_TYPES}
 
     def _value(self, tensor):
         import onnxruntime as ort
@@ -83,9 +89,9 @@ class SharedWeights:
 
 
 class OrtDevice:
-    def __init__(self, folder: Path, provider: str = "cpu", threads: int | None = None):
+    def __init__(self, folder: Path, provider: str = "cpu", threads: int | None = None, exact_matmul: bool = False):
         import onnxruntime as ort
-        self.folder, self.threads = Path(folder), threads
+        self.folder, self.threads, self.exact_matmul = Path(folder), threads, exact_matmul
         self.providers = _providers(provider, ort.get_available_providers())
         self.shared = SharedWeights(self.folder) if provider == "cpu" else None
         self.models = {}                      # graph name -> ModelProto without weights, from check()
@@ -107,7 +113,8 @@ class OrtDevice:
         prefill = is_prefill_graph(name)
         shared = self.shared.initializers(self.models[name]) if prefill and self.shared else None
         return OrtGraph(self.folder / manifest.graphs[name]["file"], self.providers, self.threads,
-                        custom_ops=manifest.lowering == "plugin" and not prefill, initializers=shared)
+                        custom_ops=manifest.lowering == "plugin" and not prefill, initializers=shared,
+                        exact_matmul=self.exact_matmul)
 
     def upload(self, target: np.ndarray, host: np.ndarray) -> None:
         target[...] = host
@@ -122,8 +129,8 @@ class OrtDevice:
 class OrtBackend(SlotBackend):
     """SlotBackend on ONNX Runtime (CPUExecutionProvider by default)."""
 
-    def __init__(self, folder: Path, provider: str = "cpu", threads: int | None = None):
-        super().__init__(folder, OrtDevice(folder, provider, threads))
+    def __init__(self, folder: Path, provider: str = "cpu", threads: int | None = None, exact_matmul: bool = False):
+        super().__init__(folder, OrtDevice(folder, provider, threads, exact_matmul))
 
 
 def available_host_memory() -> int:

@@ -32,12 +32,24 @@ def check_trt_limits(manifest: Manifest) -> None:
             "convert with --lower plugin, or a smaller --budget / --prompt-share")
 
 
+def check_parser_support(artifact: Path, manifest: Manifest) -> None:
+    """The static check of every graph against TensorRT 10's ONNX parser support matrix
+    (snapcompile.tensorrt_support), before anything is built."""
+    from snapcompile.artifact import load_graph
+    from snapcompile.tensorrt_support import check_artifact_graphs
+    problems = check_artifact_graphs({name: load_graph(artifact, manifest, name) for name in manifest.graphs})
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise SnapcompileError(f"TensorRT's ONNX parser would reject {problems[0]}{more}")
+
+
 def build_engines(artifact: Path, output: Path, fp16: bool = False, force: bool = False,
                   workspace_gib: float = 4.0) -> dict:
     """Build one serialized engine per graph of `artifact` into `output` (written atomically)."""
     manifest = read_manifest(artifact)
     verify_files(artifact, manifest)
     check_trt_limits(manifest)
+    check_parser_support(artifact, manifest)
     trt = require_tensorrt()
     if manifest.lowering == "plugin":
         from snapcompile.plugins.trt_plugin import register

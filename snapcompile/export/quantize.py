@@ -1,0 +1,124 @@
+"""Block-wise weight-only quantization of linear layers (int4 / int8), and its graph form.
+
+A matrix W [N out, K in] is held as integer values q [N, K] (int4: [-8, 7], int8: [-128, 127]),
+one float32 scale per block of `block_size` consecutive inputs, and optionally one float32 offset
+per block:  W[n, k] = q[n, k] * scale[n, k // bs] + offset[n, k // bs].
+
+Offsets exist only for blocks kept from a GGUF file whose format has a block minimum (Q4_1:
+w = d * u + m with u in [0, 15] is q = u - 8, scale d, offset m + 8d). Everything quantized here
+from float weights is symmetric (no offset).
+
+In the graph the values are a standard ONNX INT4 / INT8 initializer [K, N] dequantized by a
+blocked DequantizeLinear (opset 21, axis 0, zero point 0) feeding MatMul: the form TensorRT's
+ONNX parser takes, and the one ONNX Runtime's CPU provider fuses into its MatMulNBits kernel.
+An offset adds sum_b(sum_{k in block b} x[k]) * offset[b], one small MatMul on block sums.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from onnx import TensorProto, helper
+
+from snapcompile.errors import SnapcompileError
+
+QUANT_BITS = {"int8": 8, "int4": 4}
+ONNX_TYPE = {8: TensorProto.INT8, 4: TensorProto.INT4}
+
+
+@dataclass
+class BlockQuantized:
+    """One matrix W [N, K] in blocks of `block_size` along K (see the module docstring).
+
+    values int8 [N, K]; scales float32 [N, K/bs]; offsets float32 [N, K/bs] or None.
+    exact_blocks / requantized_blocks: how many blocks hold a source file's own quantized values
+    unchanged, and how many were quantized here from float weights."""
+
+    values: np.ndarray
+    scales: np.ndarray
+    offsets: np.ndarray | None
+    bits: int
+    block_size: int
+    exact_blocks: int = 0
+    requantized_blocks: int = 0
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.values.shape
+
+    def dequantize(self) -> np.ndarray:
+        """W as float32 [N, K], computed as the graph's DequantizeLinear (+ offset) defines it."""
+        n, k = self.values.shape
+        blocks = self.values.reshape(n, k // self.block_size, self.block_size).astype(np.float32)
+        w = blocks * self.scales[:, :, None]
+        if self.offsets is not None:
+            w = w + self.offsets[:, :, None]
+        return w.reshape(n, k)
+
+    def nbytes(self) -> int:
+        """Bytes the graph stores: packed values, scales and offsets."""
+        n, k = self.values.shape
+        extra = 0 if self.offsets is None else self.offsets.nbytes
+        return n * k * self.bits // 8 + self.scales.nbytes + extra
+
+
+def quantize(weight: np.ndarray, bits: int, block_size: int, name: str) -> BlockQuantized:
+    """Symmetric round-to-nearest block quantization of W [N, K] float32 with ONNX Runtime's
+    quantizer (onnxruntime.capi quantize_matmul_{4,8}bits, the kernel its own tools use)."""
+    from onnxruntime.capi._pybind_state import quantize_matmul_4bits, quantize_matmul_8bits
+    n, k = weight.shape
+    if k % block_size:
+        raise SnapcompileError(f"--block-size {block_size} does not divide the {k} inputs of {name}; "
+                               "choose a block size that divides every layer's input size")
+    blocks = k // block_size
+    per_byte = 8 // bits
+    packed = np.zeros((n, blocks, block_size // per_byte), np.uint8)
+    scales = np.zeros((n, blocks), np.float32)
+    zero_points = np.zeros((n, -(-blocks // per_byte)), np.uint8)
+    kernel = quantize_matmul_4bits if bits == 4 else quantize_matmul_8bits
+    kernel(packed, np.ascontiguousarray(weight.T, np.float32), scales, zero_points, block_size, n, k, True)
+    unsigned = _unpack(packed.reshape(n, -1), bits)
+    values = (unsigned.astype(np.int16) - (1 << (bits - 1))).astype(np.int8)   # symmetric: zero point 2^(bits-1)
+    return BlockQuantized(values, scales, None, bits, block_size, requantized_blocks=n * blocks)
+
+
+def _unpack(packed: np.ndarray, bits: int) -> np.ndarray:
+    """[rows, bytes] uint8 -> [rows, values] uint8; 4-bit values low nibble first."""
+    if bits == 8:
+        return packed
+    out = np.empty((packed.shape[0], packed.shape[1] * 2), np.uint8)
+    out[:, 0::2], out[:, 1::2] = packed & 0x0F, packed >> 4
+    return out
+
+
+def pack_int4(values: np.ndarray) -> bytes:
+    """Signed int4 values (any shape, row-major) -> ONNX INT4 raw bytes (first value in the low
+    nibble; an odd count is padded with a zero nibble)."""
+    flat = (values.reshape(-1).astype(np.int16) & 0x0F).astype(np.uint8)
+    if flat.size % 2:
+        flat = np.append(flat, np.uint8(0))
+    return (flat[0::2] | (flat[1::2] << 4)).tobytes()
+
+
+def initializer(name: str, matrix: BlockQuantized) -> TensorProto:
+    """The values as the [K, N] INT4 / INT8 initializer the DequantizeLinear reads."""
+    kn = np.ascontiguousarray(matrix.values.T)
+    raw = pack_int4(kn) if matrix.bits == 4 else kn.tobytes()
+    return helper.make_tensor(name, ONNX_TYPE[matrix.bits], list(kn.shape), raw, raw=True)
+
+
+def emit_matmul(b, x: str, name: str, matrix: BlockQuantized) -> str:
+    """x [..., K] float32 -> x @ W.T [..., N] with W held as `name`.qweight / .qscale / .qoffset
+    initializers (added here) on the GraphBuilder `b`."""
+    n, k = matrix.shape
+    b.initializers.append(initializer(f"{name}.qweight", matrix))
+    b.weight(f"{name}.qscale", np.ascontiguousarray(matrix.scales.T))
+    w = b.op("DequantizeLinear", f"{name}.qweight", f"{name}.qscale", axis=0, block_size=matrix.block_size)
+    y = b.op("MatMul", x, w)
+    if matrix.offsets is None:
+        return y
+    b.weight(f"{name}.qoffset", np.ascontiguousarray(matrix.offsets.T))
+    sums = b.op("ReduceSum", b.op("Reshape", x, b.const([-1, k // matrix.block_size, matrix.block_size])),
+                b.const([-1]), keepdims=0)                                     # [rows, K/bs] block sums
+    correction = b.op("Reshape", b.op("MatMul", sums, f"{name}.qoffset"), b.op("Shape", y))
+    return b.op("Add", y, correction)
