@@ -15,14 +15,21 @@ class OrtGraph:
     """An InferenceSession plus an IOBinding whose inputs/outputs point into numpy buffers."""
 
     def __init__(self, path: Path, providers: list[str], threads: int | None, custom_ops: bool,
-                 initializers: dict | None = None, exact_matmul: bool = False):
+                 initializers: dict | None = None, quantized_matmul: str | None = None):
         """initializers: name -> OrtValue the session uses instead of reading the weights
         itself (SharedWeights); MatMul pre-packing is then off, so it keeps no copy either.
-        exact_matmul: quantized weights are multiplied in float32 (dequantized blocks) instead of
-        ORT's default int8 kernels, which also quantize the activations per block."""
+        quantized_matmul (graphs with int8/int4 weights): "int8" lets ORT fuse each DequantizeLinear
+        + MatMul into its MatMulNBits kernel computing with int8 activations (accuracy level 4);
+        "fp32" fuses it too, multiplying in float32 (level 1)."""
         import onnxruntime as ort
         options = ort.SessionOptions()
-        options.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", "1" if exact_matmul else "4")
+        disabled = []
+        if quantized_matmul:
+            level = {"int8": "4", "fp32": "1"}[quantized_matmul]
+            options.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", level)
+            # MatMul + residual Add -> Gemm runs first and would keep the o / down projections
+            # from becoming MatMulNBits (measured: 186 ms instead of 18 ms a SmolLM2 decode step)
+            disabled = ["MatMulAddFusion"]
         if initializers:
             for name, value in initializers.items():
                 options.add_initializer(name, value)
@@ -35,7 +42,8 @@ class OrtGraph:
         if threads:
             options.intra_op_num_threads = threads
         try:
-            self.session = ort.InferenceSession(str(path), options, providers=providers)
+            self.session = ort.InferenceSession(str(path), options, providers=providers,
+                                                disabled_optimizers=disabled)
         except Exception as err:  # ORT raises its own exception types for bad or missing data
             raise SnapcompileError(f"ONNX Runtime cannot load {path}: {str(err).splitlines()[0]}") from None
         self.binding = self.session.io_binding()
@@ -112,9 +120,10 @@ class OrtDevice:
     def graph(self, name: str, manifest: Manifest) -> OrtGraph:
         prefill = is_prefill_graph(name)
         shared = self.shared.initializers(self.models[name]) if prefill and self.shared else None
+        matmul = None if not manifest.export.quantized else "fp32" if self.exact_matmul else "int8"
         return OrtGraph(self.folder / manifest.graphs[name]["file"], self.providers, self.threads,
                         custom_ops=manifest.lowering == "plugin" and not prefill, initializers=shared,
-                        exact_matmul=self.exact_matmul)
+                        quantized_matmul=matmul)
 
     def upload(self, target: np.ndarray, host: np.ndarray) -> None:
         target[...] = host
