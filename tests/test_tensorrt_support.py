@@ -1,0 +1,106 @@
+"""The static TensorRT 10 ONNX-parser check: every graph the TensorRT path consumes passes it;
+each kind of violation is caught and names its node."""
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from snapcompile.artifact import load_graph, read_manifest
+from snapcompile.config import ExportConfig, PolicyConfig
+from snapcompile.errors import SnapcompileError
+from snapcompile.export import export_model
+from snapcompile.passes.pipeline import compress_graphs
+from snapcompile.tensorrt_support import check_artifact_graphs, check_graph
+
+
+@pytest.mark.parametrize("weights", ["fp32", "int8", "int4"])
+@pytest.mark.parametrize("policy, lowering", [
+    ("dense", "standard"), ("snapstream", "standard"), ("snapstream", "plugin"), ("streamingllm", "plugin"),
+    ("snapstream-avg-layer", "standard")])
+def test_every_artifact_graph_fits_tensorrt(tiny_llama, tmp_path, weights, policy, lowering):
+    if policy == "snapstream-avg-layer":
+        config = PolicyConfig(budget=64, window=8, kernel=5, pooling="avg", scope="layer")
+    else:
+        config = PolicyConfig(policy=policy, budget=64, window=8, kernel=5)
+    export = ExportConfig(slots=2, max_context=256, chunk=32, weights=weights)
+    transform = None if policy == "dense" else (lambda graphs, m: compress_graphs(graphs, m, config, lowering))
+    export_model(tiny_llama, export, tmp_path / "a", policy=config, transform=transform)
+    manifest = read_manifest(tmp_path / "a")
+    graphs = {name: load_graph(tmp_path / "a", manifest, name) for name in manifest.graphs}
+    assert check_artifact_graphs(graphs) == []
+
+
+def _model(nodes, inputs, initializers, opset=21, domains=()):
+    graph = helper.make_graph(nodes, "g", inputs, [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+                              initializers)
+    opsets = [helper.make_opsetid("", opset)] + [helper.make_opsetid(d, 1) for d in domains]
+    return helper.make_model(graph, opset_imports=opsets)
+
+
+X = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 64])
+W4 = helper.make_tensor("w", TensorProto.INT4, [64, 8], np.zeros(512, np.int8).tolist())
+SCALE = numpy_helper.from_array(np.ones((2, 8), np.float32), "s")
+
+
+def test_standard_quantized_matmul_passes():
+    nodes = [helper.make_node("DequantizeLinear", ["w", "s"], ["wf"], "dq", axis=0, block_size=32),
+             helper.make_node("MatMul", ["x", "wf"], ["y"], "mm")]
+    assert check_graph(_model(nodes, [X], [W4, SCALE]), "g") == []
+
+
+@pytest.mark.parametrize("case, expected", [
+    ("contrib", "node 'mnb' (MatMulNBits): operator domain 'com.microsoft'"),
+    ("zero_point", "node 'dq' (DequantizeLinear): x_zero_point must be zero"),
+    ("int8_gather", "node 'gather' (Gather): input 'table' is INT8"),
+    ("pool_1d", "node 'pool' (MaxPool): 2D or 3D pooling only"),
+    ("topk", "node 'topk' (TopK): K must be less than 3840"),
+    ("bitshift", "node 'shift' (BitShift): BitShift is not supported"),
+    ("opset", "opset 25 is outside TensorRT 10.15's 9-24"),
+    ("plugin", "node 'custom' (Mystery): custom op Mystery is not one of the snapcompile plugin's"),
+])
+def test_violations_name_the_node(case, expected):
+    if case == "contrib":
+        model = _model([helper.make_node("MatMulNBits", ["x", "w", "s"], ["y"], "mnb", domain="com.microsoft",
+                                         K=64, N=8, bits=4, block_size=32)], [X], [W4, SCALE], domains=["com.microsoft"])
+    elif case == "zero_point":
+        zero = helper.make_tensor("z", TensorProto.INT4, [2, 8], [1] * 16)
+        model = _model([helper.make_node("DequantizeLinear", ["w", "s", "z"], ["wf"], "dq", axis=0, block_size=32),
+                        helper.make_node("MatMul", ["x", "wf"], ["y"], "mm")], [X], [W4, SCALE, zero])
+    elif case == "int8_gather":
+        table = numpy_helper.from_array(np.zeros((4, 8), np.int8), "table")
+        ids = numpy_helper.from_array(np.array([1]), "ids")
+        model = _model([helper.make_node("Gather", ["table", "ids"], ["t"], "gather"),
+                        helper.make_node("Cast", ["t"], ["y"], "cast", to=1)], [], [table, ids])
+    elif case == "pool_1d":
+        x3 = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 2, 64])
+        model = _model([helper.make_node("MaxPool", ["x"], ["y"], "pool", kernel_shape=[3])], [x3], [])
+    elif case == "topk":
+        k = numpy_helper.from_array(np.array([4000]), "k")
+        x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 5000])
+        model = _model([helper.make_node("TopK", ["x", "k"], ["y", "i"], "topk")], [x], [k])
+    elif case == "bitshift":
+        x = helper.make_tensor_value_info("x", TensorProto.UINT8, [4])
+        model = _model([helper.make_node("BitShift", ["x", "x"], ["y"], "shift", direction="LEFT")], [x], [])
+    elif case == "opset":
+        model = _model([helper.make_node("Relu", ["x"], ["y"], "relu")], [X], [], opset=25)
+    else:
+        model = _model([helper.make_node("Mystery", ["x"], ["y"], "custom", domain="ai.onnx.contrib")], [X], [],
+                       domains=["ai.onnx.contrib"])
+    problems = check_graph(model, "g")
+    assert any(expected in line for line in problems), problems
+
+
+def test_build_runs_the_check_before_needing_tensorrt(tiny_snap_dir, tmp_path, monkeypatch):
+    from snapcompile.runtime import trt_backend
+    monkeypatch.setattr("snapcompile.tensorrt_support.check_artifact_graphs",
+                        lambda graphs: ["decode: node 'n' (X): planted"])
+    with pytest.raises(SnapcompileError, match="TensorRT's ONNX parser would reject decode: node 'n' \\(X\\): planted"):
+        trt_backend.build_engines(tiny_snap_dir, tmp_path / "engines")
+    assert not (tmp_path / "engines").exists()
+
+
+def test_check_reads_graphs_without_their_weights(tiny_dense_dir):
+    manifest = read_manifest(tiny_dense_dir)
+    model = load_graph(tiny_dense_dir, manifest, "decode")
+    assert any(t.data_location == onnx.TensorProto.EXTERNAL for t in model.graph.initializer)
+    assert check_graph(model, "decode") == []
