@@ -8,10 +8,13 @@ from snapcompile.errors import SnapcompileError
 POLICIES = ("dense", "streamingllm", "snapstream")
 POOLINGS = ("max", "avg")
 SCOPES = ("head", "layer")
-WEIGHT_FORMATS = ("fp32", "int8", "int4")   # stored weights: float32, or int8 / int4 blocks (weight-only)
+WEIGHT_FORMATS = ("fp32", "fp16", "int8", "int4")   # stored weights: float32, float16, int8 / int4 blocks
 LOWERINGS = ("standard", "plugin")   # compressed attention in standard ONNX ops, or custom op nodes
 DEFAULT_TOLERANCE = 1e-3    # validate: largest |logit difference| from the PyTorch oracle
+# fp16 graphs round the logits to float16: one step of float16 at |logit| 32..64 is 0.03
+FP16_TOLERANCE = 0.1
 DEFAULT_TIE_GAP = 1e-6      # validate: selection score gaps below this are near-ties
+FP16_TIE_GAP = 1e-4         # fp16 keys move window scores by a few 1e-6 (measured on SmolLM2)
 
 
 @dataclass(frozen=True)
@@ -21,7 +24,8 @@ class ExportConfig:
     slots: N, decode batch slots. max_context: L, positions a sequence may use (prompt +
     generated). chunk: C, prefill chunk length (a prompt is processed C tokens at a time).
     weights: how linear layers are stored (WEIGHT_FORMATS); block_size: inputs per quantization
-    block (int8 / int4). Activations, KV cache and graph I/O are float32 in every format.
+    block (int8 / int4). fp16 linear layers also multiply in float16; norms, attention, the KV
+    cache and graph I/O are float32 in every format.
     """
 
     slots: int = 4
@@ -49,8 +53,19 @@ class ExportConfig:
             raise SnapcompileError(f"--block-size must be a power of two >= 16, got {self.block_size}")
 
     @property
+    def tolerance(self) -> float:
+        """validate's default bound on |logit difference| for these weights."""
+        return FP16_TOLERANCE if self.weights == "fp16" else DEFAULT_TOLERANCE
+
+    @property
+    def tie_gap(self) -> float:
+        """validate's default near-tie gap of selection scores for these weights."""
+        return FP16_TIE_GAP if self.weights == "fp16" else DEFAULT_TIE_GAP
+
+    @property
     def quantized(self) -> bool:
-        return self.weights != "fp32"
+        """int8 / int4 blocks (not fp32 or fp16)."""
+        return self.weights in ("int8", "int4")
 
     def prefill_buckets(self) -> list[int]:
         """Cache rows of the bucket prefill graphs: 2C, 4C, 8C, ... up to 3/4 of max_context

@@ -30,14 +30,17 @@ class PromptReport:
 
 def oracle_model(folder, manifest):
     """The HF model the artifact was exported from, holding exactly the artifact's weights: for
-    quantized artifacts the dequantized values its graphs hold (read back from the decode graph)."""
+    fp16 / int8 / int4 artifacts the (dequantized) values its graphs hold, read back from the decode
+    graph; for fp16 its linear layers also round their input and product to float16 as the graph does."""
     from snapcompile.artifact import load_graph
-    from snapcompile.export.weights import graph_weights, load_graph_weights
+    from snapcompile.export.weights import graph_weights, load_graph_weights, round_linears_to_half
     from snapcompile.models import load_model
     model = load_model(manifest.source or manifest.model_name).model
-    if manifest.export.quantized:
+    if manifest.export.weights != "fp32":
         decode = load_graph(folder, manifest, "decode", with_weights=True)
         load_graph_weights(model, graph_weights(decode, manifest.spec))
+    if manifest.export.weights == "fp16":
+        round_linears_to_half(model)
     return model
 
 

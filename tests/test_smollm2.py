@@ -82,3 +82,27 @@ def test_eval_slice_on_real_model(tmp_path):
     assert len(records) == 2 and all(r["error"] is None for r in records)
     dense = [r for r in records if r["policy"] == "dense"][0]
     assert dense["correct"], dense["text"]
+
+
+@pytest.mark.parametrize("weights, policy", [("int4", "snapstream"), ("int8", "dense"), ("fp16", "snapstream")])
+def test_weight_formats_keep_parity(smollm2, tmp_path, weights, policy):
+    """int4 / int8 from the GGUF's own blocks (every block kept exactly), fp16 within float16 logits."""
+    from snapcompile.artifact import read_manifest
+    from snapcompile.config import ExportConfig
+    from snapcompile.export import export_model
+    from snapcompile.passes.pipeline import compress_graphs
+    from snapcompile.validate import oracle_model
+    export = ExportConfig(slots=2, max_context=1280, chunk=256, weights=weights)
+    config = PolicyConfig(policy=policy, budget=256)
+    transform = (lambda graphs, m: compress_graphs(graphs, m, config)) if config.compressed else None
+    export_model(smollm2, export, tmp_path / weights, policy=config, transform=transform)
+    manifest = read_manifest(tmp_path / weights)
+    if weights != "fp16":
+        assert manifest.weights["requantized_blocks"] == 0 and manifest.weights["exact_blocks"] == 4202496
+    prompts = [encode(smollm2.tokenizer, "What is the capital of France?", chat=True)] + \
+        _prompts(smollm2.tokenizer, [(31337, 1100, 0.4)])
+    validator = Validator(tmp_path / weights, oracle_model(tmp_path / weights, manifest), tie_gap=export.tie_gap)
+    summary = summarize(validator.run(prompts, 24), 24)
+    assert summary["max_abs_logit_diff"] <= export.tolerance
+    assert summary["greedy_agreement"] == 1.0
+    assert not summary["selection_mismatches"]

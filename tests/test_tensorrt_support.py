@@ -13,7 +13,7 @@ from snapcompile.passes.pipeline import compress_graphs
 from snapcompile.tensorrt_support import check_artifact_graphs, check_graph
 
 
-@pytest.mark.parametrize("weights", ["fp32", "int8", "int4"])
+@pytest.mark.parametrize("weights", ["fp32", "fp16", "int8", "int4"])
 @pytest.mark.parametrize("policy, lowering", [
     ("dense", "standard"), ("snapstream", "standard"), ("snapstream", "plugin"), ("streamingllm", "plugin"),
     ("snapstream-avg-layer", "standard")])
@@ -60,8 +60,9 @@ def test_standard_quantized_matmul_passes():
 ])
 def test_violations_name_the_node(case, expected):
     if case == "contrib":
-        model = _model([helper.make_node("MatMulNBits", ["x", "w", "s"], ["y"], "mnb", domain="com.microsoft",
-                                         K=64, N=8, bits=4, block_size=32)], [X], [W4, SCALE], domains=["com.microsoft"])
+        node = helper.make_node("MatMulNBits", ["x", "w", "s"], ["y"], "mnb", domain="com.microsoft",
+                                K=64, N=8, bits=4, block_size=32)
+        model = _model([node], [X], [W4, SCALE], domains=["com.microsoft"])
     elif case == "zero_point":
         zero = helper.make_tensor("z", TensorProto.INT4, [2, 8], [1] * 16)
         model = _model([helper.make_node("DequantizeLinear", ["w", "s", "z"], ["wf"], "dq", axis=0, block_size=32),

@@ -9,7 +9,7 @@ import click
 
 from snapcompile.cli.options import csv_option, report_options
 from snapcompile.cli.reports import write_report
-from snapcompile.config import POLICIES, SCOPES
+from snapcompile.config import POLICIES, SCOPES, WEIGHT_FORMATS
 from snapcompile.errors import SnapcompileError
 from snapcompile.evaluation.tasks import TASKS
 
@@ -35,10 +35,12 @@ DEFAULT_BUDGETS = (256, 512, 1024, 2048)
 @click.option("--scope", type=click.Choice(SCOPES), default="head", show_default=True,
               help="SnapStream selection scope.")
 @click.option("--slots", default=4, show_default=True, help="Engine slots (continuous batching).")
+@click.option("--weights", type=click.Choice(WEIGHT_FORMATS), default="fp32", show_default=True,
+              help="Weights of every artifact evaluated (fidelity compares them with the fp32 dense model).")
 @report_options("results.json", "eval", "Results JSON; the Markdown table and plots are written beside it. "
                 "An existing results file of the same model, task and seed is resumed and widened.")
-def eval_command(model_or_dir, task, policies, budgets, ratios, lengths, depths, samples, seed, scope, slots, cache_dir,
-                 output, as_json):
+def eval_command(model_or_dir, task, policies, budgets, ratios, lengths, depths, samples, seed, scope, slots, weights,
+                 cache_dir, output, as_json):
     """Accuracy of dense, StreamingLLM and SnapStream artifacts on generated tasks.
 
     Builds (or reuses) the artifacts, runs every case through the engine, and writes OUTPUT
@@ -59,7 +61,7 @@ def eval_command(model_or_dir, task, policies, budgets, ratios, lengths, depths,
     if budgets is None:
         budgets = () if ratios else DEFAULT_BUDGETS
     config = EvalConfig(model_or_dir, task, policies, budgets, lengths, depths, samples, seed, slots=slots,
-                        scope=scope, ratios=ratios)
+                        scope=scope, ratios=ratios, weights=weights)
     started = time.perf_counter()
     with tqdm(desc=f"eval {task}", unit="case", file=sys.stderr, disable=as_json) as bar:
         def progress(advance, total=None):

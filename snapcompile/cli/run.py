@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from snapcompile.config import DEFAULT_TIE_GAP, DEFAULT_TOLERANCE
+from snapcompile.config import DEFAULT_TIE_GAP, DEFAULT_TOLERANCE, FP16_TIE_GAP, FP16_TOLERANCE
 from snapcompile.errors import ParityError, SnapcompileError
 from snapcompile.runtime import BACKENDS, PROVIDERS
 
@@ -192,12 +192,14 @@ def _format_summary(s: dict) -> str:
 @click.option("--steps", default=32, show_default=True, type=click.IntRange(min=1),
               help="Decode steps compared after the prefill step.")
 @click.option("--raw", is_flag=True, help="Do not apply the chat template.")
-@click.option("--tolerance", default=DEFAULT_TOLERANCE, show_default=True, type=click.FloatRange(min=0),
-              help="Fail when max |logit difference| exceeds this.")
+@click.option("--tolerance", default=None, type=click.FloatRange(min=0),
+              help=f"Fail when max |logit difference| exceeds this. [default: {DEFAULT_TOLERANCE:g}; {FP16_TOLERANCE:g} "
+                   "for --weights fp16 artifacts, whose logits are float16]")
 @click.option("--min-agreement", default=1.0, show_default=True, type=click.FloatRange(0, 1),
               help="Fail when greedy-token agreement (0..1) is below this.")
-@click.option("--tie-gap", default=DEFAULT_TIE_GAP, show_default=True, type=click.FloatRange(min=0),
-              help="Selection differences whose score gap is below this are reported as near-ties, not failures.")
+@click.option("--tie-gap", default=None, type=click.FloatRange(min=0),
+              help="Selection differences whose score gap is below this are reported as near-ties, not failures. "
+                   f"[default: {DEFAULT_TIE_GAP:g}; {FP16_TIE_GAP:g} for --weights fp16]")
 @click.option("--backend", type=click.Choice(BACKENDS), default="ort", show_default=True,
               help="ort: ONNX Runtime on an artifact folder; trt: TensorRT engines from `snapcompile build`.")
 @click.option("--matmul", type=click.Choice(("fp32", "int8")), default="fp32", show_default=True,
@@ -221,6 +223,8 @@ def validate(artifact, prompt, prompts_file, demo, steps, raw, tolerance, min_ag
         demo = True
     records = _load_prompt_records(prompt, prompts_file, demo)
     manifest = read_manifest(artifact)
+    tolerance = manifest.export.tolerance if tolerance is None else tolerance
+    tie_gap = manifest.export.tie_gap if tie_gap is None else tie_gap
     tokenizer = load_tokenizer(artifact)
     prompts = [encode(tokenizer, r.prompt, manifest.chat and not raw) for r in records]
     limit = manifest.export.max_context - (0 if manifest.policy.compressed else steps + 1)

@@ -40,6 +40,7 @@ class EvalConfig:
     chunk: int = 256
     scope: str = "head"              # SnapStream selection scope (head | layer)
     ratios: tuple[int, ...] = ()     # compression ratios: budget = length // ratio, per length
+    weights: str = "fp32"            # --weights of every artifact (fidelity's reference stays fp32 dense)
 
     def __post_init__(self):
         if self.task not in TASKS:
@@ -63,6 +64,11 @@ class EvalConfig:
     @property
     def export(self) -> ExportConfig:
         """The shapes of every artifact this evaluation runs."""
+        return ExportConfig(slots=self.slots, max_context=self.max_context, chunk=self.chunk, weights=self.weights)
+
+    @property
+    def reference_export(self) -> ExportConfig:
+        """Fidelity's reference: the dense artifact with fp32 weights."""
         return ExportConfig(slots=self.slots, max_context=self.max_context, chunk=self.chunk)
 
     def budgets_for(self, length: int) -> list[int]:
@@ -147,7 +153,7 @@ class ResultStore:
             handle.write(json.dumps(record) + "\n")
 
 
-_SAME_RESULTS = ("source", "task", "seed", "slots", "chunk", "scope")
+_SAME_RESULTS = ("source", "task", "seed", "slots", "chunk", "scope", "weights")
 
 
 def _same_results(stored: dict, config: EvalConfig) -> bool:
@@ -237,7 +243,7 @@ def _run_fidelity(config: EvalConfig, cases: list[Case], pending: dict, cache: A
     from snapcompile.runtime.ort_backend import OrtBackend
     if not any(pending.values()):
         return
-    dense_backend = OrtBackend(cache.dense(config.export))
+    dense_backend = OrtBackend(cache.dense(config.reference_export))
     prompts = {c.key: encode(tokenizer, c.prompt, chat=False) for c in cases}
     dense = {c.key: _teacher_forced(dense_backend, prompts[c.key], None) for c in cases
              if any(c in todo for todo in pending.values())}
@@ -246,7 +252,8 @@ def _run_fidelity(config: EvalConfig, cases: list[Case], pending: dict, cache: A
         if not todo:
             continue
         policy_config = policy_for(policy, budget, config.scope)
-        backend = OrtBackend(cache.get(config.export, policy_config)) if policy != "dense" else None
+        quantized_dense = policy == "dense" and config.weights != "fp32"
+        backend = OrtBackend(cache.get(config.export, policy_config)) if policy != "dense" or quantized_dense else None
         for case in todo:
             tokens, reference = dense[case.key]
             logits = reference if backend is None else _teacher_forced(backend, prompts[case.key], tokens)[1]

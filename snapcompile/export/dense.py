@@ -36,7 +36,7 @@ def build_dense_graphs(loaded: LoadedModel, export: ExportConfig) -> tuple[dict[
             from snapcompile.models.gguf_blocks import read_blocks
             gguf = read_blocks(loaded.gguf, loaded.spec.num_heads, loaded.spec.num_kv_heads)
         quantizer = Quantizer(export, gguf)
-    weights = Weights(loaded.model, loaded.spec, quantizer)
+    weights = Weights(loaded.model, loaded.spec, quantizer, half=export.weights == "fp16")
     graphs = {"prefill": PrefillWriter(loaded.spec, weights, export).build().model(),
               "decode": DecodeWriter(loaded.spec, weights, export).build().model()}
     for rows in export.prefill_buckets():

@@ -38,10 +38,15 @@ class LlamaGraphWriter:
         for name, array in self.w.arrays.items():
             b.weight(name, array)
 
-    def _matmul(self, b: GraphBuilder, x: str, weight: str) -> str:
-        """x @ W for a linear weight name of Weights (quantized or float)."""
+    def _matmul(self, b: GraphBuilder, x: str, weight: str, op: str = "MatMul", **attrs) -> str:
+        """x @ W (float32 in and out) for a linear weight name of Weights: quantized, float32,
+        or float16 (multiplied in float16 between two Casts)."""
         matrix = self.w.quantized.get(weight)
-        return b.op("MatMul", x, weight) if matrix is None else emit_matmul(b, x, weight, matrix)
+        if matrix is not None:
+            return emit_matmul(b, x, weight, matrix)
+        if self.w.arrays[weight].dtype == np.float16:
+            return b.op("Cast", b.op(op, b.op("Cast", x, to=10), weight, **attrs), to=1)
+        return b.op(op, x, weight, **attrs)
 
     def _linear(self, b: GraphBuilder, x: str, layer: dict, key: str) -> str:
         y = self._matmul(b, x, layer[key])
@@ -84,7 +89,7 @@ class LlamaGraphWriter:
         normed = self._rms_norm(b, hidden, self.w.final_norm)
         if self.w.lm_head in self.w.quantized:
             return self._matmul(b, normed, self.w.lm_head)
-        return b.op("Gemm", normed, self.w.lm_head, transB=1)
+        return self._matmul(b, normed, self.w.lm_head, "Gemm", transB=1)
 
     def _cache_inputs(self, b: GraphBuilder, batch: int, length: int) -> list[tuple[str, str]]:
         shape = [batch, self.spec.num_kv_heads, length, self.spec.head_dim]

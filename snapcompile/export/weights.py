@@ -1,9 +1,10 @@
-"""The weights a graph holds: fp32 arrays, or block-quantized linear layers (`--weights`).
+"""The weights a graph holds: float arrays, or block-quantized linear layers (`--weights`).
 
 Names in the graphs (a contract `graph_weights` reads back, for the oracle):
-  embed_tokens [V, hidden] (float16 when the linear layers are quantized: TensorRT's Gather takes
-  no integer table), norm, l{i}.input_norm, l{i}.post_norm, l{i}.{q,k,v,o,gate,up,down}.bias;
-  a float linear layer "l{i}.q" is l{i}.q.wT [K, N]; a quantized one is l{i}.q.qweight
+  embed_tokens [V, hidden] (float16 unless the weights are fp32: TensorRT's Gather takes no
+  integer table), norm, l{i}.input_norm, l{i}.post_norm, l{i}.{q,k,v,o,gate,up,down}.bias;
+  a float linear layer "l{i}.q" is l{i}.q.wT [K, N] (float32, or float16 for --weights fp16,
+  multiplied in float16 between two Casts); a quantized one is l{i}.q.qweight
   (INT4/INT8 [K, N]), l{i}.q.qscale [K/bs, N] and, for kept GGUF Q4_1 blocks, l{i}.q.qoffset.
   The LM head is the same with prefix "lm_head" (or embed_tokens itself when tied and float).
 """
@@ -56,20 +57,22 @@ class Weights:
     """The model's weights arranged for the graphs: `arrays` (float initializers by name) and
     `quantized` (BlockQuantized by linear name); layer dicts map roles to those names."""
 
-    def __init__(self, model, spec: ModelSpec, quantizer: Quantizer | None = None):
+    def __init__(self, model, spec: ModelSpec, quantizer: Quantizer | None = None, half: bool = False):
+        """half: linear weights (and the embedding) in float16 (--weights fp16)."""
         state = {k: v.detach().to(torch.float32).numpy() for k, v in model.state_dict().items()}
         self.arrays: dict[str, np.ndarray] = {}
         self.quantized: dict[str, BlockQuantized] = {}
         self.quantizer = quantizer
+        self.linear_dtype = np.float16 if half else np.float32
         embed = state["model.embed_tokens.weight"]
-        self.embed = self._add("embed_tokens", embed.astype(np.float16) if quantizer else embed)
+        self.embed = self._add("embed_tokens", embed.astype(np.float16) if quantizer or half else embed)
         head = state.get("lm_head.weight")
         tied = spec.tie_word_embeddings or head is None
         if quantizer:
             self.lm_head = self._linear_weight("lm_head", "lm_head.weight" if not tied else "model.embed_tokens.weight",
                                                embed if tied else head, head=True)
         else:
-            self.lm_head = self.embed if tied else self._add("lm_head", head)
+            self.lm_head = self.embed if tied else self._add("lm_head", head.astype(self.linear_dtype))
         self.final_norm = self._add("norm", state["model.norm.weight"])
         self.layers = [self._layer(state, i) for i in range(spec.num_layers)]
         rotary = model.model.rotary_emb
@@ -83,7 +86,7 @@ class Weights:
     def _linear_weight(self, name: str, hf_name: str, weight: np.ndarray, head: bool = False) -> str:
         """weight [N, K] (HF layout) stored as `name`: quantized, or transposed for MatMul."""
         if self.quantizer is None:
-            return self._add(f"{name}.wT", weight.T)
+            return self._add(f"{name}.wT", weight.T.astype(self.linear_dtype))
         self.quantized[name] = self.quantizer(hf_name, weight, head)
         return name
 
@@ -136,6 +139,18 @@ def graph_weights(model, spec: ModelSpec) -> dict[str, np.ndarray]:
             if f"l{i}.{short}.bias" in init:
                 out[p + key + ".bias"] = array(f"l{i}.{short}.bias")
     return out
+
+
+def round_linears_to_half(model) -> None:
+    """Make the HF model's linear layers (and head) compute as a --weights fp16 graph does: input
+    rounded to float16, product rounded to float16 (weights are float16 values already)."""
+    def to_half(tensor):
+        return tensor.to(torch.float16).to(torch.float32)
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            module.register_forward_pre_hook(lambda mod, args: (to_half(args[0]), *args[1:]))
+            module.register_forward_hook(     # the graph adds a bias after rounding the product
+                lambda mod, args, out: to_half(out) if mod.bias is None else to_half(out - mod.bias) + mod.bias)
 
 
 def load_graph_weights(model, weights: dict[str, np.ndarray]) -> None:

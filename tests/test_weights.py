@@ -1,4 +1,4 @@
-"""Quantized weights (--weights int8 / int4): block quantization, GGUF blocks kept exactly,
+"""Weight formats (--weights fp16 / int8 / int4): block quantization, GGUF blocks kept exactly,
 the graph form, parity against the oracle on the graph's own weights, on tiny models."""
 import gguf
 import numpy as np
@@ -36,6 +36,7 @@ def test_quantize_is_symmetric_round_to_nearest(bits, block):
 def test_block_size_must_divide_the_inputs():
     with pytest.raises(SnapcompileError, match="--block-size 64 does not divide the 96 inputs of w"):
         quantize(np.zeros((4, 96), np.float32), 4, 64, "w")
+    assert ExportConfig(weights="fp16").tolerance > ExportConfig(weights="int4").tolerance == 1e-3
     with pytest.raises(SnapcompileError, match="power of two"):
         ExportConfig(weights="int4", block_size=48)
     with pytest.raises(SnapcompileError, match="unknown --weights"):
@@ -76,36 +77,56 @@ def test_gguf_names_and_row_order_follow_transformers():
     assert hf_name("blk.7.attn_norm.weight") is None
 
 
-@pytest.fixture(scope="module", params=["int8", "int4"])
-def quant_artifacts(request, tiny_llama, tmp_path_factory):
-    """(weights, dense folder, snapstream folder) of tiny-llama at int8 / int4."""
+@pytest.fixture(scope="module", params=["fp16", "int8", "int4"])
+def weight_artifacts(request, tiny_llama, tmp_path_factory):
+    """(weights, dense folder, snapstream folder) of tiny-llama at fp16 / int8 / int4."""
     export = ExportConfig(**QUANT_EXPORT, weights=request.param)
     root = tmp_path_factory.mktemp(request.param)
     return (request.param, build_artifact(tiny_llama, root / "dense", export),
             build_artifact(tiny_llama, root / "snap", export, TINY_SNAPSTREAM))
 
 
-def test_quantized_artifacts_match_the_oracle_on_their_weights(quant_artifacts):
-    weights, dense, snap = quant_artifacts
+def test_artifacts_match_the_oracle_on_their_weights(weight_artifacts):
+    weights, dense, snap = weight_artifacts
+    bound = 1e-4 if weights != "fp16" else 0.05          # fp16 logits: within 1-2 float16 steps
     for folder, lengths in ((dense, [7, 90, 300]), (snap, [200, 300, 20])):
         manifest = read_manifest(folder)
         summary = summarize(Validator(folder, oracle_model(folder, manifest)).run(random_prompts(lengths, 3), 40), 40)
-        assert summary["max_abs_logit_diff"] <= 1e-4, (weights, folder.name, summary["max_abs_logit_diff"])
+        assert summary["max_abs_logit_diff"] <= bound, (weights, folder.name, summary["max_abs_logit_diff"])
         assert summary["greedy_agreement"] == 1.0
         assert not summary["selection_mismatches"]
 
 
-def test_fast_int8_kernels_run_but_are_not_exact(quant_artifacts):
+def test_fast_int8_kernels_run_but_are_not_exact(weight_artifacts):
     """ORT's default int8-activation kernels: what run/serve use; validate --matmul int8 shows the gap."""
-    _, dense, _ = quant_artifacts
+    weights, dense, _ = weight_artifacts
+    if weights == "fp16":
+        pytest.skip("int8 kernels are for int8 / int4 weights")
     manifest = read_manifest(dense)
     fast = Validator(dense, oracle_model(dense, manifest), exact_matmul=False)
     summary = summarize(fast.run(random_prompts([50], 5), 8), 8)
     assert 1e-4 < summary["max_abs_logit_diff"] < 5.0
 
 
-def test_graph_holds_what_the_manifest_reports(quant_artifacts, tiny_llama):
-    weights, dense, _ = quant_artifacts
+def test_fp16_graph_multiplies_in_float16(weight_artifacts, tiny_llama):
+    weights, dense, _ = weight_artifacts
+    if weights != "fp16":
+        pytest.skip("fp16 only")
+    manifest = read_manifest(dense)
+    decode = load_graph(dense, manifest, "decode", with_weights=True)
+    halves = [t.name for t in decode.graph.initializer if t.data_type == 10]
+    assert set(halves) >= {"embed_tokens", "l0.q.wT", "l1.down.wT", "lm_head"} and "norm" not in halves
+    held = graph_weights(decode, manifest.spec)
+    state = tiny_llama.model.state_dict()
+    for name, value in held.items():      # float16 rounding of the fp32 weights, nothing else
+        np.testing.assert_array_equal(value, state[name].numpy().astype(np.float16).astype(np.float32), name)
+    assert manifest.weights["step_weight_bytes"] < manifest.weights["weight_bytes"]
+
+
+def test_graph_holds_what_the_manifest_reports(weight_artifacts, tiny_llama):
+    weights, dense, _ = weight_artifacts
+    if weights == "fp16":
+        pytest.skip("block-quantized formats only")
     manifest = read_manifest(dense)
     report = manifest.weights
     assert report["weights"] == weights and report["bits"] == {"int8": 8, "int4": 4}[weights]
