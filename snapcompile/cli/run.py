@@ -193,8 +193,8 @@ def _format_summary(s: dict) -> str:
               help="Decode steps compared after the prefill step.")
 @click.option("--raw", is_flag=True, help="Do not apply the chat template.")
 @click.option("--tolerance", default=None, type=click.FloatRange(min=0),
-              help=f"Fail when max |logit difference| exceeds this. [default: {DEFAULT_TOLERANCE:g}; {FP16_TOLERANCE:g} "
-                   "for --weights fp16 artifacts, whose logits are float16]")
+              help=f"Fail when max |logit difference| exceeds this. [default: {DEFAULT_TOLERANCE:g}; "
+                   f"{FP16_TOLERANCE:g} for --weights fp16 artifacts, whose logits are float16]")
 @click.option("--min-agreement", default=1.0, show_default=True, type=click.FloatRange(0, 1),
               help="Fail when greedy-token agreement (0..1) is below this.")
 @click.option("--tie-gap", default=None, type=click.FloatRange(min=0),
