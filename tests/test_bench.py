@@ -107,3 +107,25 @@ def test_contexts_beyond_the_models_positions_are_refused(tmp_path):
     config = BenchConfig("tiny-llama", contexts=(4090,), slots=(1,), budget=128, new_tokens=8, repeats=1)
     with pytest.raises(SnapcompileError, match="exceeds the model's 4096 positions"):
         run_bench(config, tmp_path, log=lambda m: None)
+
+
+def test_weight_formats_and_onnx_runtime_genai_peers(tiny_hf_dir, tmp_path):
+    """bench --weights fp32,int4 --peers int4: every system at every point, ratios against fp32
+    snapstream and the peer, the peer built once by ONNX Runtime GenAI's builder and cached."""
+    config = BenchConfig(str(tiny_hf_dir), contexts=(128,), slots=(1, 2), budget=64, new_tokens=4, repeats=1,
+                         eager=False, weights=("fp32", "int4"), peers=("int4",))
+    result = run_bench(config, tmp_path, log=lambda m: None)
+    for point in result["points"]:
+        assert set(point["systems"]) == {"snapstream", "dense", "snapstream-int4", "dense-int4", "ortgenai-int4"}
+        assert point["systems"]["ortgenai-int4"]["tokens_per_s"]["median"] > 0
+        assert {"snapstream-int4_vs_snapstream", "snapstream-int4_vs_ortgenai-int4"} <= set(point["ratios"])
+        assert "fraction_of_bound" in point["systems"]["snapstream-int4"]
+    assert result["step_weight_bytes"]["snapstream-int4"] < result["step_weight_bytes"]["snapstream"]
+    assert "snapstream-int4 / ortgenai-int4" in markdown(result)
+    assert len(list((tmp_path / "peers").glob("ortgenai-int4-*"))) == 1
+    with pytest.raises(SnapcompileError, match="unknown --peers precision 'int2'"):
+        BenchConfig("tiny-llama", peers=("int2",))
+    with pytest.raises(SnapcompileError, match="--weights must include fp32"):
+        BenchConfig("tiny-llama", weights=("int4",))
+    with pytest.raises(SnapcompileError, match="--peers needs a model loaded from a Hugging Face folder"):
+        run_bench(BenchConfig("tiny-llama", contexts=(128,), slots=(1,), budget=64, peers=("int4",)), tmp_path)

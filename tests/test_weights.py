@@ -1,5 +1,7 @@
 """Weight formats (--weights fp16 / int8 / int4): block quantization, GGUF blocks kept exactly,
 the graph form, parity against the oracle on the graph's own weights, on tiny models."""
+import json
+
 import gguf
 import numpy as np
 import pytest
@@ -161,3 +163,28 @@ def test_streamingllm_plugin_lowering_on_quantized_weights(tiny_llama, tmp_path)
     manifest = read_manifest(folder)
     summary = summarize(Validator(folder, oracle_model(folder, manifest)).run(random_prompts([200, 9], 6), 70), 70)
     assert summary["max_abs_logit_diff"] <= 1e-4 and summary["greedy_agreement"] == 1.0
+
+
+def test_cli_convert_inspect_run_validate_int4(tmp_path):
+    from tests.test_cli import assert_user_error, invoke
+    out = tmp_path / "int4"
+    result = invoke("convert", "tiny-llama", "-o", out, "--weights", "int4", "--block-size", 64, "--budget", 64,
+                    "--window", 8, "--kernel", 5, "--max-context", 256, "--chunk", 32, "--slots", 2)
+    assert result.exit_code == 0, result.output
+    info = json.loads(invoke("inspect", out, "--json").output)
+    assert info["export"]["weights"] == "int4" and info["export"]["block_size"] == 64
+    assert info["weights"]["requantized_blocks"] > 0 and info["weights_file_bytes"] > info["weights"]["weight_bytes"] / 2
+    text = invoke("inspect", out).output
+    assert "weights        int4 (blocks of 64, LM head 8-bit; GGUF blocks kept 0" in text
+    run = invoke("run", out, "--prompt", "hello " * 40, "--max-new-tokens", 4, "--json")
+    assert run.exit_code == 0, run.output
+    for matmul, passed in (("fp32", True), ("int8", None)):
+        valid = invoke("validate", out, "--prompt", "abc " * 60, "--steps", 6, "--json", "--matmul", matmul)
+        summary = json.loads(next(line for line in valid.output.splitlines() if line.startswith("{")))
+        assert summary["weights"] == "int4" and summary["matmul"] == matmul
+        if passed:
+            assert valid.exit_code == 0 and summary["max_abs_logit_diff"] <= 1e-4
+    assert_user_error(invoke("export", "tiny-llama", "-o", tmp_path / "x", "--weights", "int4", "--block-size", 256),
+                      "does not divide the 64 inputs")
+    assert_user_error(invoke("export", "tiny-llama", "-o", tmp_path / "x", "--block-size", 24), "power of two")
+    assert_user_error(invoke("export", "tiny-llama", "-o", tmp_path / "x", "--weights", "int2"), "--weights")
