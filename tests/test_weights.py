@@ -173,7 +173,8 @@ def test_cli_convert_inspect_run_validate_int4(tmp_path):
     assert result.exit_code == 0, result.output
     info = json.loads(invoke("inspect", out, "--json").output)
     assert info["export"]["weights"] == "int4" and info["export"]["block_size"] == 64
-    assert info["weights"]["requantized_blocks"] > 0 and info["weights_file_bytes"] > info["weights"]["weight_bytes"] / 2
+    assert info["weights"]["requantized_blocks"] > 0
+    assert info["weights_file_bytes"] >= info["weights"]["weight_bytes"]
     text = invoke("inspect", out).output
     assert "weights        int4 (blocks of 64, LM head 8-bit; GGUF blocks kept 0" in text
     run = invoke("run", out, "--prompt", "hello " * 40, "--max-new-tokens", 4, "--json")
