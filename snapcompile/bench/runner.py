@@ -1,7 +1,9 @@
 """`snapcompile bench`: compressed vs dense static graphs vs PyTorch eager, in one process.
 
-For each slot count N and context T, the three systems are measured in turn, `repeats` times,
-their order rotating between repeats; figures are medians with min/max. Artifacts are built
+For each slot count N and context T, the systems are measured in turn, `repeats` times, their
+order rotating between repeats; figures are medians with min/max. The systems: the compressed and
+the dense artifact for each `--weights` format, PyTorch eager, and with `--peers` ONNX Runtime
+GenAI builds of the model (bench/peers.py, a subprocess per measurement). Artifacts are built
 once and cached: one compressed artifact per N (its cost does not depend on T) and one dense
 artifact per (T, N), exported with max context T + new tokens so that the dense graph reads
 exactly the context it serves.
@@ -145,7 +147,8 @@ def _measure_points(config: BenchConfig, artifacts: ArtifactCache, compressed: P
                 log(f"eager skipped at context {context}, {slots} slots: {eager_kv / 2**30:.1f} GiB of KV "
                     f"> --eager-kv-limit-gib {config.eager_kv_limit_gib:g}")
             points.append(_measure_point(config, systems, context, slots))
-            if context not in prefill or len(prefill[context]) < len(systems):
+            measured = [n for n in systems if not n.startswith("ortgenai")]   # peers prefill whole batches
+            if context not in prefill or len(prefill[context]) < len(measured):
                 prefill[context] = _measure_prefill(config, systems, context)
             del systems
             if progress:
@@ -192,9 +195,10 @@ def _measure_point(config: BenchConfig, systems: dict, context: int, slots: int)
             kv = slots * (context + config.new_tokens + 1) * systems[name].kv_bytes_per_token
         else:
             kv = systems[name].kv_bytes_in_use()
+        memory = "peak_rss_bytes" if name.startswith("ortgenai") else "peak_rss_growth_bytes"   # peers: their process
         result["systems"][name] = {"step_ms": _stats([1000 * s for s in medians]),
                                    "tokens_per_s": _stats([slots / s for s in medians]),
-                                   "kv_bytes_per_slot": kv // slots, "peak_rss_growth_bytes": rss[name]}
+                                   "kv_bytes_per_slot": kv // slots, memory: rss[name]}
     return result
 
 
