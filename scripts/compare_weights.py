@@ -2,8 +2,9 @@
 
     .venv/bin/python scripts/compare_weights.py REFERENCE.json OTHER.json [OTHER.json ...]
 
-REFERENCE: the fp32 run; each OTHER: the same command with another --weights (same seed, so the
-same cases). Retrieval tasks: per (policy, budget, length) the answers each run got right, the
+REFERENCE: an fp32 run; each OTHER: a run with another --weights and the same seed (a case is the
+same case in every run with that seed; only cases present in all the files are compared, so the
+reference may be a wider grid). Retrieval tasks: per (policy, budget, length) the answers each run got right, the
 paired retention (answers right in both / right in the reference) and the reference answers lost.
 Fidelity: agreement and KL of each run (all measured against the fp32 dense model). Markdown.
 """
@@ -27,15 +28,16 @@ def retrieval_rows(reference: dict, others: list[tuple[str, dict]]) -> list[str]
     lines = ["| policy, budget, length | " + " | ".join(f"{w} right / retained of fp32 (lost)" for w, _ in others)
              + " | fp32 right |", "|" + "---|" * (len(others) + 2)]
     for key in sorted(reference, key=lambda k: (k[2], k[0], str(k[1]))):
-        base = reference[key]
-        right = {i for i, r in base.items() if r["correct"]}
+        shared = set(reference[key]).intersection(*(cellset.get(key, {}) for _, cellset in others))
+        if not shared:
+            continue
+        right = {i for i in shared if reference[key][i]["correct"]}
         cells = []
         for _, cellset in others:
-            theirs = cellset.get(key, {})
-            kept = {i for i, r in theirs.items() if r["correct"]}
+            kept = {i for i in shared if cellset[key][i]["correct"]}
             paired = len(right & kept) / len(right) if right else float("nan")
-            cells.append(f"{len(kept)}/{len(theirs)} / {100 * paired:.0f}% ({len(right - kept)})")
-        lines.append(f"| {key[0]}, {key[1]}, {key[2]} | " + " | ".join(cells) + f" | {len(right)}/{len(base)} |")
+            cells.append(f"{len(kept)}/{len(shared)} / {100 * paired:.0f}% ({len(right - kept)})")
+        lines.append(f"| {key[0]}, {key[1]}, {key[2]} | " + " | ".join(cells) + f" | {len(right)}/{len(shared)} |")
     return lines
 
 
@@ -44,9 +46,12 @@ def fidelity_rows(reference: dict, others: list[tuple[str, dict]]) -> list[str]:
     lines = ["| policy, budget, length | " + " | ".join(f"{w} agreement / KL" for w, _ in runs) + " |",
              "|" + "---|" * (len(runs) + 1)]
     for key in sorted(reference, key=lambda k: (k[2], k[0], str(k[1]))):
+        shared = set(reference[key]).intersection(*(cellset.get(key, {}) for _, cellset in others))
+        if not shared:
+            continue
         cells = []
         for _, cellset in runs:
-            records = list(cellset.get(key, {}).values())
+            records = [cellset[key][i] for i in sorted(shared)]
             agreement = sum(r["agreement"] for r in records) / max(len(records), 1)
             kl = sum(r["kl"] for r in records) / max(len(records), 1)
             cells.append(f"{agreement:.3f} / {kl:.3f} ({len(records)})")

@@ -221,8 +221,9 @@ def inspect(artifact, verify, as_json):
 def build(artifact, output, fp16, force):
     """Build TensorRT engines (prefill, decode, select) from an artifact folder.
 
-    Needs TensorRT 10.8+ and a CUDA GPU (pip install "snapcompile[trt]"). All graphs have static
-    shapes, so no optimization profiles are needed. Budgets: the standard lowering's selection
+    Needs TensorRT 10.8+ and a CUDA GPU (pip install "snapcompile[trt]"). Every graph is first
+    checked against TensorRT 10's ONNX-parser support matrix (a violation names its node). All
+    graphs have static shapes, so no optimization profiles are needed. Budgets: the standard lowering's selection
     uses TopK with k = prompt share, which TensorRT limits to 3840; the plugin lowering
     (`convert --lower plugin`) has no such limit. Run the engines with `run --backend trt`.
     """
