@@ -95,7 +95,8 @@ def run_bench(config: BenchConfig, cache_dir: Path, progress: Callable[[int], No
     peers = _build_peers(config, artifacts, cache_dir, log)
     step_bytes = {}
     with _attention(model, "sdpa"):        # the eager baseline runs as `generate` would
-        points, prefill = _measure_points(config, artifacts, compressed, model, peers, step_bytes, progress, log)
+        points, prefill = _measure_points(config, artifacts, compressed, model, weight_bytes, peers, step_bytes,
+                                          progress, log)
     for point in points:
         point["prefill"] = prefill[point["context"]]
         _add_roofline(point, config, artifacts.loaded.spec, weight_bytes, step_bytes, bandwidth, flops)
@@ -124,12 +125,11 @@ def _step_weight_bytes(backend, model_bytes: int) -> int:
     return report["step_weight_bytes"] if report.get("weights", "fp32") != "fp32" else model_bytes
 
 
-def _measure_points(config: BenchConfig, artifacts: ArtifactCache, compressed: PolicyConfig, model, peers: dict,
-                    step_bytes: dict, progress, log) -> tuple[list[dict], dict]:
+def _measure_points(config: BenchConfig, artifacts: ArtifactCache, compressed: PolicyConfig, model,
+                    model_bytes: int, peers: dict, step_bytes: dict, progress, log) -> tuple[list[dict], dict]:
     """Decode timings at every (slots, context) point and prefill timings per context;
-    step_bytes gets each artifact system's weight bytes per step."""
+    step_bytes gets each artifact system's weight bytes per step (model_bytes: the fp32 model's)."""
     points, prefill = [], {}
-    model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     dense = PolicyConfig(policy="dense")
     for slots in config.slots:
         snaps = {system_name("snapstream", w): _open(artifacts.get(config.export(max(config.contexts), slots, w),

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import MISSING, asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields, replace
 from pathlib import Path
 
 import numpy as np
@@ -69,7 +69,7 @@ class EvalConfig:
     @property
     def reference_export(self) -> ExportConfig:
         """Fidelity's reference: the dense artifact with fp32 weights."""
-        return ExportConfig(slots=self.slots, max_context=self.max_context, chunk=self.chunk)
+        return replace(self.export, weights="fp32")
 
     def budgets_for(self, length: int) -> list[int]:
         """Budgets evaluated at `length`: the fixed budgets below it (a budget >= the prompt

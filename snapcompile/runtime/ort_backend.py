@@ -59,7 +59,6 @@ class OrtGraph:
         self.session.run_with_iobinding(self.binding)
 
 
-_PACKED_TYPES = (22, 21)   # INT4, UINT4: two values a byte, which numpy views cannot express; ORT loads them
 
 
 class SharedWeights:
@@ -78,8 +77,9 @@ class SharedWeights:
         """name -> OrtValue viewing weights.bin, for every external initializer of `model`
         (an onnx.ModelProto loaded without its data)."""
         from onnx import TensorProto
+        packed = (TensorProto.INT4, TensorProto.UINT4)   # two values a byte: no numpy view; ORT loads them
         return {tensor.name: self._value(tensor) for tensor in model.graph.initializer
-                if tensor.data_location == TensorProto.EXTERNAL and tensor.data_type not in _PACKED_TYPES}
+                if tensor.data_location == TensorProto.EXTERNAL and tensor.data_type not in packed}
 
     def _value(self, tensor):
         import onnxruntime as ort
