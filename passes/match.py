@@ -1,6 +1,6 @@
 """Find cached-attention blocks by graph structure (never by tensor name).
 
-The pattern (see snapcompile.export.attention_graph.emit_cached_attention):
+The pattern (see snapcompile.graphs.attention.emit_cached_attention):
 
     s_cache = Add(Mul(MatMul(q, Transpose(k_cache)), scale), cache_mask)
     s_new   = Mul(MatMul(q, Transpose(k_new)), scale) [+ new_mask]
@@ -32,10 +32,6 @@ class AttentionBlock:
     split: gs.Node
     output_add: gs.Node
     scale: float
-
-    @property
-    def cache_mask(self) -> gs.Tensor:
-        return self.cache_mask_add.inputs[1]
 
 
 def _producer(tensor: gs.Tensor, op: str, where: str) -> gs.Node:

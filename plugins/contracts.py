@@ -1,4 +1,6 @@
-"""Contracts of the two custom ops that the plugin lowering emits.
+"""Contracts of the two custom ops that the plugin lowering emits: the one place their inputs,
+outputs and attributes are listed (the lowering, the ONNX Runtime ops and the TensorRT plugin
+all read them from here).
 
 Op type = TensorRT plugin name; nodes carry `plugin_version` and `plugin_namespace`, which
 TensorRT's ONNX parser uses to find the plugin creator (namespace "snapcompile", version "1").
@@ -15,9 +17,8 @@ SnapKVDecodeAttention -- fused decode attention over a fixed-budget ring cache
   attrs    scale (float): score scale, usually D ** -0.5
   outputs  attention    [N, Hkv, G, D]  same dtype
   Each query attends to rows r < cache_len, r != write_index, and to the new token. The op does
-  not write the caches through its ONNX interface: the runner stores the new K/V at write_index
-  after the step, so caches stay bound once and are never copied. The Triton kernel can also
-  do that store itself (write_cache=True) for backends that alias the caches in place.
+  not write the caches: the runner stores the new K/V at write_index after the step, so caches
+  stay bound once and are never copied.
 
 SnapKVSelect -- SnapKV prompt selection of one layer, run once per request after prefill
   inputs   window_query [1, H, W, D]    float32 | float16   queries of prompt positions T-W..T-1
@@ -28,8 +29,8 @@ SnapKVSelect -- SnapKV prompt selection of one layer, run once per request after
   outputs  selected_key,
            selected_value [1, Hkv, P, D] same dtype          kept rows in position order
            selected_index [1, Hkv, P] int64                  their positions
-  Selection rule: snapcompile.policy_torch.snapkv_select (docs/design.md, "The cache policy"); its window scores
-  also have a Triton kernel (plugins/triton_kernels.window_scores).
+  Selection rule: snapcompile.reference.policy.snapkv_select (docs/design.md, "The cache policy");
+  its window scores also have a Triton kernel (plugins/triton_kernels.window_scores).
 """
 from __future__ import annotations
 
@@ -38,30 +39,54 @@ from dataclasses import dataclass
 DOMAIN = "ai.onnx.contrib"
 PLUGIN_NAMESPACE = "snapcompile"
 PLUGIN_VERSION = "1"
+PLUGIN_ATTRS = {"plugin_version": PLUGIN_VERSION, "plugin_namespace": PLUGIN_NAMESPACE}
 
 
 @dataclass(frozen=True)
 class OpContract:
+    """An op's tensors as (name, "float" | "int64") and attributes as (name, "int" | "float" | "string"),
+    in node order."""
+
     name: str
-    inputs: tuple[str, ...]
-    outputs: tuple[str, ...]
-    int_attrs: tuple[str, ...] = ()
-    float_attrs: tuple[str, ...] = ()
-    string_attrs: tuple[str, ...] = ()
+    inputs: tuple[tuple[str, str], ...]
+    outputs: tuple[tuple[str, str], ...]
+    attrs: tuple[tuple[str, str], ...]
 
     @property
     def plugin_id(self) -> str:
         return f"{PLUGIN_NAMESPACE}::{self.name}"
 
+    @property
+    def input_names(self) -> tuple[str, ...]:
+        return tuple(name for name, _ in self.inputs)
+
+    @property
+    def attr_names(self) -> tuple[str, ...]:
+        return tuple(name for name, _ in self.attrs)
+
+    def node_inputs(self, **tensors) -> list:
+        """The tensors in the op's input order; every input named once, no other."""
+        if set(tensors) != set(self.input_names):
+            raise ValueError(f"{self.name} takes the inputs {', '.join(self.input_names)}, got {', '.join(tensors)}")
+        return [tensors[name] for name in self.input_names]
+
+    def node_attrs(self, **values) -> dict:
+        """The node's attributes: exactly the contract's, plus the plugin's version and namespace."""
+        if set(values) != set(self.attr_names):
+            raise ValueError(f"{self.name} has the attributes {', '.join(self.attr_names)}, got {', '.join(values)}")
+        return {**values, **PLUGIN_ATTRS}
+
 
 DECODE_ATTENTION = OpContract(
     "SnapKVDecodeAttention",
-    inputs=("query", "key", "value", "key_cache", "value_cache", "write_index", "cache_len"),
-    outputs=("attention",), float_attrs=("scale",))
+    inputs=(("query", "float"), ("key", "float"), ("value", "float"), ("key_cache", "float"),
+            ("value_cache", "float"), ("write_index", "int64"), ("cache_len", "int64")),
+    outputs=(("attention", "float"),),
+    attrs=(("scale", "float"),))
 
 SELECT = OpContract(
     "SnapKVSelect",
-    inputs=("window_query", "key", "value", "prompt_len"),
-    outputs=("selected_key", "selected_value", "selected_index"),
-    int_attrs=("sinks", "window", "kernel", "prompt_share"), float_attrs=("scale",),
-    string_attrs=("pooling", "scope"))
+    inputs=(("window_query", "float"), ("key", "float"), ("value", "float"), ("prompt_len", "int64")),
+    outputs=(("selected_key", "float"), ("selected_value", "float"), ("selected_index", "int64")),
+    attrs=(("sinks", "int"), ("window", "int"), ("kernel", "int"), ("prompt_share", "int"),
+           ("pooling", "string"), ("scope", "string"), ("scale", "float")))

@@ -1,10 +1,10 @@
-"""PyTorch implementations of the custom ops (the same functions the oracle uses, snapcompile.policy_torch)."""
+"""PyTorch implementations of the custom ops (the same functions the oracle uses, snapcompile.reference.policy)."""
 from __future__ import annotations
 
 import torch
 
 from snapcompile.config import PolicyConfig
-from snapcompile.policy_torch import ring_decode_attention, snapkv_select, window_scores
+from snapcompile.reference.policy import ring_decode_attention, snapkv_select, window_scores
 
 decode_attention = ring_decode_attention
 
@@ -22,8 +22,9 @@ def select(window_query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, p
     return picked_k[None], picked_v[None], index[None]
 
 
-def policy_from_attrs(sinks: int, window: int, kernel: int, prompt_share: int, pooling: str, scope: str,
-                      budget: int | None = None) -> PolicyConfig:
-    """The PolicyConfig an op node's attributes describe (the budget only bounds the share)."""
-    return PolicyConfig(policy="snapstream", budget=budget or prompt_share + 1, sinks=sinks, window=window,
+def policy_from_attrs(sinks: int, window: int, kernel: int, prompt_share: int, pooling: str,
+                      scope: str) -> PolicyConfig:
+    """The PolicyConfig an op node's attributes describe. A node knows no budget: the smallest
+    one its prompt share fits (share + 1) stands in, which the selection never reads."""
+    return PolicyConfig(policy="snapstream", budget=prompt_share + 1, sinks=sinks, window=window,
                         kernel=kernel, pooling=pooling, scope=scope, prompt_share=prompt_share)

@@ -1,7 +1,7 @@
 """Triton kernel of the fused decode attention (SnapKVDecodeAttention, see plugins.contracts).
 
 One program per (slot, KV head): it streams the slot's B cache rows in blocks with an online
-softmax, adds the new token, and optionally stores the new K/V at the ring row (write_cache).
+softmax and adds the new token (the runner stores the new K/V at the ring row after the step).
 Without a CUDA device the kernel runs in Triton's interpreter (TRITON_INTERPRET=1, set here
 before Triton is imported), which is how CI tests it.
 """
@@ -25,7 +25,7 @@ def _decode_attention_kernel(
     stride_qn, stride_qh, stride_qg,
     stride_kn, stride_kh,
     stride_cn, stride_ch, stride_cb,
-    WRITE_CACHE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     slot = tl.program_id(0)
     head = tl.program_id(1)
@@ -65,18 +65,14 @@ def _decode_attention_kernel(
     out = acc / l_i[:, None]
     tl.store(out_ptr + slot * stride_qn + head * stride_qh + g[:, None] * stride_qg + d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
-    if WRITE_CACHE:
-        tl.store(cache + write * stride_cb + d, k_new.to(kc_ptr.dtype.element_ty), mask=d_ok)
-        tl.store(values + write * stride_cb + d, v_new.to(vc_ptr.dtype.element_ty), mask=d_ok)
 
 
 def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
                      value_cache: torch.Tensor, write_index: torch.Tensor, cache_len: torch.Tensor,
-                     scale: float, write_cache: bool = False, block_rows: int = 64,
+                     scale: float, block_rows: int = 64,
                      out: torch.Tensor | None = None) -> torch.Tensor:
     """Launch the kernel. Shapes and semantics as plugins.torch_ops.decode_attention; the last
-    axis of every tensor must be contiguous. With write_cache the new K/V are stored into the
-    caches at write_index after the attention is computed."""
+    axis of every tensor must be contiguous. The caches are read, never written."""
     slots, kv_heads, group, head_dim = query.shape
     budget = key_cache.shape[2]
     for tensor in (query, key, value, key_cache, value_cache):
@@ -93,7 +89,7 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
         query.stride(0), query.stride(1), query.stride(2),
         key.stride(0), key.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        WRITE_CACHE=write_cache, BLOCK_G=max(triton.next_power_of_2(group), 2),
+        BLOCK_G=max(triton.next_power_of_2(group), 2),
         BLOCK_B=min(block_rows, max(triton.next_power_of_2(budget), 16)),
         BLOCK_D=max(triton.next_power_of_2(head_dim), 16))
     return out
@@ -152,7 +148,7 @@ def _window_scores_kernel(q_ptr, k_ptr, m_ptr, l_ptr, out_ptr, scale, length, wi
 
 
 def window_scores(window_query: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
-    """Triton version of snapcompile.policy_torch.window_scores: [H, W, D] queries, [Hkv, T, D] keys
+    """Triton version of snapcompile.reference.policy.window_scores: [H, W, D] queries, [Hkv, T, D] keys
     -> [Hkv, T-W] mean window attention per prefix position (float32)."""
     heads, window, head_dim = window_query.shape
     kv_heads, length, _ = keys.shape

@@ -71,7 +71,7 @@ def check_selection_on_cuda() -> dict:
     triton_kernels = _plugin("triton_kernels")
 
     from snapcompile.config import PolicyConfig
-    from snapcompile.policy_torch import snapkv_select, window_scores
+    from snapcompile.reference.policy import snapkv_select, window_scores
     policy = PolicyConfig(budget=256, window=32)
     gen = torch.Generator().manual_seed(0)
     query, keys = torch.randn(9, 32, 64, generator=gen), torch.randn(3, 2000, 64, generator=gen)

@@ -62,8 +62,8 @@ def run_case(loaded, case, variants: dict[str, dict], default_ratio: float) -> d
     """Per answerer (dense and every variant): greedy text, and for variants the dense margin
     where the answer departs from dense."""
     from snapcompile.config import PolicyConfig
-    from snapcompile.oracle import ReferenceSequence
     from snapcompile.prompts import encode
+    from snapcompile.reference.oracle import ReferenceSequence
     ids = encode(loaded.tokenizer, case.prompt, loaded.chat)
     window = max([32, *(v.get("window", 32) for v in variants.values())])
     dense = ReferenceSequence(loaded.model, PolicyConfig(policy="dense"), len(ids) + ANSWER_TOKENS + 1,
@@ -151,7 +151,7 @@ def main() -> int:
                           f"{s['dense_correct']}{_margins(s)})" for length, s in by_length.items())
         print(f"{name:>16}  {cells}")
     if args.json_path:
-        from snapcompile.atomic import write_json_atomic
+        from snapcompile.artifact.atomic import write_json_atomic
         write_json_atomic(args.json_path, {"args": vars(args), "summary": summary, "records": records})
     return 0
 

@@ -21,7 +21,8 @@ import onnx
 import onnxruntime as ort
 from onnx import helper, numpy_helper
 
-from snapcompile.artifact import load_graph, read_manifest
+from snapcompile.artifact.manifest import read_manifest
+from snapcompile.artifact.onnx_io import load_graph
 
 
 def to_matmulnbits(model: onnx.ModelProto) -> onnx.ModelProto:

@@ -78,7 +78,7 @@ def smol_dense(smollm2, tmp_path_factory):
 @pytest.fixture(scope="session")
 def smol_snap(smol_dense):
     """The same compressed to B = 256 (snapstream)."""
-    from snapcompile.compress import compress_artifact
+    from snapcompile.passes.pipeline import compress_artifact
     folder = smol_dense.parent / "snap256"
     compress_artifact(smol_dense, folder, PolicyConfig(policy="snapstream", budget=256))
     return folder

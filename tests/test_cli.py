@@ -119,7 +119,8 @@ def artifact_copy(tiny_dense_dir, tmp_path):
 
 def rerecord_checksums(folder):
     """Make the manifest's files table match the folder again (as a careless edit would)."""
-    from snapcompile.artifact import MANIFEST, file_sha256
+    from snapcompile.artifact.files import file_sha256
+    from snapcompile.artifact.manifest import MANIFEST
     raw = json.loads((folder / MANIFEST).read_text())
     raw["files"] = {item.name: {"bytes": item.stat().st_size, "sha256": file_sha256(item)}
                     for item in sorted(folder.iterdir()) if item.is_file() and item.name != MANIFEST}

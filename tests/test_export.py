@@ -4,7 +4,7 @@ import numpy as np
 import onnx
 import pytest
 
-from snapcompile.artifact import MANIFEST, read_manifest
+from snapcompile.artifact.manifest import MANIFEST, read_manifest
 from snapcompile.config import ExportConfig
 from snapcompile.errors import SnapcompileError
 from snapcompile.export import export_model
@@ -50,7 +50,7 @@ def test_weights_are_stored_once(tiny_dense_dir, tiny_llama):
 def test_prefill_buckets_double_from_two_chunks_below_max_context(tiny_dense_dir):
     assert ExportConfig(max_context=8224, chunk=256).prefill_buckets() == [512, 1024, 2048, 4096]
     assert ExportConfig(max_context=512, chunk=256).prefill_buckets() == []
-    from snapcompile.artifact import bucket_rows, is_prefill_graph
+    from snapcompile.artifact.naming import bucket_rows, is_prefill_graph
     assert [bucket_rows(n) for n in ("prefill_128", "prefill", "decode", "select")] == [128, None, None, None]
     assert [is_prefill_graph(n) for n in ("prefill", "prefill_128", "decode")] == [True, True, False]
     manifest = read_manifest(tiny_dense_dir)
@@ -116,9 +116,10 @@ def test_prefill_logits_are_for_the_last_valid_token(tiny_dense_dir, tiny_llama)
 
 def test_graphs_with_same_named_constants_keep_their_own_data(tmp_path):
     """Generated constant names repeat across graphs; only identical tensors may share bytes."""
-    from snapcompile.artifact import Manifest, save_graphs
+    from snapcompile.artifact.manifest import Manifest
+    from snapcompile.artifact.onnx_io import save_graphs
     from snapcompile.config import PolicyConfig
-    from snapcompile.export.onnx_builder import GraphBuilder
+    from snapcompile.graphs.builder import GraphBuilder
     from snapcompile.models.spec import ModelSpec
 
     def graph(fill):

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from snapcompile.artifact import MANIFEST, WEIGHTS
-from snapcompile.atomic import atomic_directory
+from snapcompile.artifact.atomic import atomic_directory
+from snapcompile.artifact.manifest import MANIFEST, WEIGHTS
 from snapcompile.cli import main
 from snapcompile.errors import SnapcompileError
 from tests.conftest import FAULT_SEED

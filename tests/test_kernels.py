@@ -33,21 +33,6 @@ def test_kernel_matches_reference(dtype, atol, budget, group, wrapped):
     torch.testing.assert_close(got.float(), expected.float(), atol=atol, rtol=0)
 
 
-def test_kernel_writes_the_new_token_into_the_ring():
-    query, key, value, key_cache, value_cache, write_index, cache_len = _case(2, 2, 2, 32, 16, torch.float32, True)
-    before_k, before_v = key_cache.clone(), value_cache.clone()
-    expected = torch_ops.decode_attention(query, key, value, before_k, before_v, write_index, cache_len, 0.25)
-    got = triton_kernels.decode_attention(query, key, value, key_cache, value_cache, write_index, cache_len,
-                                          0.25, write_cache=True)
-    torch.testing.assert_close(got, expected, atol=2e-5, rtol=0)
-    for slot in range(2):
-        row = int(write_index[slot])
-        torch.testing.assert_close(key_cache[slot, :, row], key[slot, :, 0])
-        torch.testing.assert_close(value_cache[slot, :, row], value[slot, :, 0])
-        others = [r for r in range(32) if r != row]
-        torch.testing.assert_close(key_cache[slot, :, others], before_k[slot, :, others])
-
-
 def test_idle_slot_attends_only_to_itself():
     args = list(_case(2, 1, 2, 16, 16, torch.float32, False))
     args[6] = torch.tensor([0, 5])     # slot 0 idle
@@ -57,7 +42,7 @@ def test_idle_slot_attends_only_to_itself():
 
 @pytest.mark.parametrize("length, group, window", [(100, 3, 8), (257, 1, 16), (64, 4, 4)])
 def test_window_scores_kernel_matches_reference(length, group, window):
-    from snapcompile.policy_torch import window_scores
+    from snapcompile.reference.policy import window_scores
     gen = torch.Generator().manual_seed(length)
     query = torch.randn(2 * group, window, 32, generator=gen)
     keys = torch.randn(2, length, 32, generator=gen)
@@ -67,7 +52,7 @@ def test_window_scores_kernel_matches_reference(length, group, window):
 
 def test_selection_with_the_triton_scorer_equals_reference():
     from snapcompile.config import PolicyConfig
-    from snapcompile.policy_torch import snapkv_select
+    from snapcompile.reference.policy import snapkv_select
     policy = PolicyConfig(budget=48, window=8, kernel=5)
     gen = torch.Generator().manual_seed(1)
     query, keys = torch.randn(6, 8, 32, generator=gen) * 2, torch.randn(2, 300, 32, generator=gen) * 2

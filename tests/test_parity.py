@@ -3,7 +3,7 @@ import pytest
 
 from snapcompile.config import PolicyConfig
 from snapcompile.models import load_model
-from snapcompile.validate import Validator, summarize
+from snapcompile.reference.parity import Validator, summarize
 from tests.conftest import build_artifact, random_prompts
 
 
@@ -51,7 +51,7 @@ def test_short_prompt_matches_dense_attention(tiny_llama, tiny_snap_dir):
 
 
 def test_backend_selection_equals_reference(tiny_llama, tiny_snap_dir):
-    from snapcompile.oracle import ReferenceSequence
+    from snapcompile.reference.oracle import ReferenceSequence
     from snapcompile.runtime.ort_backend import OrtBackend
     backend = OrtBackend(tiny_snap_dir)
     prompt = random_prompts([300], seed=11)[0]
@@ -88,8 +88,8 @@ def test_near_ties_are_reported_and_real_differences_fail():
     import numpy as np
     import torch
 
-    from snapcompile.policy_torch import Selection
-    from snapcompile.validate import compare_selection
+    from snapcompile.reference.parity import compare_selection
+    from snapcompile.reference.policy import Selection
     scores = torch.tensor([[float("-inf"), 0.5, 0.5 + 1e-8, 0.1, 0.9, float("-inf")]])
     reference = [Selection(torch.tensor([[0, 2, 4, 5]]), scores)]
     tie, _ = compare_selection([np.array([[0, 1, 4, 5]])], reference, tie_gap=1e-6)

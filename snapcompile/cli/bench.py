@@ -40,7 +40,7 @@ def bench(model, contexts, slots, budget, new_tokens, repeats, prefill_repeats, 
     """
     from tqdm import tqdm
 
-    from snapcompile.atomic import check_output_file
+    from snapcompile.artifact.atomic import check_output_file
     from snapcompile.bench import report
     from snapcompile.bench.runner import BenchConfig, run_bench
     from snapcompile.models.loader import cache_root

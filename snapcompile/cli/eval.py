@@ -50,7 +50,7 @@ def eval_command(model_or_dir, task, policies, budgets, ratios, lengths, depths,
     """
     from tqdm import tqdm
 
-    from snapcompile.atomic import check_output_file
+    from snapcompile.artifact.atomic import check_output_file
     from snapcompile.evaluation import report
     from snapcompile.evaluation.runner import EvalConfig, partial_path, run_eval
     from snapcompile.models.loader import cache_root

@@ -69,7 +69,7 @@ def run(artifact, prompt, prompts_file, demo, max_new_tokens, temperature, top_k
     """
     from tqdm import tqdm
 
-    from snapcompile.atomic import check_output_file
+    from snapcompile.artifact.atomic import check_output_file
     from snapcompile.engine.engine import Engine
     if output is not None:
         output = check_output_file(output, force, inputs=(prompts_file,))
@@ -108,7 +108,7 @@ def run(artifact, prompt, prompts_file, demo, max_new_tokens, temperature, top_k
     if any("correct" in row for row in rows):
         summary["correct"] = sum(row.get("correct", False) for row in rows)
     if output:
-        from snapcompile.atomic import write_text_atomic
+        from snapcompile.artifact.atomic import write_text_atomic
         write_text_atomic(output, "".join(json.dumps(row) + "\n" for row in rows))
     if as_json:
         click.echo(json.dumps({"results": rows, "summary": summary}))
@@ -215,10 +215,10 @@ def validate(artifact, prompt, prompts_file, demo, steps, raw, tolerance, min_ag
     --tolerance, greedy agreement < --min-agreement, or selected positions differ beyond
     near-ties. With no prompts given, the demo prompts are used.
     """
-    from snapcompile.artifact import read_manifest
+    from snapcompile.artifact.manifest import read_manifest
     from snapcompile.models.tokenizer import load_tokenizer
     from snapcompile.prompts import encode
-    from snapcompile.validate import Validator, oracle_model, summarize
+    from snapcompile.reference.parity import Validator, oracle_model, summarize
     if not (prompt or prompts_file or demo):
         demo = True
     records = _load_prompt_records(prompt, prompts_file, demo)

@@ -40,11 +40,12 @@ def serve(artifact, host, port, slots, max_waiting, api_key, served_model_name, 
     its slot. SIGTERM or Ctrl-C drains: new requests get 503, running ones finish (up to
     --drain-timeout), then the server exits 0; a second signal stops at once.
     """
-    from snapcompile.artifact import read_manifest, verify_files
+    from snapcompile.artifact.files import check_files
+    from snapcompile.artifact.manifest import read_manifest
     from snapcompile.serve.app import ServerSettings
     from snapcompile.serve.server import serve as run_server
     manifest = read_manifest(artifact)                 # bad artifacts fail here, before the port opens
-    verify_files(artifact, manifest, checksums=False)
+    check_files(artifact, manifest, checksums=False)
     if api_key is not None and not api_key.strip():
         raise click.BadParameter("the API key is empty", param_hint="--api-key")
     if api_key is None and not _loopback(host):
@@ -96,7 +97,7 @@ def bench_serve(url, model, num_requests, concurrency, prompt_tokens, output_tok
     """
     from tqdm import tqdm
 
-    from snapcompile.atomic import check_output_file, write_json_atomic, write_text_atomic
+    from snapcompile.artifact.atomic import check_output_file, write_json_atomic, write_text_atomic
     from snapcompile.serve.bench import ServeBenchConfig, make_prompts, markdown, run_serve_bench
     config = ServeBenchConfig(url.rstrip("/"), model, num_requests, concurrency, prompt_tokens, output_tokens,
                               request_rate, seed, api_key, api=api)

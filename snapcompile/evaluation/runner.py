@@ -15,8 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
-from snapcompile.artifact import read_manifest
-from snapcompile.artifact_cache import ArtifactCache
+from snapcompile.artifact.cache import ArtifactCache
+from snapcompile.artifact.manifest import read_manifest
 from snapcompile.config import ExportConfig, PolicyConfig
 from snapcompile.errors import SnapcompileError
 from snapcompile.evaluation.tasks import TASKS, Case, make_cases

@@ -5,14 +5,16 @@ from pathlib import Path
 
 import onnx
 
-from snapcompile.artifact import Manifest, graph_name, save_graphs
-from snapcompile.atomic import atomic_directory
+from snapcompile.artifact.atomic import atomic_directory
+from snapcompile.artifact.manifest import Manifest
+from snapcompile.artifact.naming import graph_name
+from snapcompile.artifact.onnx_io import save_graphs
 from snapcompile.config import ExportConfig, PolicyConfig
 from snapcompile.errors import SnapcompileError
 from snapcompile.export.llama_graph import DecodeWriter, PrefillWriter
 from snapcompile.export.weights import Quantizer, Weights
+from snapcompile.graphs.checks import check_graph
 from snapcompile.models.loader import LoadedModel
-from snapcompile.verify import verify_graph
 
 
 def check_export_config(loaded: LoadedModel, export: ExportConfig) -> None:
@@ -43,7 +45,7 @@ def build_dense_graphs(loaded: LoadedModel, export: ExportConfig) -> tuple[dict[
         bucket = PrefillWriter(loaded.spec, weights, export, rows)
         graphs[graph_name("prefill", rows, export.max_context)] = bucket.build().model()
     for name, model in graphs.items():
-        verify_graph(model, name)
+        check_graph(model, name)
     report = {"weights": export.weights, "weight_bytes": weights.nbytes(), "step_weight_bytes": weights.step_nbytes()}
     return graphs, report | (quantizer.report() if quantizer else {})
 

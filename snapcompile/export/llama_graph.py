@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from snapcompile.artifact import graph_name
+from snapcompile.artifact.naming import graph_name
 from snapcompile.config import ExportConfig
-from snapcompile.export.attention_graph import additive_mask, emit_cached_attention
-from snapcompile.export.onnx_builder import GraphBuilder
 from snapcompile.export.quantize import emit_matmul
 from snapcompile.export.weights import Weights
+from snapcompile.graphs.attention import additive_mask, emit_cached_attention
+from snapcompile.graphs.builder import GraphBuilder
 from snapcompile.models.spec import ModelSpec
 
 

@@ -17,9 +17,10 @@ from typing import Protocol
 
 import numpy as np
 
-from snapcompile.artifact import Manifest, bucket_rows, read_manifest
+from snapcompile.artifact.manifest import Manifest, read_manifest
+from snapcompile.artifact.naming import bucket_rows
 from snapcompile.errors import SnapcompileError
-from snapcompile.layout import DecodeStep, SlotLayout
+from snapcompile.runtime.layout import DecodeStep, SlotLayout
 
 
 class Graph(Protocol):

@@ -5,7 +5,10 @@ from pathlib import Path
 
 import numpy as np
 
-from snapcompile.artifact import WEIGHTS, Manifest, is_prefill_graph, load_graph, verify_files
+from snapcompile.artifact.files import check_files
+from snapcompile.artifact.manifest import WEIGHTS, Manifest
+from snapcompile.artifact.naming import is_prefill_graph
+from snapcompile.artifact.onnx_io import load_graph
 from snapcompile.errors import SnapcompileError
 from snapcompile.runtime import PROVIDERS
 from snapcompile.runtime.backend import SlotBackend
@@ -107,7 +110,7 @@ class OrtDevice:
     def check(self, folder: Path, manifest: Manifest) -> None:
         """Every file's size and sha256, then fingerprint and I/O checks of every graph
         (SlotBackend calls it before `graph`)."""
-        verify_files(folder, manifest)
+        check_files(folder, manifest)
         self.models = {name: load_graph(folder, manifest, name) for name in manifest.graphs}
 
     def available_bytes(self) -> int:

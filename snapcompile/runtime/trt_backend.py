@@ -13,8 +13,9 @@ from pathlib import Path
 
 import numpy as np
 
-from snapcompile.artifact import MANIFEST, Manifest, copy_support_files, file_sha256, read_manifest, verify_files
-from snapcompile.atomic import atomic_directory, write_json_atomic
+from snapcompile.artifact.atomic import atomic_directory, write_json_atomic
+from snapcompile.artifact.files import check_files, copy_support_files, file_sha256
+from snapcompile.artifact.manifest import MANIFEST, Manifest, read_manifest
 from snapcompile.errors import SnapcompileError
 from snapcompile.plugins.trt_plugin import require_tensorrt
 from snapcompile.runtime.backend import SlotBackend
@@ -34,10 +35,10 @@ def check_trt_limits(manifest: Manifest) -> None:
 
 def check_parser_support(artifact: Path, manifest: Manifest) -> None:
     """The static check of every graph against TensorRT 10's ONNX parser support matrix
-    (snapcompile.tensorrt_support), before anything is built."""
-    from snapcompile.artifact import load_graph
-    from snapcompile.tensorrt_support import check_artifact_graphs
-    problems = check_artifact_graphs({name: load_graph(artifact, manifest, name) for name in manifest.graphs})
+    (snapcompile.runtime.tensorrt_parser), before anything is built."""
+    from snapcompile.artifact.onnx_io import load_graph
+    from snapcompile.runtime.tensorrt_parser import artifact_parser_problems
+    problems = artifact_parser_problems({name: load_graph(artifact, manifest, name) for name in manifest.graphs})
     if problems:
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
         raise SnapcompileError(f"TensorRT's ONNX parser would reject {problems[0]}{more}")
@@ -47,7 +48,7 @@ def build_engines(artifact: Path, output: Path, fp16: bool = False, force: bool 
                   workspace_gib: float = 4.0) -> dict:
     """Build one serialized engine per graph of `artifact` into `output` (written atomically)."""
     manifest = read_manifest(artifact)
-    verify_files(artifact, manifest)
+    check_files(artifact, manifest)
     check_trt_limits(manifest)
     check_parser_support(artifact, manifest)
     trt = require_tensorrt()
@@ -128,7 +129,7 @@ class TrtDevice:
             raise SnapcompileError(f"{folder}/{ENGINES} is corrupt: build the engines again")
         if info.get("fingerprint") != manifest.fingerprint():
             raise SnapcompileError(f"{folder}: the engines were built from a different artifact than {MANIFEST}")
-        verify_files(folder, manifest, manifest.support_files())
+        check_files(folder, manifest, manifest.support_files())
         for name in manifest.graphs:       # engine files are named by the graph, never by a path
             path = Path(folder) / f"{name}.engine"
             if not path.is_file() or file_sha256(path) != info.get("sha256", {}).get(name):

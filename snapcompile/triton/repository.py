@@ -14,8 +14,9 @@ import re
 import shutil
 from pathlib import Path
 
-from snapcompile.artifact import MANIFEST, read_manifest, verify_files
-from snapcompile.atomic import atomic_directory
+from snapcompile.artifact.atomic import atomic_directory
+from snapcompile.artifact.files import check_files
+from snapcompile.artifact.manifest import MANIFEST, read_manifest
 from snapcompile.errors import SnapcompileError
 
 MARKER = "snapcompile.json"
@@ -53,7 +54,7 @@ def write_repository(artifact: Path, output: Path, name: str, instances: int = 1
         raise SnapcompileError("--instances must be >= 1")
     artifact = Path(artifact).resolve()
     manifest = read_manifest(artifact)
-    verify_files(artifact, manifest)
+    check_files(artifact, manifest)
     if slots is not None and not 1 <= slots <= manifest.export.slots:
         raise SnapcompileError(f"--slots must be in 1..{manifest.export.slots} (the artifact's static slots)")
     if threads is not None and threads < 1:
@@ -79,4 +80,4 @@ def _place_artifact(artifact: Path, manifest, target: Path, link: bool) -> None:
     target.mkdir()
     for name in [*manifest.files, MANIFEST]:
         shutil.copyfile(artifact / name, target / name)
-    verify_files(target, manifest)
+    check_files(target, manifest)

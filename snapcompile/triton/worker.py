@@ -41,7 +41,7 @@ class TritonWorker:
                  threads: int | None = None):
         """pb_utils: the Python backend's `triton_python_backend_utils` module. threads: ONNX Runtime
         intra-op threads of this instance (default: all cores; size K instances x threads to the cores)."""
-        from snapcompile.artifact import read_manifest
+        from snapcompile.artifact.manifest import read_manifest
         from snapcompile.engine.engine import Engine
         self.pb = pb_utils
         manifest = read_manifest(artifact)

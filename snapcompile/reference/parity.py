@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from snapcompile.config import DEFAULT_TIE_GAP, PolicyConfig
-from snapcompile.oracle import ReferenceSequence
+from snapcompile.reference.oracle import ReferenceSequence
 from snapcompile.runtime import open_backend
 
 
@@ -32,7 +32,7 @@ def oracle_model(folder, manifest):
     """The HF model the artifact was exported from, holding exactly the artifact's weights: for
     fp16 / int8 / int4 artifacts the (dequantized) values its graphs hold, read back from the decode
     graph; for fp16 its linear layers also round their input and product to float16 as the graph does."""
-    from snapcompile.artifact import load_graph
+    from snapcompile.artifact.onnx_io import load_graph
     from snapcompile.export.weights import graph_weights, load_graph_weights, round_linears_to_half
     from snapcompile.models import load_model
     model = load_model(manifest.source or manifest.model_name).model

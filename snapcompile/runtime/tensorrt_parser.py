@@ -59,7 +59,7 @@ class Violation(Exception):
     """A node TensorRT's ONNX parser would reject (the message names it)."""
 
 
-def check_graph(model: onnx.ModelProto, graph_name: str) -> list[str]:
+def parser_problems(model: onnx.ModelProto, graph_name: str) -> list[str]:
     """Every way `model` (weights need not be loaded) leaves TensorRT 10's parser support, one
     line each naming the node; empty when it fits."""
     problems = []
@@ -166,6 +166,6 @@ def _type_name(kind: int | None) -> str:
     return TensorProto.DataType.Name(kind) if kind is not None else "unknown"
 
 
-def check_artifact_graphs(graphs: dict[str, onnx.ModelProto]) -> list[str]:
-    """check_graph over an artifact's graphs, every problem of every graph."""
-    return [line for name, model in sorted(graphs.items()) for line in check_graph(model, name)]
+def artifact_parser_problems(graphs: dict[str, onnx.ModelProto]) -> list[str]:
+    """parser_problems over an artifact's graphs, every problem of every graph."""
+    return [line for name, model in sorted(graphs.items()) for line in parser_problems(model, name)]

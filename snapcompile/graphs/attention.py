@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from snapcompile.export.onnx_builder import GraphBuilder
+from snapcompile.graphs.builder import GraphBuilder
 
 MASK_MIN = float(np.finfo(np.float32).min)  # additive mask value of a hidden slot; finite, never NaN
 

@@ -5,12 +5,13 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from snapcompile.artifact import load_graph, read_manifest
+from snapcompile.artifact.manifest import read_manifest
+from snapcompile.artifact.onnx_io import load_graph
 from snapcompile.config import ExportConfig, PolicyConfig
 from snapcompile.errors import SnapcompileError
 from snapcompile.export import export_model
 from snapcompile.passes.pipeline import compress_graphs
-from snapcompile.tensorrt_support import check_artifact_graphs, check_graph
+from snapcompile.runtime.tensorrt_parser import artifact_parser_problems, parser_problems
 
 
 @pytest.mark.parametrize("weights", ["fp32", "fp16", "int8", "int4"])
@@ -27,7 +28,7 @@ def test_every_artifact_graph_fits_tensorrt(tiny_llama, tmp_path, weights, polic
     export_model(tiny_llama, export, tmp_path / "a", policy=config, transform=transform)
     manifest = read_manifest(tmp_path / "a")
     graphs = {name: load_graph(tmp_path / "a", manifest, name) for name in manifest.graphs}
-    assert check_artifact_graphs(graphs) == []
+    assert artifact_parser_problems(graphs) == []
 
 
 def _model(nodes, inputs, initializers, opset=21, domains=()):
@@ -45,7 +46,7 @@ SCALE = numpy_helper.from_array(np.ones((2, 8), np.float32), "s")
 def test_standard_quantized_matmul_passes():
     nodes = [helper.make_node("DequantizeLinear", ["w", "s"], ["wf"], "dq", axis=0, block_size=32),
              helper.make_node("MatMul", ["x", "wf"], ["y"], "mm")]
-    assert check_graph(_model(nodes, [X], [W4, SCALE]), "g") == []
+    assert parser_problems(_model(nodes, [X], [W4, SCALE]), "g") == []
 
 
 @pytest.mark.parametrize("case, expected", [
@@ -87,13 +88,13 @@ def test_violations_name_the_node(case, expected):
     else:
         model = _model([helper.make_node("Mystery", ["x"], ["y"], "custom", domain="ai.onnx.contrib")], [X], [],
                        domains=["ai.onnx.contrib"])
-    problems = check_graph(model, "g")
+    problems = parser_problems(model, "g")
     assert any(expected in line for line in problems), problems
 
 
 def test_build_runs_the_check_before_needing_tensorrt(tiny_snap_dir, tmp_path, monkeypatch):
     from snapcompile.runtime import trt_backend
-    monkeypatch.setattr("snapcompile.tensorrt_support.check_artifact_graphs",
+    monkeypatch.setattr("snapcompile.runtime.tensorrt_parser.artifact_parser_problems",
                         lambda graphs: ["decode: node 'n' (X): planted"])
     with pytest.raises(SnapcompileError, match="TensorRT's ONNX parser would reject decode: node 'n' \\(X\\): planted"):
         trt_backend.build_engines(tiny_snap_dir, tmp_path / "engines")
@@ -104,4 +105,4 @@ def test_check_reads_graphs_without_their_weights(tiny_dense_dir):
     manifest = read_manifest(tiny_dense_dir)
     model = load_graph(tiny_dense_dir, manifest, "decode")
     assert any(t.data_location == onnx.TensorProto.EXTERNAL for t in model.graph.initializer)
-    assert check_graph(model, "decode") == []
+    assert parser_problems(model, "decode") == []

@@ -1,4 +1,5 @@
-"""The SnapKV selection graph, standard ONNX ops only (docs/design.md, "The cache policy").
+"""The SnapKV selection graph: in standard ONNX ops (`SelectionWriter`, docs/design.md, "The cache
+policy"), or as one SnapKVSelect node per layer for the plugin lowering (`plugin_select_graph`).
 
 Inputs: prompt_len [1] int64 (P < T <= L); per layer window_query.{i} [1, H, W, D],
 key.{i}, value.{i} [1, Hkv, L, D] (the prefilled dense cache, rows >= T ignored). L is the
@@ -12,9 +13,11 @@ import numpy as np
 import onnx
 
 from snapcompile.config import PolicyConfig
-from snapcompile.export.attention_graph import MASK_MIN, additive_mask
-from snapcompile.export.onnx_builder import GraphBuilder
+from snapcompile.graphs.attention import MASK_MIN, additive_mask
+from snapcompile.graphs.builder import GraphBuilder
+from snapcompile.graphs.checks import check_graph
 from snapcompile.models.spec import ModelSpec
+from snapcompile.plugins.contracts import DOMAIN, SELECT
 
 
 class SelectionWriter:
@@ -38,7 +41,9 @@ class SelectionWriter:
             scores = self._window_scores(b, q, k, window_start)
             index = self._select(b, scores, prefix, candidate, fixed)
             self._gather_outputs(b, i, k, v, index)
-        return b.model()
+        model = b.model()
+        check_graph(model, self.name)
+        return model
 
     def _window_scores(self, b: GraphBuilder, q: str, k: str, window_start: str) -> str:
         """[1, Hkv or 1, L] mean window attention per position (summed over heads for layer scope)."""
@@ -89,3 +94,27 @@ class SelectionWriter:
         b.output(b.op("GatherElements", k, wide, axis=2), f"selected_key.{i}", np.float32, shape)
         b.output(b.op("GatherElements", v, wide, axis=2), f"selected_value.{i}", np.float32, shape)
         b.output(index, f"selected_index.{i}", np.int64, [1, s.num_kv_heads, share])
+
+
+def plugin_select_graph(spec: ModelSpec, policy: PolicyConfig, cache_rows: int,
+                        name: str = "select") -> onnx.ModelProto:
+    """The select graph over `cache_rows` rows with one SnapKVSelect node per layer: the same I/O
+    as `SelectionWriter`'s, for the plugin lowering."""
+    b = GraphBuilder(name)
+    prompt_len = b.input("prompt_len", np.int64, [1])
+    share, hkv, d = policy.resolved_prompt_share, spec.num_kv_heads, spec.head_dim
+    attrs = SELECT.node_attrs(sinks=policy.sinks, window=policy.window, kernel=policy.kernel, prompt_share=share,
+                              pooling=policy.pooling, scope=policy.scope, scale=spec.head_dim ** -0.5)
+    for i in range(spec.num_layers):
+        inputs = SELECT.node_inputs(
+            window_query=b.input(f"window_query.{i}", np.float32, [1, spec.num_heads, policy.window, d]),
+            key=b.input(f"key.{i}", np.float32, [1, hkv, cache_rows, d]),
+            value=b.input(f"value.{i}", np.float32, [1, hkv, cache_rows, d]), prompt_len=prompt_len)
+        sel_k, sel_v, index = b.op(SELECT.name, *inputs, outputs=3, domain=DOMAIN, **attrs)
+        b.output(sel_k, f"selected_key.{i}", np.float32, [1, hkv, share, d])
+        b.output(sel_v, f"selected_value.{i}", np.float32, [1, hkv, share, d])
+        b.output(index, f"selected_index.{i}", np.int64, [1, hkv, share])
+    model = b.model()
+    model.opset_import.append(onnx.helper.make_opsetid(DOMAIN, 1))
+    check_graph(model, name, strict=False)
+    return model

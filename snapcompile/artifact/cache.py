@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from snapcompile.artifact import MANIFEST, artifact_key, read_manifest
+from snapcompile.artifact.manifest import MANIFEST, artifact_key, read_manifest
 from snapcompile.config import ExportConfig, PolicyConfig
 from snapcompile.errors import SnapcompileError
 
@@ -56,7 +56,7 @@ class ArtifactCache:
             return self.dense(export)
         folder = self.dir / artifact_key(self.source, export, policy)
         if not (folder / MANIFEST).is_file():
-            from snapcompile.compress import compress_artifact
+            from snapcompile.passes.pipeline import compress_artifact
             self.log(f"compressing for {policy.policy} budget {policy.budget} into {folder}")
             compress_artifact(self.dense(export), folder, policy, force=True)
         return folder

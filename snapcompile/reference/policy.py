@@ -1,5 +1,5 @@
 """The cache policy's math in PyTorch: SnapKV selection, StreamingLLM's kept positions, ring decode
-attention. The oracle (snapcompile.oracle) and the custom ops' PyTorch implementations
+attention. The oracle (snapcompile.reference.oracle) and the custom ops' PyTorch implementations
 (plugins.torch_ops) both use it; every backend is checked against it.
 
 Shapes use H query heads, Hkv KV heads (G = H / Hkv), W window, T prompt length, D head dim.

@@ -1,0 +1,151 @@
+"""An artifact's manifest.json: the model, the static shapes, the cache policy, every graph's I/O
+and every file's checksum; read back with one-line errors for every way it can be wrong.
+
+Each graph also carries the manifest's fingerprint in its ONNX metadata (snapcompile.artifact.onnx_io),
+so a runner detects a graph paired with the wrong manifest before it runs anything.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+
+from snapcompile import __version__
+from snapcompile.artifact.naming import expected_graphs
+from snapcompile.config import ExportConfig, PolicyConfig
+from snapcompile.errors import SnapcompileError
+from snapcompile.models.spec import ModelSpec
+
+MANIFEST = "manifest.json"
+WEIGHTS = "weights.bin"
+FORMAT_VERSION = 2      # 2: every file's size and sha256 in the manifest
+GRAPHS_REVISION = 5     # bumped whenever the artifacts change (2: prefill buckets, 3: select buckets, 4: checksums,
+                        # 5: opset 21, --weights)
+METADATA_KEY = "snapcompile.config"
+
+
+@dataclass
+class Manifest:
+    model_name: str
+    spec: ModelSpec
+    export: ExportConfig
+    policy: PolicyConfig
+    graphs: dict[str, dict] = field(default_factory=dict)   # name -> {"file", "inputs", "outputs"}
+    chat: bool = False
+    eos_token_ids: list[int] = field(default_factory=list)
+    passes: list[dict] = field(default_factory=list)
+    lowering: str = "standard"
+    source: str = ""          # what `export` loaded: a built-in name or an absolute path
+    files: dict[str, dict] = field(default_factory=dict)    # file name -> {"bytes", "sha256"}
+    weights: dict = field(default_factory=dict)  # {"weights", "weight_bytes"} + the quantization report
+
+    def fingerprint(self) -> str:
+        """What every graph of the artifact must agree on (stored in each graph's metadata)."""
+        return json.dumps({"model": self.model_name, "spec": self.spec.to_dict(),
+                           "export": self.export.to_dict(), "policy": self.policy.to_dict(),
+                           "lowering": self.lowering}, sort_keys=True)
+
+    @property
+    def cache_capacity(self) -> int:
+        """Rows per slot in the decode cache: the budget B, or max_context L when dense."""
+        return self.policy.budget if self.policy.compressed else self.export.max_context
+
+    def kv_bytes_per_slot(self) -> int:
+        return self.cache_capacity * self.spec.kv_bytes_per_token
+
+    def dense_kv_bytes_per_slot(self) -> int:
+        return self.export.max_context * self.spec.kv_bytes_per_token
+
+    def to_dict(self) -> dict:
+        return {"format_version": FORMAT_VERSION, "snapcompile_version": __version__,
+                "model": {"name": self.model_name, "source": self.source, **self.spec.to_dict()},
+                "export": self.export.to_dict(), "policy": self.policy.to_dict(),
+                "lowering": self.lowering, "chat": self.chat, "eos_token_ids": self.eos_token_ids,
+                "graphs": self.graphs, "weights": WEIGHTS, "passes": self.passes, "files": self.files,
+                "weights_report": self.weights,
+                "versions": {name: _version(name) for name in ("onnx", "onnxruntime", "torch", "transformers")}}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Manifest:
+        model = dict(d["model"])
+        name = model.pop("name")
+        source = model.pop("source", name)
+        return cls(model_name=name, spec=ModelSpec(**model), export=ExportConfig(**d["export"]),
+                   policy=PolicyConfig.from_dict(d["policy"]), graphs=d["graphs"], chat=d["chat"],
+                   eos_token_ids=d["eos_token_ids"], passes=d.get("passes", []),
+                   lowering=d.get("lowering", "standard"), source=source, files=d["files"],
+                   weights=d.get("weights_report", {}))
+
+    def support_files(self) -> list[str]:
+        """The files other than graphs and weights (the tokenizer's)."""
+        return sorted(name for name in self.files if name != WEIGHTS and not name.endswith(".onnx"))
+
+
+def _version(package: str) -> str | None:
+    try:
+        return metadata.version(package).split("+")[0]
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def artifact_key(source: str, export: ExportConfig, policy: PolicyConfig) -> str:
+    """A folder name that changes whenever the model, the export shapes, the policy or the graphs
+    this version writes change (eval and bench cache their built artifacts under it)."""
+    blob = json.dumps([source, export.to_dict(), policy.to_dict(), GRAPHS_REVISION], sort_keys=True)
+    return f"{policy.policy}-{hashlib.sha1(blob.encode()).hexdigest()[:12]}"
+
+
+def read_manifest(folder: Path) -> Manifest:
+    """Load and validate folder/manifest.json (one-line errors for every way it can be wrong)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise SnapcompileError(f"artifact folder not found: {folder}")
+    path = folder / MANIFEST
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise SnapcompileError(f"{folder} has no {MANIFEST}: not a snapcompile artifact") from None
+    except json.JSONDecodeError as err:
+        raise SnapcompileError(f"{path} is corrupt: {err}") from None
+    if not isinstance(raw, dict):
+        raise SnapcompileError(f"{path} is not a snapcompile manifest (not a JSON object)")
+    version = raw.get("format_version")
+    if version != FORMAT_VERSION:
+        older = isinstance(version, int) and version < FORMAT_VERSION
+        raise SnapcompileError(f"{path}: unsupported format_version {version!r}"
+                               + ("; it was written by an older snapcompile: convert the model again" if older else ""))
+    try:
+        manifest = Manifest.from_dict(raw)
+    except (KeyError, TypeError, AttributeError) as err:
+        raise SnapcompileError(f"{path} is missing or has malformed field {err}") from None
+    _check_consistent(manifest, path)
+    return manifest
+
+
+def _check_consistent(manifest: Manifest, path: Path) -> None:
+    """The manifest names only plain files of its own folder, and exactly the graphs its policy
+    and shapes consist of, each in the file of its own name."""
+    files = manifest.files
+    if not isinstance(files, dict) or not all(isinstance(v, dict) for v in files.values()):
+        raise SnapcompileError(f"{path}: malformed files table")
+    for name in files:
+        if not _plain_file_name(name):
+            raise SnapcompileError(f"{path} names the file {name!r} outside the artifact folder; refused")
+    expected = expected_graphs(manifest.export, manifest.policy)
+    if set(manifest.graphs) != expected:
+        missing, extra = sorted(expected - set(manifest.graphs)), sorted(set(manifest.graphs) - expected)
+        raise SnapcompileError(
+            f"{path}: a {manifest.policy.policy} artifact of these shapes has the graphs {', '.join(sorted(expected))}"
+            f" (missing: {', '.join(missing) or '-'}; unexpected: {', '.join(extra) or '-'}); convert it again")
+    for name, entry in manifest.graphs.items():
+        if not isinstance(entry, dict) or entry.get("file") != f"{name}.onnx" or entry["file"] not in files:
+            raise SnapcompileError(f"{path}: graph {name} must be the listed file {name}.onnx; refused")
+    if WEIGHTS not in files:
+        raise SnapcompileError(f"{path}: {WEIGHTS} is not listed in the files table")
+
+
+def _plain_file_name(name) -> bool:
+    return (isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\\" not in name
+            and "\0" not in name and name != MANIFEST)

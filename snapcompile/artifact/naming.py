@@ -1,0 +1,39 @@
+"""Which graphs an artifact holds and what they are called: "prefill", "decode", "select", and the
+buckets "<kind>_<rows>" over fewer cache rows. Pure functions of the export shapes and the policy."""
+from __future__ import annotations
+
+from snapcompile.config import ExportConfig, PolicyConfig
+
+
+def graph_name(kind: str, cache_rows: int, max_context: int) -> str:
+    """The name of a "prefill" or "select" graph over `cache_rows` cache rows: `kind` itself for
+    max_context rows, "<kind>_<rows>" for a bucket."""
+    return kind if cache_rows == max_context else f"{kind}_{cache_rows}"
+
+
+def expected_graphs(export: ExportConfig, policy: PolicyConfig) -> set[str]:
+    """The graphs an artifact of these shapes and this policy consists of: prefill (with its
+    buckets) and decode, plus for snapstream select and one select bucket per prefill bucket of
+    more rows than the prompt share (a prompt that fits in P is never selected from)."""
+    buckets = export.prefill_buckets()
+    names = {"prefill", "decode", *(graph_name("prefill", rows, export.max_context) for rows in buckets)}
+    if policy.policy == "snapstream":
+        names |= {graph_name("select", rows, export.max_context) for rows in select_rows(export, policy)}
+    return names
+
+
+def select_rows(export: ExportConfig, policy: PolicyConfig) -> list[int]:
+    """Cache rows of the select graphs: each prefill bucket's rows above the prompt share P, and
+    max_context. A prompt prefilled on a bucket is selected from that bucket's cache."""
+    share = policy.resolved_prompt_share
+    return [*(rows for rows in export.prefill_buckets() if rows > share), export.max_context]
+
+
+def is_prefill_graph(name: str) -> bool:
+    return name == "prefill" or bucket_rows(name) is not None
+
+
+def bucket_rows(name: str, kind: str = "prefill") -> int | None:
+    """The cache rows of a bucket graph "<kind>_<rows>"; None for any other graph."""
+    prefix, _, rows = name.partition("_")
+    return int(rows) if prefix == kind and rows.isdigit() else None
