@@ -21,7 +21,8 @@ def _cells(path: str) -> tuple[str, dict]:
     for record in payload["records"]:
         budget = record["budget"] or "-"
         cells[(record["policy"], budget, record["length"])][record["id"]] = record
-    return payload["config"].get("weights", "fp32"), cells
+    config = payload["config"]   # results written before the field was renamed say "weights"
+    return config.get("weight_format", config.get("weights", "fp32")), cells
 
 
 def retrieval_rows(reference: dict, others: list[tuple[str, dict]]) -> list[str]:

@@ -92,7 +92,8 @@ def main() -> None:
         onnx.save_model(decode, str(standard))
         onnx.save_model(to_matmulnbits(decode), str(contrib))
         for form, path in (("DequantizeLinear+MatMul", standard), ("MatMulNBits", contrib)):
-            print(json.dumps({"form": form, "weights": manifest.export.weights, "slots": manifest.export.slots,
+            print(json.dumps({"form": form, "weight_format": manifest.export.weight_format,
+                              "slots": manifest.export.slots,
                               "decode_step_ms": round(step_ms(path, args.steps), 2)}))
 
 

@@ -23,7 +23,7 @@ class ExportConfig:
 
     slots: N, decode batch slots. max_context: L, positions a sequence may use (prompt +
     generated). chunk: C, prefill chunk length (a prompt is processed C tokens at a time).
-    weights: how linear layers are stored (WEIGHT_FORMATS); block_size: inputs per quantization
+    weight_format: how linear layers are stored (WEIGHT_FORMATS); block_size: inputs per quantization
     block (int8 / int4). fp16 linear layers also multiply in float16; norms, attention, the KV
     cache and graph I/O are float32 in every format.
     """
@@ -31,8 +31,7 @@ class ExportConfig:
     slots: int = 4
     max_context: int = 2048
     chunk: int = 256
-    dtype: str = "float32"
-    weights: str = "fp32"
+    weight_format: str = "fp32"
     block_size: int = 32
 
     def __post_init__(self):
@@ -45,27 +44,26 @@ class ExportConfig:
         if self.chunk > self.max_context:
             raise SnapcompileError(
                 f"--chunk ({self.chunk}) cannot exceed --max-context ({self.max_context})")
-        if self.dtype != "float32":
-            raise SnapcompileError(f"dtype {self.dtype!r} is not supported yet; use float32")
-        if self.weights not in WEIGHT_FORMATS:
-            raise SnapcompileError(f"unknown --weights {self.weights!r}; choose one of {', '.join(WEIGHT_FORMATS)}")
+        if self.weight_format not in WEIGHT_FORMATS:
+            raise SnapcompileError(f"unknown --weights {self.weight_format!r}; "
+                                   f"choose one of {', '.join(WEIGHT_FORMATS)}")
         if not isinstance(self.block_size, int) or self.block_size < 16 or self.block_size & (self.block_size - 1):
             raise SnapcompileError(f"--block-size must be a power of two >= 16, got {self.block_size}")
 
     @property
     def tolerance(self) -> float:
         """validate's default bound on |logit difference| for these weights."""
-        return FP16_TOLERANCE if self.weights == "fp16" else DEFAULT_TOLERANCE
+        return FP16_TOLERANCE if self.weight_format == "fp16" else DEFAULT_TOLERANCE
 
     @property
     def tie_gap(self) -> float:
         """validate's default near-tie gap of selection scores for these weights."""
-        return FP16_TIE_GAP if self.weights == "fp16" else DEFAULT_TIE_GAP
+        return FP16_TIE_GAP if self.weight_format == "fp16" else DEFAULT_TIE_GAP
 
     @property
     def quantized(self) -> bool:
         """int8 / int4 blocks (not fp32 or fp16)."""
-        return self.weights in ("int8", "int4")
+        return self.weight_format in ("int8", "int4")
 
     def prefill_buckets(self) -> list[int]:
         """Cache rows of the bucket prefill graphs: 2C, 4C, 8C, ... up to 3/4 of max_context

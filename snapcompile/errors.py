@@ -8,6 +8,16 @@ class SnapcompileError(Exception):
     """
 
 
+class PromptError(SnapcompileError):
+    """A prompt the artifact cannot take: `reason` "empty" or "too_long", with its `tokens` and the
+    artifact's `limit` (protocols word it their own way: OpenAI's 400 context_length_exceeded, ...)."""
+
+    def __init__(self, reason: str, tokens: int, limit: int):
+        self.reason, self.tokens, self.limit = reason, tokens, limit
+        super().__init__(f"prompt of {tokens} tokens does not fit: the artifact's --max-context allows "
+                         f"1..{limit} prompt tokens")
+
+
 class ParityError(SnapcompileError):
     """A validated artifact disagrees with the PyTorch oracle beyond tolerance."""
 

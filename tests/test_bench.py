@@ -113,7 +113,7 @@ def test_weight_formats_and_onnx_runtime_genai_peers(tiny_hf_dir, tmp_path):
     """bench --weights fp32,int4 --peers int4: every system at every point, ratios against fp32
     snapstream and the peer, the peer built once by ONNX Runtime GenAI's builder and cached."""
     config = BenchConfig(str(tiny_hf_dir), contexts=(128,), slots=(1, 2), budget=64, new_tokens=4, repeats=1,
-                         eager=False, weights=("fp32", "int4"), peers=("int4",))
+                         eager=False, weight_formats=("fp32", "int4"), peers=("int4",))
     result = run_bench(config, tmp_path, log=lambda m: None)
     for point in result["points"]:
         assert set(point["systems"]) == {"snapstream", "dense", "snapstream-int4", "dense-int4", "ortgenai-int4"}
@@ -126,6 +126,6 @@ def test_weight_formats_and_onnx_runtime_genai_peers(tiny_hf_dir, tmp_path):
     with pytest.raises(SnapcompileError, match="unknown --peers precision 'int2'"):
         BenchConfig("tiny-llama", peers=("int2",))
     with pytest.raises(SnapcompileError, match="--weights must include fp32"):
-        BenchConfig("tiny-llama", weights=("int4",))
+        BenchConfig("tiny-llama", weight_formats=("int4",))
     with pytest.raises(SnapcompileError, match="--peers needs a model loaded from a Hugging Face folder"):
         run_bench(BenchConfig("tiny-llama", contexts=(128,), slots=(1,), budget=64, peers=("int4",)), tmp_path)

@@ -41,7 +41,7 @@ def test_dense_ignores_budget_fields():
 
 
 @pytest.mark.parametrize("kwargs", [dict(slots=0), dict(chunk=0), dict(chunk=64, max_context=32),
-                                    dict(dtype="float16")])
+                                    dict(weight_format="bf16"), dict(block_size=48)])
 def test_invalid_export_configs(kwargs):
     with pytest.raises(SnapcompileError):
         ExportConfig(**kwargs)

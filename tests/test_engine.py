@@ -150,10 +150,12 @@ def test_dense_sequence_stops_at_context_end(tiny_llama, tmp_path):
 
 def test_kv_memory_is_slots_times_budget(tiny_snap_dir):
     engine = _engine(tiny_snap_dir)
-    spec, manifest = engine.backend.manifest.spec, engine.backend.manifest
-    assert engine.kv_bytes_in_use() == manifest.export.slots * manifest.policy.budget * spec.kv_bytes_per_token
-    engine.generate([Request(p, max_new_tokens=2) for p in random_prompts([400, 30])])
-    assert engine.kv_bytes_in_use() == manifest.export.slots * manifest.policy.budget * spec.kv_bytes_per_token
+    spec, manifest, backend = engine.backend.manifest.spec, engine.backend.manifest, engine.backend
+    expected = manifest.export.slots * manifest.policy.budget * spec.kv_bytes_per_token
+    slot_arrays = [*backend.keys, *backend.values]       # what the backend really allocated for its slots
+    assert all(a.shape == (manifest.export.slots, spec.num_kv_heads, manifest.policy.budget, spec.head_dim)
+               for a in slot_arrays)
+    assert sum(a.nbytes for a in slot_arrays) == engine.kv_bytes_allocated() == expected
 
 
 def test_fewer_slots_than_the_artifact_has(tiny_snap_dir):

@@ -20,9 +20,9 @@ def test_artifact_layout_and_manifest(tiny_dense_dir):
     names = {p.name for p in tiny_dense_dir.iterdir()}
     assert {"prefill.onnx", "decode.onnx", "weights.bin", MANIFEST, "tokenizer.json"} <= names
     manifest = json.loads((tiny_dense_dir / MANIFEST).read_text())
-    assert manifest["export"] == {"slots": 3, "max_context": 512, "chunk": 64, "dtype": "float32", "weights": "fp32",
+    assert manifest["export"] == {"slots": 3, "max_context": 512, "chunk": 64, "weight_format": "fp32",
                                   "block_size": 32}
-    assert manifest["weights_report"]["weights"] == "fp32"
+    assert manifest["weights_report"]["format"] == "fp32" and manifest["weights_file"] == "weights.bin"
     assert manifest["policy"]["policy"] == "dense"
     assert {"onnx", "onnxruntime", "torch", "transformers"} <= set(manifest["versions"])
     decode_inputs = {i["name"]: i["shape"] for i in manifest["graphs"]["decode"]["inputs"]}

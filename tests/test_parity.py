@@ -56,7 +56,7 @@ def test_backend_selection_equals_reference(tiny_llama, tiny_snap_dir):
     backend = OrtBackend(tiny_snap_dir)
     prompt = random_prompts([300], seed=11)[0]
     result = backend.prefill(0, prompt)
-    reference = ReferenceSequence(tiny_llama.model, backend.manifest.policy, backend.capacity)
+    reference = ReferenceSequence(tiny_llama.model, backend.manifest.policy, backend.rows_per_slot)
     reference.feed(prompt)
     for ours, theirs in zip(result.kept_positions, reference.selections()):
         assert (ours == theirs.indices.numpy()).all()

@@ -92,13 +92,13 @@ def test_weight_formats_keep_parity(smollm2, tmp_path, weights, policy):
     from snapcompile.export import export_model
     from snapcompile.passes.pipeline import compress_graphs
     from snapcompile.reference.parity import oracle_model
-    export = ExportConfig(slots=2, max_context=1280, chunk=256, weights=weights)
+    export = ExportConfig(slots=2, max_context=1280, chunk=256, weight_format=weights)
     config = PolicyConfig(policy=policy, budget=256)
     transform = (lambda graphs, m: compress_graphs(graphs, m, config)) if config.compressed else None
     export_model(smollm2, export, tmp_path / weights, policy=config, transform=transform)
     manifest = read_manifest(tmp_path / weights)
     if weights != "fp16":
-        assert manifest.weights["requantized_blocks"] == 0 and manifest.weights["exact_blocks"] == 4202496
+        assert manifest.weights_report["requantized_blocks"] == 0 and manifest.weights_report["exact_blocks"] == 4202496
     prompts = [encode(smollm2.tokenizer, "What is the capital of France?", chat=True)] + \
         _prompts(smollm2.tokenizer, [(31337, 1100, 0.4)])
     validator = Validator(tmp_path / weights, oracle_model(tmp_path / weights, manifest), tie_gap=export.tie_gap)

@@ -23,7 +23,7 @@ def test_every_artifact_graph_fits_tensorrt(tiny_llama, tmp_path, weights, polic
         config = PolicyConfig(budget=64, window=8, kernel=5, pooling="avg", scope="layer")
     else:
         config = PolicyConfig(policy=policy, budget=64, window=8, kernel=5)
-    export = ExportConfig(slots=2, max_context=256, chunk=32, weights=weights)
+    export = ExportConfig(slots=2, max_context=256, chunk=32, weight_format=weights)
     transform = None if policy == "dense" else (lambda graphs, m: compress_graphs(graphs, m, config, lowering))
     export_model(tiny_llama, export, tmp_path / "a", policy=config, transform=transform)
     manifest = read_manifest(tmp_path / "a")

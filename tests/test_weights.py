@@ -39,11 +39,11 @@ def test_quantize_is_symmetric_round_to_nearest(bits, block):
 def test_block_size_must_divide_the_inputs():
     with pytest.raises(SnapcompileError, match="--block-size 64 does not divide the 96 inputs of w"):
         quantize(np.zeros((4, 96), np.float32), 4, 64, "w")
-    assert ExportConfig(weights="fp16").tolerance > ExportConfig(weights="int4").tolerance == 1e-3
+    assert ExportConfig(weight_format="fp16").tolerance > ExportConfig(weight_format="int4").tolerance == 1e-3
     with pytest.raises(SnapcompileError, match="power of two"):
-        ExportConfig(weights="int4", block_size=48)
+        ExportConfig(weight_format="int4", block_size=48)
     with pytest.raises(SnapcompileError, match="unknown --weights"):
-        ExportConfig(weights="int3")
+        ExportConfig(weight_format="int3")
 
 
 def test_int4_packing_puts_the_first_value_in_the_low_nibble():
@@ -83,7 +83,7 @@ def test_gguf_names_and_row_order_follow_transformers():
 @pytest.fixture(scope="module", params=["fp16", "int8", "int4"])
 def weight_artifacts(request, tiny_llama, tmp_path_factory):
     """(weights, dense folder, snapstream folder) of tiny-llama at fp16 / int8 / int4."""
-    export = ExportConfig(**QUANT_EXPORT, weights=request.param)
+    export = ExportConfig(**QUANT_EXPORT, weight_format=request.param)
     root = tmp_path_factory.mktemp(request.param)
     return (request.param, build_artifact(tiny_llama, root / "dense", export),
             build_artifact(tiny_llama, root / "snap", export, TINY_SNAPSTREAM))
@@ -123,7 +123,7 @@ def test_fp16_graph_multiplies_in_float16(weight_artifacts, tiny_llama):
     state = tiny_llama.model.state_dict()
     for name, value in held.items():      # float16 rounding of the fp32 weights, nothing else
         np.testing.assert_array_equal(value, state[name].numpy().astype(np.float16).astype(np.float32), name)
-    assert manifest.weights["step_weight_bytes"] < manifest.weights["weight_bytes"]
+    assert manifest.weights_report["step_weight_bytes"] < manifest.weights_report["weight_bytes"]
 
 
 def test_graph_holds_what_the_manifest_reports(weight_artifacts, tiny_llama):
@@ -131,8 +131,8 @@ def test_graph_holds_what_the_manifest_reports(weight_artifacts, tiny_llama):
     if weights == "fp16":
         pytest.skip("block-quantized formats only")
     manifest = read_manifest(dense)
-    report = manifest.weights
-    assert report["weights"] == weights and report["bits"] == {"int8": 8, "int4": 4}[weights]
+    report = manifest.weights_report
+    assert report["format"] == weights and report["bits"] == {"int8": 8, "int4": 4}[weights]
     assert report["head_bits"] == 8 and report["exact_blocks"] == 0        # tiny models have no GGUF
     per_layer = (64 + 32 + 32 + 64 + 128 + 128) * 64 // 32 + 64 * 128 // 32   # q k v o gate up (K 64), down (K 128)
     assert report["requantized_blocks"] == 2 * per_layer + 320 * 64 // 32       # 2 layers + the untied head
@@ -157,7 +157,7 @@ def test_streamingllm_plugin_lowering_on_quantized_weights(tiny_llama, tmp_path)
     from snapcompile.export import export_model
     from snapcompile.passes.pipeline import compress_graphs
     policy = PolicyConfig(policy="streamingllm", budget=64, sinks=4, window=8)
-    export = ExportConfig(**QUANT_EXPORT, weights="int4")
+    export = ExportConfig(**QUANT_EXPORT, weight_format="int4")
     folder = tmp_path / "plugin"
     export_model(tiny_llama, export, folder, policy=policy,
                  transform=lambda graphs, m: compress_graphs(graphs, m, policy, "plugin"))
@@ -173,9 +173,9 @@ def test_cli_convert_inspect_run_validate_int4(tmp_path):
                     "--window", 8, "--kernel", 5, "--max-context", 256, "--chunk", 32, "--slots", 2)
     assert result.exit_code == 0, result.output
     info = json.loads(invoke("inspect", out, "--json").output)
-    assert info["export"]["weights"] == "int4" and info["export"]["block_size"] == 64
-    assert info["weights"]["requantized_blocks"] > 0
-    assert info["weights_file_bytes"] >= info["weights"]["weight_bytes"]
+    assert info["export"]["weight_format"] == "int4" and info["export"]["block_size"] == 64
+    assert info["weights_report"]["requantized_blocks"] > 0
+    assert info["weights_file_bytes"] >= info["weights_report"]["weight_bytes"]
     text = invoke("inspect", out).output
     assert "weights        int4 (blocks of 64, LM head 8-bit; GGUF blocks kept 0" in text
     run = invoke("run", out, "--prompt", "hello " * 40, "--max-new-tokens", 4, "--json")
@@ -183,7 +183,7 @@ def test_cli_convert_inspect_run_validate_int4(tmp_path):
     for matmul, passed in (("fp32", True), ("int8", None)):
         valid = invoke("validate", out, "--prompt", "abc " * 60, "--steps", 6, "--json", "--matmul", matmul)
         summary = json.loads(next(line for line in valid.output.splitlines() if line.startswith("{")))
-        assert summary["weights"] == "int4" and summary["matmul"] == matmul
+        assert summary["weight_format"] == "int4" and summary["matmul"] == matmul
         if passed:
             assert valid.exit_code == 0 and summary["max_abs_logit_diff"] <= 1e-4
     assert_user_error(invoke("export", "tiny-llama", "-o", tmp_path / "x", "--weights", "int4", "--block-size", 256),

@@ -38,15 +38,16 @@ class ArtifactCache:
             if manifest.policy.compressed or manifest.export.max_context < export.max_context:
                 raise SnapcompileError(f"{source} must be a dense artifact with --max-context >= "
                                        f"{export.max_context} for these lengths")
-            if manifest.export.weights != export.weights:
-                raise SnapcompileError(f"{source} holds {manifest.export.weights} weights, not {export.weights}: "
+            if manifest.export.weight_format != export.weight_format:
+                raise SnapcompileError(f"{source} holds {manifest.export.weight_format} weights, not "
+                                       f"{export.weight_format}: "
                                        "give the model itself to evaluate other --weights")
             return source
         folder = self.dir / artifact_key(self.source, export, PolicyConfig(policy="dense"))
         if not (folder / MANIFEST).is_file():
             from snapcompile.export import export_model
             self.log(f"exporting {self.source} to {folder} ({export.slots} slots, max context {export.max_context}, "
-                     f"{export.weights} weights)")
+                     f"{export.weight_format} weights)")
             export_model(self.loaded, export, folder, force=True)
         return folder
 

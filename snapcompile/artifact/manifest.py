@@ -20,9 +20,9 @@ from snapcompile.models.spec import ModelSpec
 
 MANIFEST = "manifest.json"
 WEIGHTS = "weights.bin"
-FORMAT_VERSION = 2      # 2: every file's size and sha256 in the manifest
-GRAPHS_REVISION = 5     # bumped whenever the artifacts change (2: prefill buckets, 3: select buckets, 4: checksums,
-                        # 5: opset 21, --weights)
+FORMAT_VERSION = 3      # 2: every file's size and sha256 in the manifest; 3: export.weight_format
+GRAPHS_REVISION = 6     # bumped whenever the artifacts change (2: prefill buckets, 3: select buckets, 4: checksums,
+                        # 5: opset 21, --weights, 6: deterministic node names)
 METADATA_KEY = "snapcompile.config"
 
 
@@ -39,7 +39,7 @@ class Manifest:
     lowering: str = "standard"
     source: str = ""          # what `export` loaded: a built-in name or an absolute path
     files: dict[str, dict] = field(default_factory=dict)    # file name -> {"bytes", "sha256"}
-    weights: dict = field(default_factory=dict)  # {"weights", "weight_bytes"} + the quantization report
+    weights_report: dict = field(default_factory=dict)  # {"format", "weight_bytes", ...} + quantization
 
     def fingerprint(self) -> str:
         """What every graph of the artifact must agree on (stored in each graph's metadata)."""
@@ -48,12 +48,12 @@ class Manifest:
                            "lowering": self.lowering}, sort_keys=True)
 
     @property
-    def cache_capacity(self) -> int:
+    def rows_per_slot(self) -> int:
         """Rows per slot in the decode cache: the budget B, or max_context L when dense."""
         return self.policy.budget if self.policy.compressed else self.export.max_context
 
     def kv_bytes_per_slot(self) -> int:
-        return self.cache_capacity * self.spec.kv_bytes_per_token
+        return self.rows_per_slot * self.spec.kv_bytes_per_token
 
     def dense_kv_bytes_per_slot(self) -> int:
         return self.export.max_context * self.spec.kv_bytes_per_token
@@ -63,8 +63,8 @@ class Manifest:
                 "model": {"name": self.model_name, "source": self.source, **self.spec.to_dict()},
                 "export": self.export.to_dict(), "policy": self.policy.to_dict(),
                 "lowering": self.lowering, "chat": self.chat, "eos_token_ids": self.eos_token_ids,
-                "graphs": self.graphs, "weights": WEIGHTS, "passes": self.passes, "files": self.files,
-                "weights_report": self.weights,
+                "graphs": self.graphs, "weights_file": WEIGHTS, "passes": self.passes, "files": self.files,
+                "weights_report": self.weights_report,
                 "versions": {name: _version(name) for name in ("onnx", "onnxruntime", "torch", "transformers")}}
 
     @classmethod
@@ -76,7 +76,7 @@ class Manifest:
                    policy=PolicyConfig.from_dict(d["policy"]), graphs=d["graphs"], chat=d["chat"],
                    eos_token_ids=d["eos_token_ids"], passes=d.get("passes", []),
                    lowering=d.get("lowering", "standard"), source=source, files=d["files"],
-                   weights=d.get("weights_report", {}))
+                   weights_report=d["weights_report"])
 
     def support_files(self) -> list[str]:
         """The files other than graphs and weights (the tokenizer's)."""

@@ -21,7 +21,7 @@ from snapcompile.runtime.layout import SlotLayout
 def ort_decode_seconds(backend, context: int, slots: int, steps: int, seed: int = 0) -> list[float]:
     """Seconds of each of `steps` decode steps with `slots` active slots at context T."""
     share = backend.manifest.policy.resolved_prompt_share if backend.manifest.policy.compressed else None
-    layouts = {s: SlotLayout.for_prompt(context, backend.capacity, share) for s in range(slots)}
+    layouts = {s: SlotLayout.for_prompt(context, backend.rows_per_slot, share) for s in range(slots)}
     rng = np.random.default_rng(seed)
     vocab = backend.manifest.spec.vocab_size
     seconds = []

@@ -42,7 +42,7 @@ class BenchConfig:
     memory_limit_gib: float = 16.0       # for the "largest slot count that fits" figure
     eager_kv_limit_gib: float = 4.0      # eager points whose cache exceeds this are skipped (it is copied per step)
     prefill_repeats: int | None = None   # default: repeats
-    weights: tuple[str, ...] = ("fp32",)  # --weights of the snapstream and dense artifacts measured
+    weight_formats: tuple[str, ...] = ("fp32",)  # --weights of the snapstream and dense artifacts measured
     peers: tuple[str, ...] = ()          # ONNX Runtime GenAI precisions measured beside them
 
     def __post_init__(self):
@@ -51,10 +51,10 @@ class BenchConfig:
         if self.repeats < 1 or self.new_tokens < 2:
             raise SnapcompileError("--repeats must be >= 1 and --new-tokens >= 2")
         PolicyConfig(budget=self.budget)     # validates the budget
-        if "fp32" not in self.weights:
+        if "fp32" not in self.weight_formats:
             raise SnapcompileError("--weights must include fp32 (the reference every ratio is taken against)")
-        for weights in self.weights:
-            ExportConfig(weights=weights)     # validates the format
+        for weight_format in self.weight_formats:
+            ExportConfig(weight_format=weight_format)     # validates the format
         from snapcompile.bench.peers import PEER_PRECISIONS
         unknown = [p for p in self.peers if p not in PEER_PRECISIONS]
         if unknown:
@@ -64,7 +64,7 @@ class BenchConfig:
     def export(self, context: int, slots: int, weights: str = "fp32") -> ExportConfig:
         """The shapes of the artifacts measured at a context: room for the new tokens after it."""
         return ExportConfig(slots=slots, max_context=context + self.new_tokens + 1, chunk=min(self.chunk, context),
-                            weights=weights)
+                            weight_format=weights)
 
 
 def _stats(values: list[float]) -> dict:
@@ -121,8 +121,8 @@ def _build_peers(config: BenchConfig, artifacts: ArtifactCache, cache_dir: Path,
 def _step_weight_bytes(backend, model_bytes: int) -> int:
     """Weight bytes a decode step reads: the model's float32 bytes, or for a quantized artifact
     what its graphs hold but the float16 embedding table (a step gathers a row of it)."""
-    report = backend.manifest.weights
-    return report["step_weight_bytes"] if report.get("weights", "fp32") != "fp32" else model_bytes
+    report = backend.manifest.weights_report
+    return report["step_weight_bytes"] if report.get("format", "fp32") != "fp32" else model_bytes
 
 
 def _measure_points(config: BenchConfig, artifacts: ArtifactCache, compressed: PolicyConfig, model,
@@ -133,10 +133,10 @@ def _measure_points(config: BenchConfig, artifacts: ArtifactCache, compressed: P
     dense = PolicyConfig(policy="dense")
     for slots in config.slots:
         snaps = {system_name("snapstream", w): _open(artifacts.get(config.export(max(config.contexts), slots, w),
-                                                                   compressed)) for w in config.weights}
+                                                                   compressed)) for w in config.weight_formats}
         for context in config.contexts:
             systems = dict(snaps)
-            for w in config.weights:
+            for w in config.weight_formats:
                 systems[system_name("dense", w)] = _open(artifacts.get(config.export(context, slots, w), dense))
             step_bytes.update({name: _step_weight_bytes(b, model_bytes) for name, b in systems.items()})
             systems.update(peers)
@@ -194,7 +194,7 @@ def _measure_point(config: BenchConfig, systems: dict, context: int, slots: int)
         elif name.startswith("ortgenai"):    # its KV buffers hold max_length rows per sequence
             kv = slots * (context + config.new_tokens + 1) * systems[name].kv_bytes_per_token
         else:
-            kv = systems[name].kv_bytes_in_use()
+            kv = systems[name].kv_bytes_allocated()
         memory = "peak_rss_bytes" if name.startswith("ortgenai") else "peak_rss_growth_bytes"   # peers: their process
         result["systems"][name] = {"step_ms": _stats([1000 * s for s in medians]),
                                    "tokens_per_s": _stats([slots / s for s in medians]),

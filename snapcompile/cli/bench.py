@@ -46,7 +46,7 @@ def bench(model, contexts, slots, budget, new_tokens, repeats, prefill_repeats, 
     from snapcompile.models.loader import cache_root
     config = BenchConfig(model, contexts, slots, budget, new_tokens, repeats, eager=not no_eager,
                          memory_limit_gib=memory_limit_gib, eager_kv_limit_gib=eager_kv_limit_gib,
-                         prefill_repeats=prefill_repeats, weights=tuple(weights), peers=tuple(peers))
+                         prefill_repeats=prefill_repeats, weight_formats=tuple(weights), peers=tuple(peers))
     output = check_output_file(output, force)
     started = time.perf_counter()
     with tqdm(total=len(contexts) * len(slots), desc="bench", unit="point", file=sys.stderr, disable=as_json) as bar:

@@ -61,7 +61,7 @@ def eval_command(model_or_dir, task, policies, budgets, ratios, lengths, depths,
     if budgets is None:
         budgets = () if ratios else DEFAULT_BUDGETS
     config = EvalConfig(model_or_dir, task, policies, budgets, lengths, depths, samples, seed, slots=slots,
-                        scope=scope, ratios=ratios, weights=weights)
+                        scope=scope, ratios=ratios, weight_format=weights)
     started = time.perf_counter()
     with tqdm(desc=f"eval {task}", unit="case", file=sys.stderr, disable=as_json) as bar:
         def progress(advance, total=None):

@@ -35,3 +35,8 @@ def report_options(default_output: str, cache_name: str, output_help: str):
             func = option(func)
         return func
     return decorate
+
+
+def config_default(config_class, name: str):
+    """The default of a configuration dataclass's field: the one place a default is stated."""
+    return config_class.__dataclass_fields__[name].default

@@ -161,8 +161,8 @@ def _summary(engine, results, elapsed: float) -> dict:
             "prompt_tokens_per_s": prompt_tokens / elapsed if elapsed else None,
             "ttft_p50_s": _percentile(ttfts, 50), "ttft_p95_s": _percentile(ttfts, 95),
             "step_p50_ms": _ms(_percentile(steps, 50)), "step_p95_ms": _ms(_percentile(steps, 95)),
-            "decode_steps": engine.decode_steps, "kv_bytes": engine.kv_bytes_in_use(),
-            "slots": engine.scheduler.pool.capacity, "policy": engine.backend.manifest.policy.policy}
+            "decode_steps": engine.decode_steps, "kv_bytes": engine.kv_bytes_allocated(),
+            "slots": engine.scheduler.pool.num_slots, "policy": engine.backend.manifest.policy.policy}
 
 
 def _ms(seconds: float | None) -> float | None:
@@ -238,7 +238,8 @@ def validate(artifact, prompt, prompts_file, demo, steps, raw, tolerance, min_ag
     with tqdm(total=len(prompts), desc="validate", unit="prompt", file=sys.stderr, disable=as_json) as bar:
         reports = validator.run(prompts, steps, progress=bar.update)
     summary = summarize(reports, steps)
-    summary.update(tolerance=tolerance, min_agreement=min_agreement, weights=manifest.export.weights, matmul=matmul)
+    summary.update(tolerance=tolerance, min_agreement=min_agreement, weight_format=manifest.export.weight_format,
+                   matmul=matmul)
     summary["passed"] = (summary["max_abs_logit_diff"] <= tolerance and summary["greedy_agreement"] >= min_agreement
                          and not summary["selection_mismatches"])
     if as_json:

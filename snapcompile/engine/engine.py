@@ -74,8 +74,7 @@ class Engine:
         self.clock = clock
         if max_slots is not None and not 1 <= max_slots <= backend.slots:
             raise SnapcompileError(f"--slots must be in 1..{backend.slots} (the artifact's static slots)")
-        budget = prefill_tokens_per_step or backend.chunk
-        self.scheduler = Scheduler(max_slots or backend.slots, max(budget, 1))
+        self.scheduler = Scheduler(max_slots or backend.slots, max(prefill_tokens_per_step or backend.chunk, 1))
         self.max_positions = backend.manifest.spec.max_positions
         self.sequences: dict[str, Sequence] = {}
         self._rngs: dict[str, np.random.Generator] = {}
@@ -99,6 +98,12 @@ class Engine:
         """Token ids of `text`; chat template applied by default for instruct models."""
         from snapcompile.prompts import encode
         return encode(self.tokenizer, text, self.backend.manifest.chat if chat is None else chat)
+
+    def check_prompt(self, prompt_ids: list[int]) -> None:
+        """Raise PromptError (reason "empty" or "too_long") for a prompt this artifact cannot take.
+        Reads only the artifact's shapes: safe to call from any thread. A submitted request whose
+        prompt breaks it fails alone, at its prefill."""
+        self.backend.check_prompt(prompt_ids)
 
     def submit(self, request: Request) -> Sequence:
         if request.request_id in self.sequences:
@@ -151,8 +156,9 @@ class Engine:
             del self.sequences[request_id]
             self._rngs.pop(request_id, None)
 
-    def kv_bytes_in_use(self) -> int:
-        return self.backend.kv_bytes_in_use()
+    def kv_bytes_allocated(self) -> int:
+        """Bytes of the slot caches, allocated once whatever the load."""
+        return self.backend.kv_bytes_allocated()
 
     # ------------------------------------------------------------------ step
     def step(self) -> list[TokenEvent]:
@@ -165,10 +171,10 @@ class Engine:
         return events
 
     def _advance_prefill(self, events: list[TokenEvent]) -> None:
-        budget = self.scheduler.prefill_tokens_per_step
-        while budget > 0 and (seq := self.scheduler.prefill_turn()) is not None:
+        tokens_left = self.scheduler.prefill_tokens_per_step
+        while tokens_left > 0 and (seq := self.scheduler.prefill_turn()) is not None:
             try:
-                budget -= next(seq.prefill)
+                tokens_left -= next(seq.prefill)
             except StopIteration as done:
                 seq.prefill, seq.layout = None, done.value.layout
                 self.scheduler.prefill_done(seq)

@@ -40,7 +40,7 @@ class EvalConfig:
     chunk: int = 256
     scope: str = "head"              # SnapStream selection scope (head | layer)
     ratios: tuple[int, ...] = ()     # compression ratios: budget = length // ratio, per length
-    weights: str = "fp32"            # --weights of every artifact (fidelity's reference stays fp32 dense)
+    weight_format: str = "fp32"      # --weights of every artifact (fidelity's reference stays fp32 dense)
 
     def __post_init__(self):
         if self.task not in TASKS:
@@ -64,12 +64,13 @@ class EvalConfig:
     @property
     def export(self) -> ExportConfig:
         """The shapes of every artifact this evaluation runs."""
-        return ExportConfig(slots=self.slots, max_context=self.max_context, chunk=self.chunk, weights=self.weights)
+        return ExportConfig(slots=self.slots, max_context=self.max_context, chunk=self.chunk,
+                            weight_format=self.weight_format)
 
     @property
     def reference_export(self) -> ExportConfig:
         """Fidelity's reference: the dense artifact with fp32 weights."""
-        return replace(self.export, weights="fp32")
+        return replace(self.export, weight_format="fp32")
 
     def budgets_for(self, length: int) -> list[int]:
         """Budgets evaluated at `length`: the fixed budgets below it (a budget >= the prompt
@@ -153,7 +154,7 @@ class ResultStore:
             handle.write(json.dumps(record) + "\n")
 
 
-_SAME_RESULTS = ("source", "task", "seed", "slots", "chunk", "scope", "weights")
+_SAME_RESULTS = ("source", "task", "seed", "slots", "chunk", "scope", "weight_format")
 
 
 def _same_results(stored: dict, config: EvalConfig) -> bool:
@@ -252,7 +253,7 @@ def _run_fidelity(config: EvalConfig, cases: list[Case], pending: dict, cache: A
         if not todo:
             continue
         policy_config = policy_for(policy, budget, config.scope)
-        quantized_dense = policy == "dense" and config.weights != "fp32"
+        quantized_dense = policy == "dense" and config.weight_format != "fp32"
         backend = OrtBackend(cache.get(config.export, policy_config)) if policy != "dense" or quantized_dense else None
         for case in todo:
             tokens, reference = dense[case.key]

@@ -38,7 +38,7 @@ def build_dense_graphs(loaded: LoadedModel, export: ExportConfig) -> tuple[dict[
             from snapcompile.models.gguf_blocks import read_blocks
             gguf = read_blocks(loaded.gguf, loaded.spec.num_heads, loaded.spec.num_kv_heads)
         quantizer = Quantizer(export, gguf)
-    weights = Weights(loaded.model, loaded.spec, quantizer, half=export.weights == "fp16")
+    weights = Weights(loaded.model, loaded.spec, quantizer, half=export.weight_format == "fp16")
     graphs = {"prefill": PrefillWriter(loaded.spec, weights, export).build().model(),
               "decode": DecodeWriter(loaded.spec, weights, export).build().model()}
     for rows in export.prefill_buckets():
@@ -46,7 +46,8 @@ def build_dense_graphs(loaded: LoadedModel, export: ExportConfig) -> tuple[dict[
         graphs[graph_name("prefill", rows, export.max_context)] = bucket.build().model()
     for name, model in graphs.items():
         check_graph(model, name)
-    report = {"weights": export.weights, "weight_bytes": weights.nbytes(), "step_weight_bytes": weights.step_nbytes()}
+    report = {"format": export.weight_format, "weight_bytes": weights.nbytes(),
+              "step_weight_bytes": weights.step_nbytes()}
     return graphs, report | (quantizer.report() if quantizer else {})
 
 
@@ -76,7 +77,7 @@ def export_model(loaded: LoadedModel, export: ExportConfig, out_dir: Path, force
     with atomic_directory(Path(out_dir), force=force) as staging:
         graphs, weights_report = build_dense_graphs(loaded, export)
         manifest = new_manifest(loaded, export, PolicyConfig(policy="dense"))
-        manifest.weights = weights_report
+        manifest.weights_report = weights_report
         if transform is not None:
             graphs = transform(graphs, manifest)
         loaded.tokenizer.save_pretrained(staging)

@@ -66,8 +66,8 @@ class LlamaGraphWriter:
         pos = b.op("Cast", b.op("Unsqueeze", positions, b.const([-1])), to=1)
         freqs = b.op("Mul", pos, b.const(self.w.inv_freq, np.float32))
         cos, sin = b.op("Cos", freqs), b.op("Sin", freqs)
-        if self.w.rope_scaling != 1.0:
-            factor = b.const(self.w.rope_scaling, np.float32)
+        if self.w.attention_scaling != 1.0:
+            factor = b.const(self.w.attention_scaling, np.float32)
             cos, sin = b.op("Mul", cos, factor), b.op("Mul", sin, factor)
         return b.op("Reshape", cos, b.const(shape)), b.op("Reshape", sin, b.const(shape))
 

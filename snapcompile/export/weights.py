@@ -24,12 +24,12 @@ HEAD_BITS = 8   # the LM head stays 8-bit under int4, as llama.cpp's 4-bit files
 
 
 class Quantizer:
-    """Chooses each linear weight's stored form for `export.weights`: the GGUF file's own blocks
+    """Chooses each linear weight's stored form for `export.weight_format`: the GGUF file's own blocks
     where they are kept exactly (same block size, enough bits, verified values), else block
     quantization of the float weight here. Counts blocks of each kind."""
 
     def __init__(self, export: ExportConfig, gguf_blocks: dict | None = None):
-        self.bits = QUANT_BITS[export.weights]
+        self.bits = QUANT_BITS[export.weight_format]
         self.block_size = export.block_size
         self.gguf = gguf_blocks or {}
         self.exact = self.requantized = self.tensors = 0
@@ -77,7 +77,7 @@ class Weights:
         self.layers = [self._layer(state, i) for i in range(spec.num_layers)]
         rotary = model.model.rotary_emb
         self.inv_freq = rotary.inv_freq.detach().to(torch.float32).numpy()
-        self.rope_scaling = float(getattr(rotary, "attention_scaling", 1.0))
+        self.attention_scaling = float(getattr(rotary, "attention_scaling", 1.0))   # HF scales cos and sin by it
 
     def _add(self, name: str, array: np.ndarray) -> str:
         self.arrays[name] = np.ascontiguousarray(array)

@@ -2,7 +2,7 @@
 
 Attention is swapped for `_policy_attention` through transformers' AttentionInterface; every
 other operation (embeddings, RoPE, norms, MLP, head) is the HF model's own. Each attention
-module gets a `_LayerCache` holding that layer's fixed-capacity cache for one sequence.
+module gets a `_LayerCache` holding that layer's fixed-rows_per_slot cache for one sequence.
 """
 from __future__ import annotations
 
@@ -30,13 +30,13 @@ class LayerPrefill:
 
 
 class _LayerCache:
-    """One layer's cache for one sequence: K/V [Hkv, capacity, D] laid out as in the runner.
+    """One layer's cache for one sequence: K/V [Hkv, rows_per_slot, D] laid out as in the runner.
 
     record_window: when > 0, prefill keeps a LayerPrefill with that many trailing queries.
     """
 
-    def __init__(self, policy: PolicyConfig, capacity: int, forced: torch.Tensor | None, record_window: int = 0):
-        self.policy, self.capacity, self.forced = policy, capacity, forced
+    def __init__(self, policy: PolicyConfig, rows_per_slot: int, forced: torch.Tensor | None, record_window: int = 0):
+        self.policy, self.rows_per_slot, self.forced = policy, rows_per_slot, forced
         self.keys = self.values = None
         self.layout: SlotLayout | None = None
         self.selection: Selection | None = None
@@ -59,11 +59,11 @@ class _LayerCache:
         prompt queries), key/value [Hkv, T, D]."""
         length = key.shape[1]
         share = self.policy.resolved_prompt_share if self.policy.compressed else None
-        self.layout = SlotLayout.for_prompt(length, self.capacity, share)
+        self.layout = SlotLayout.for_prompt(length, self.rows_per_slot, share)
         kept = self._kept_positions(window_query, key, scale)                  # [Hkv, kept]
         hkv, _, d = key.shape
-        self.keys = torch.zeros(hkv, self.capacity, d)
-        self.values = torch.zeros(hkv, self.capacity, d)
+        self.keys = torch.zeros(hkv, self.rows_per_slot, d)
+        self.values = torch.zeros(hkv, self.rows_per_slot, d)
         index = kept[:, :, None].expand(-1, -1, d)
         self.keys[:, : self.layout.kept] = torch.gather(key, 1, index)
         self.values[:, : self.layout.kept] = torch.gather(value, 1, index)
@@ -124,29 +124,29 @@ def _register() -> None:
 class ReferenceSequence:
     """Runs one sequence through the HF model under `policy` (batch 1, no HF cache).
 
-    capacity: cache rows (the budget for compressed policies; for dense, enough for the run).
+    rows_per_slot: cache rows (the budget for compressed policies; for dense, enough for the run).
     forced_selection: optional per-layer [Hkv, P] positions that replace the policy's own
     selection (validate uses it to continue past a reported near-tie with the backend's choice).
     record_window: keep the prompt's K/V and last record_window queries per layer, so other
     policies can start from this prefill (`from_prefill`).
     """
 
-    def __init__(self, model, policy: PolicyConfig, capacity: int,
+    def __init__(self, model, policy: PolicyConfig, rows_per_slot: int,
                  forced_selection: list[torch.Tensor] | None = None, record_window: int = 0):
         _register()
         self.model = model
         layers = model.model.layers
-        self.caches = [_LayerCache(policy, capacity, forced_selection[i] if forced_selection else None,
+        self.caches = [_LayerCache(policy, rows_per_slot, forced_selection[i] if forced_selection else None,
                                    record_window) for i in range(len(layers))]
         self.position = 0
 
     @classmethod
     def from_prefill(cls, model, prefill: list[LayerPrefill], policy: PolicyConfig,
-                     capacity: int) -> ReferenceSequence:
+                     rows_per_slot: int) -> ReferenceSequence:
         """A sequence whose prompt was already run (and recorded, see `recorded_prefill`),
         compressed under `policy` and ready for decode: the same state `feed(prompt)` under
         `policy` leaves, without running the prompt again (prefill attention is dense either way)."""
-        sequence = cls(model, policy, capacity)
+        sequence = cls(model, policy, rows_per_slot)
         for cache, layer in zip(sequence.caches, prefill):
             cache.load(layer.window_query, layer.keys, layer.values, layer.scale)
         sequence.position = prefill[0].keys.shape[1]

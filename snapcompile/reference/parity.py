@@ -36,10 +36,10 @@ def oracle_model(folder, manifest):
     from snapcompile.export.weights import graph_weights, load_graph_weights, round_linears_to_half
     from snapcompile.models import load_model
     model = load_model(manifest.source or manifest.model_name).model
-    if manifest.export.weights != "fp32":
+    if manifest.export.weight_format != "fp32":
         decode = load_graph(folder, manifest, "decode", with_weights=True)
         load_graph_weights(model, graph_weights(decode, manifest.spec))
-    if manifest.export.weights == "fp16":
+    if manifest.export.weight_format == "fp16":
         round_linears_to_half(model)
     return model
 
@@ -86,8 +86,8 @@ class Validator:
 
     def _reference(self, prompt_len: int, steps: int, forced=None) -> ReferenceSequence:
         policy = self.manifest.policy
-        capacity = self.backend.capacity if policy.compressed else prompt_len + steps + 1
-        return ReferenceSequence(self.model, policy, capacity, forced)
+        rows_per_slot = self.backend.rows_per_slot if policy.compressed else prompt_len + steps + 1
+        return ReferenceSequence(self.model, policy, rows_per_slot, forced)
 
     def _run_batch(self, prompts: list[list[int]], steps: int) -> list[PromptReport]:
         refs, reports, layouts, ref_logits, our_logits = [], [], [], [], []
@@ -135,7 +135,7 @@ class Validator:
             return [None] * len(prompts)
         dense = PolicyConfig(policy="dense")
         return [ReferenceSequence(self.model, dense, len(ids) + steps + 1)
-                if len(ids) + steps + 1 <= self.backend.capacity else None for ids in prompts]
+                if len(ids) + steps + 1 <= self.backend.rows_per_slot else None for ids in prompts]
 
 
 def summarize(reports: list[PromptReport], steps: int) -> dict:

@@ -1,6 +1,6 @@
 """The slot backend: the only runtime code that touches tensors.
 
-It owns the N static cache slots ([N, Hkv, capacity, D] per layer, allocated once and bound to
+It owns the N static cache slots ([N, Hkv, rows_per_slot, D] per layer, allocated once and bound to
 the decode graph once by address) and a prefill scratch cache for one sequence. A prompt is
 prefilled on the smallest bucket graph whose cache holds it (or the full graph), so short prompts
 do not pay attention over max_context rows. A decode step
@@ -19,7 +19,7 @@ import numpy as np
 
 from snapcompile.artifact.manifest import Manifest, read_manifest
 from snapcompile.artifact.naming import bucket_rows
-from snapcompile.errors import SnapcompileError
+from snapcompile.errors import PromptError, SnapcompileError
 from snapcompile.runtime.layout import DecodeStep, SlotLayout
 
 
@@ -64,7 +64,7 @@ def memory_needed(manifest: Manifest) -> dict[str, int]:
     m, per_token = manifest, manifest.spec.kv_bytes_per_token
     prefill_rows = m.export.max_context if m.policy.compressed else 0
     prefill_rows += max(m.export.prefill_buckets(), default=0)
-    return {"slot_caches": m.export.slots * m.cache_capacity * per_token,
+    return {"slot_caches": m.export.slots * m.rows_per_slot * per_token,
             "prefill_caches": prefill_rows * per_token,
             "weights": m.files.get("weights.bin", {}).get("bytes", 0)}
 
@@ -76,7 +76,7 @@ def check_memory(manifest: Manifest, available: int) -> None:
     if total > available:
         raise SnapcompileError(
             f"the artifact needs about {_gib(total)} ({_gib(needed['slot_caches'])} of KV cache for "
-            f"{manifest.export.slots} slots x {manifest.cache_capacity} rows, {_gib(needed['weights'])} of weights) "
+            f"{manifest.export.slots} slots x {manifest.rows_per_slot} rows, {_gib(needed['weights'])} of weights) "
             f"but only {_gib(available)} is available here; convert with fewer --slots or a smaller "
             "--budget / --max-context")
 
@@ -95,10 +95,10 @@ class SlotBackend:
         device.check(self.folder, m)             # the graphs belong to this manifest
         check_memory(m, device.available_bytes())
         self.num_layers, self.slots, self.chunk = m.spec.num_layers, m.export.slots, m.export.chunk
-        self.capacity = m.cache_capacity
+        self.rows_per_slot = m.rows_per_slot
         self._layers = range(self.num_layers)
-        self.keys = [self._kv(self.slots, self.capacity) for _ in self._layers]
-        self.values = [self._kv(self.slots, self.capacity) for _ in self._layers]
+        self.keys = [self._kv(self.slots, self.rows_per_slot) for _ in self._layers]
+        self.values = [self._kv(self.slots, self.rows_per_slot) for _ in self._layers]
         self.prefill_graph = device.graph("prefill", m)
         self.bucket_graphs = {bucket_rows(name): device.graph(name, m)           # rows -> graph
                               for name in m.graphs if bucket_rows(name) is not None}
@@ -211,15 +211,21 @@ class SlotBackend:
 
     # ---------------------------------------------------------------- prefill
     def max_prompt_len(self) -> int:
+        """A compressed slot takes any prompt up to max_context; a dense one needs a row left for decode."""
         return self.manifest.export.max_context - (0 if self.manifest.policy.compressed else 1)
+
+    def check_prompt(self, token_ids: list[int]) -> None:
+        """The one rule on a prompt's length: raise PromptError unless 1 <= len <= max_prompt_len()."""
+        if not token_ids:
+            raise PromptError("empty", 0, self.max_prompt_len())
+        if len(token_ids) > self.max_prompt_len():
+            raise PromptError("too_long", len(token_ids), self.max_prompt_len())
 
     def prefill_chunks(self, slot: int, token_ids: list[int]):
         """Generator form of `prefill`: yields the tokens of each chunk once it ran (so an
         engine can interleave decode steps) and returns the PrefillResult."""
+        self.check_prompt(token_ids)
         length = len(token_ids)
-        if not 0 < length <= self.max_prompt_len():
-            raise SnapcompileError(f"prompt of {length} tokens does not fit: the artifact's "
-                                   f"--max-context allows 1..{self.max_prompt_len()} prompt tokens")
         targets = self._prefill_targets(slot)
         rows = self.prefill_rows(length)
         graph, caches = self._prefill_graph_for(rows, targets)
@@ -240,7 +246,7 @@ class SlotBackend:
             yield count
         compressed_at = time.perf_counter()
         share = self.manifest.policy.resolved_prompt_share if self.manifest.policy.compressed else None
-        layout = SlotLayout.for_prompt(length, self.capacity, share)
+        layout = SlotLayout.for_prompt(length, self.rows_per_slot, share)
         kept = self._compress_into_slot(slot, layout, rows) if self.manifest.policy.compressed else None
         self.last_prefill_seconds = {"chunks": compressed_at - began, "select": time.perf_counter() - compressed_at}
         return PrefillResult(self.device.download(self.p_logits)[0].copy(), layout, kept)
@@ -321,7 +327,6 @@ class SlotBackend:
             self.values[i][slots, :, writes] = self.d_new_v[i][slots, :, 0]
         return self.device.download(self.d_logits)
 
-    def kv_bytes_in_use(self) -> int:
+    def kv_bytes_allocated(self) -> int:
         """Bytes of the slot caches (allocated once, independent of prompt lengths)."""
-        per_layer = self.slots * self.manifest.spec.num_kv_heads * self.capacity * self.manifest.spec.head_dim * 4
-        return 2 * self.num_layers * per_layer
+        return self.slots * self.manifest.kv_bytes_per_slot()

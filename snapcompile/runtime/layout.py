@@ -1,8 +1,8 @@
 """Where each token of a sequence lives in its fixed-size cache slot (no tensors here).
 
-A slot holds `capacity` cache rows. The prompt's kept tokens occupy rows [0, kept) in position
-order; decode tokens follow. For the dense policy capacity is max_context and nothing wraps;
-for compressed policies capacity is the budget B and rows [kept, B) form a ring in which a new
+A slot holds `rows_per_slot` cache rows. The prompt's kept tokens occupy rows [0, kept) in position
+order; decode tokens follow. For the dense policy rows_per_slot is max_context and nothing wraps;
+for compressed policies rows_per_slot is the budget B and rows [kept, B) form a ring in which a new
 token overwrites the oldest generated one.
 """
 from __future__ import annotations
@@ -32,15 +32,15 @@ class SlotLayout:
 
     prompt_len: int
     kept: int
-    capacity: int
+    rows_per_slot: int
     ring: bool
 
     @classmethod
-    def for_prompt(cls, prompt_len: int, capacity: int, prompt_share: int | None) -> SlotLayout:
+    def for_prompt(cls, prompt_len: int, rows_per_slot: int, prompt_share: int | None) -> SlotLayout:
         """prompt_share None = dense (keep everything, no ring)."""
         if prompt_share is None:
-            return cls(prompt_len, prompt_len, capacity, ring=False)
-        return cls(prompt_len, min(prompt_len, prompt_share), capacity, ring=True)
+            return cls(prompt_len, prompt_len, rows_per_slot, ring=False)
+        return cls(prompt_len, min(prompt_len, prompt_share), rows_per_slot, ring=True)
 
     @property
     def compressed(self) -> bool:
@@ -48,19 +48,19 @@ class SlotLayout:
 
     @property
     def ring_size(self) -> int:
-        return self.capacity - self.kept
+        return self.rows_per_slot - self.kept
 
     def step(self, generated: int) -> DecodeStep:
         """Inputs for feeding the `generated`-th decode token (0-based: the first token sampled
         from the prefill logits is fed with generated=0)."""
         position = self.prompt_len + generated
         if not self.ring:
-            if position >= self.capacity:
-                raise IndexError(f"position {position} exceeds the cache capacity {self.capacity}")
+            if position >= self.rows_per_slot:
+                raise IndexError(f"position {position} exceeds the cache rows_per_slot {self.rows_per_slot}")
             return DecodeStep(position, position, position)
         write = self.kept + generated % self.ring_size
-        return DecodeStep(position, write, min(self.kept + generated, self.capacity))
+        return DecodeStep(position, write, min(self.kept + generated, self.rows_per_slot))
 
     def can_feed(self, generated: int) -> bool:
         """Whether decode token number `generated` still fits (always true for a ring)."""
-        return self.ring or self.prompt_len + generated < self.capacity
+        return self.ring or self.prompt_len + generated < self.rows_per_slot

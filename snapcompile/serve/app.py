@@ -57,13 +57,12 @@ def load_engine(state: ServerState) -> None:
     from snapcompile.engine.engine import Engine
     settings = state.settings
     engine = Engine.from_artifact(settings.artifact, backend=settings.backend, max_slots=settings.slots)
-    state.metrics.set_capacity(engine.scheduler.pool.capacity, engine.kv_bytes_in_use())
+    state.metrics.set_totals(engine.scheduler.pool.num_slots, engine.kv_bytes_allocated())
     engine_loop = EngineLoop(engine, state.metrics)
     engine_loop.start()
     export = engine.backend.manifest.export
     state.engine_loop = engine_loop
-    state.serving = OpenAIServing(engine_loop, engine.tokenizer, settings.model_name, export.max_context,
-                                  engine.backend.max_prompt_len())
+    state.serving = OpenAIServing(engine_loop, engine.tokenizer, settings.model_name, export.max_context)
 
 
 def create_app(state: ServerState) -> FastAPI:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from snapcompile.engine.engine import Result, TokenEvent
 from snapcompile.engine.request import Request, SamplingParams
-from snapcompile.errors import SnapcompileError
+from snapcompile.errors import PromptError, SnapcompileError
 from snapcompile.serve.engine_loop import EngineLoop, Update
 from snapcompile.serve.protocol import ApiError, ChatRequest, CompletionRequest, new_id, now, usage
 
@@ -31,9 +31,9 @@ class Call:
 
 
 class OpenAIServing:
-    def __init__(self, engine_loop: EngineLoop, tokenizer, model_name: str, max_context: int, max_prompt: int):
+    def __init__(self, engine_loop: EngineLoop, tokenizer, model_name: str, max_context: int):
         self.engine_loop, self.tokenizer, self.model_name = engine_loop, tokenizer, model_name
-        self.max_context, self.max_prompt = max_context, max_prompt
+        self.max_context = max_context
 
     # ------------------------------------------------------------------ requests
     def accept(self, kind: str, params: ChatRequest | CompletionRequest) -> Call:
@@ -43,12 +43,7 @@ class OpenAIServing:
             raise ApiError(404, f"the model {params.model!r} does not exist; this server serves {self.model_name!r}",
                            param="model", code="model_not_found")
         prompt = self._chat_prompt(params) if kind == "chat" else self._raw_prompt(params)
-        if not prompt:
-            raise ApiError(400, "the prompt is empty", param="messages" if kind == "chat" else "prompt")
-        if len(prompt) > self.max_prompt:
-            raise ApiError(400, f"the prompt has {len(prompt)} tokens; this model's context allows at most "
-                                f"{self.max_prompt} prompt tokens", param="messages" if kind == "chat" else "prompt",
-                           code="context_length_exceeded")
+        self._check_prompt(prompt, param="messages" if kind == "chat" else "prompt")
         logprobs, top = params.logprob_counts()
         try:
             sampling = SamplingParams(temperature=params.temperature, top_p=params.top_p, seed=params.seed)
@@ -59,6 +54,16 @@ class OpenAIServing:
             raise ApiError(400, str(err)) from None
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
         return Call(kind, params, request, new_id(prefix), self.model_name)
+
+    def _check_prompt(self, prompt: list[int], param: str) -> None:
+        """Engine.check_prompt in OpenAI's words (400; context_length_exceeded for a long one)."""
+        try:
+            self.engine_loop.engine.check_prompt(prompt)
+        except PromptError as err:
+            if err.reason == "empty":
+                raise ApiError(400, "the prompt is empty", param=param) from None
+            raise ApiError(400, f"the prompt has {err.tokens} tokens; this model's context allows at most "
+                                f"{err.limit} prompt tokens", param=param, code="context_length_exceeded") from None
 
     def _chat_prompt(self, params: ChatRequest) -> list[int]:
         if self.tokenizer.chat_template is None:

@@ -39,7 +39,7 @@ class EngineLoop:
     def __init__(self, engine: Engine, metrics: Metrics):
         self.engine, self.metrics = engine, metrics
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._sinks: dict[str, Deliver] = {}
+        self._deliveries: dict[str, Deliver] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="snapcompile-engine", daemon=True)
         self._lock = threading.Lock()
@@ -76,7 +76,7 @@ class EngineLoop:
 
     def running_ids(self) -> list[str]:
         """Ids of the requests not yet finished (a copy)."""
-        return list(self._sinks)
+        return list(self._deliveries)
 
     # ------------------------------------------------------------- engine thread
     def _run(self) -> None:
@@ -91,7 +91,7 @@ class EngineLoop:
             events = self.engine.step()
         except Exception:           # Engine.step fails requests, not itself: this is a bug
             log.exception("engine step failed; failing the requests in flight")
-            events = [self._fail_all_event(seq_id) for seq_id in list(self._sinks)]
+            events = [self._fail_all_event(seq_id) for seq_id in list(self._deliveries)]
         for event in events:
             self._deliver(event)
 
@@ -110,7 +110,7 @@ class EngineLoop:
     def _handle(self, item: tuple) -> None:
         if item[0] == "submit":
             _, request, deliver = item
-            self._sinks[request.request_id] = deliver
+            self._deliveries[request.request_id] = deliver
             try:
                 self.engine.submit(request)
             except SnapcompileError as err:      # refused: it never entered the engine
@@ -124,12 +124,12 @@ class EngineLoop:
         return TokenEvent(request_id, None, "", True, "error")
 
     def _deliver(self, event: TokenEvent, refused: str | None = None) -> None:
-        deliver = self._sinks.get(event.request_id)
+        deliver = self._deliveries.get(event.request_id)
         if deliver is None:
             return
         result = None
         if event.finished:
-            del self._sinks[event.request_id]
+            del self._deliveries[event.request_id]
             result = self._finished_result(event, refused)
         self.metrics.on_event(event, result)
         try:
@@ -150,6 +150,6 @@ class EngineLoop:
         scheduler = self.engine.scheduler
         in_slots = len(scheduler.decoding) + len(scheduler.prefilling)
         self._waiting = len(scheduler.waiting)
-        per_slot = self.engine.kv_bytes_in_use() // self.engine.backend.slots
+        per_slot = self.engine.backend.manifest.kv_bytes_per_slot()
         self.metrics.set_load(running=in_slots, waiting=len(scheduler.waiting), slots_in_use=in_slots,
-                              kv_bytes_in_use=in_slots * per_slot)
+                              kv_bytes_active=in_slots * per_slot)

@@ -25,7 +25,7 @@ class Metrics:
         self.waiting = Gauge("snapcompile_requests_waiting", "Requests waiting for a slot", registry=r)
         self.slots = Gauge("snapcompile_slots_in_use", "Decode slots in use", registry=r)
         self.slots_total = Gauge("snapcompile_slots", "Decode slots of the engine", registry=r)
-        self.kv_in_use = Gauge("snapcompile_kv_cache_bytes_in_use", "KV cache bytes of the slots in use", registry=r)
+        self.kv_active = Gauge("snapcompile_kv_cache_bytes_active", "KV cache bytes of the slots in use", registry=r)
         self.kv_total = Gauge("snapcompile_kv_cache_bytes", "KV cache bytes allocated (all slots)", registry=r)
         self.prompt_tokens = Counter("snapcompile_prompt_tokens", "Prompt tokens of finished requests", registry=r)
         self.generation_tokens = Counter("snapcompile_generation_tokens", "Generated tokens", registry=r)
@@ -37,15 +37,15 @@ class Metrics:
                              buckets=LATENCY_BUCKETS, registry=r)
         self._last_token: dict[str, float] = {}
 
-    def set_capacity(self, slots: int, kv_bytes: int) -> None:
+    def set_totals(self, slots: int, kv_bytes_allocated: int) -> None:
         self.slots_total.set(slots)
-        self.kv_total.set(kv_bytes)
+        self.kv_total.set(kv_bytes_allocated)
 
-    def set_load(self, running: int, waiting: int, slots_in_use: int, kv_bytes_in_use: int) -> None:
+    def set_load(self, running: int, waiting: int, slots_in_use: int, kv_bytes_active: int) -> None:
         self.running.set(running)
         self.waiting.set(waiting)
         self.slots.set(slots_in_use)
-        self.kv_in_use.set(kv_bytes_in_use)
+        self.kv_active.set(kv_bytes_active)
 
     def on_event(self, event: TokenEvent, result: Result | None) -> None:
         now = time.perf_counter()

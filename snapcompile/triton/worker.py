@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from snapcompile.engine.request import Request, SamplingParams
-from snapcompile.errors import SnapcompileError
+from snapcompile.errors import PromptError, SnapcompileError
 from snapcompile.serve.engine_loop import EngineLoop, Update
 from snapcompile.serve.metrics import Metrics
 
@@ -49,7 +49,6 @@ class TritonWorker:
             raise SnapcompileError(f"{artifact} is not the artifact this repository was written for "
                                    "(its manifest's configuration differs); write the repository again")
         self.engine = Engine.from_artifact(artifact, backend=backend, max_slots=slots, threads=threads)
-        self.max_prompt = self.engine.backend.max_prompt_len()
         self.loop = EngineLoop(self.engine, Metrics())
         self._pending: dict[str, _Pending] = {}
         self._lock = threading.Lock()
@@ -83,11 +82,11 @@ class TritonWorker:
             raise SnapcompileError("text_input is required")
         text = text.decode("utf-8", errors="replace") if isinstance(text, bytes) else str(text)
         prompt = [int(i) for i in self.engine.tokenizer.encode(text, add_special_tokens=False)]
-        if not prompt:
-            raise SnapcompileError("text_input is empty")
-        if len(prompt) > self.max_prompt:
-            raise SnapcompileError(f"text_input has {len(prompt)} tokens; this model's context allows at most "
-                                   f"{self.max_prompt}")
+        try:
+            self.engine.check_prompt(prompt)
+        except PromptError as err:
+            detail = "is empty" if err.reason == "empty" else f"has {err.tokens} tokens"
+            raise SnapcompileError(f"text_input {detail}; this model's context allows 1..{err.limit}") from None
         sampling = SamplingParams(temperature=float(self._scalar(triton_request, "temperature", 0.0)),
                                   top_p=float(self._scalar(triton_request, "top_p", 1.0)),
                                   seed=_optional_int(self._scalar(triton_request, "seed", None)))

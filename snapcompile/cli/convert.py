@@ -1,0 +1,131 @@
+"""`snapcompile export`, `convert` and `compress`: a model to an artifact folder. Every option's
+default is the configuration dataclass's own (snapcompile.config)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from snapcompile.cli.options import config_default as default
+from snapcompile.config import LOWERINGS, POLICIES, POOLINGS, SCOPES, WEIGHT_FORMATS, ExportConfig, PolicyConfig
+
+
+def _export_options(func):
+    for option in reversed([
+        click.option("--slots", default=default(ExportConfig, "slots"), show_default=True,
+                     help="Decode batch slots N (static)."),
+        click.option("--max-context", default=default(ExportConfig, "max_context"), show_default=True,
+                     help="Longest prompt (+ generation, for dense) in tokens: the dense cache length L."),
+        click.option("--chunk", default=default(ExportConfig, "chunk"), show_default=True,
+                     help="Prefill chunk length in tokens."),
+        click.option("--weights", "weight_format", type=click.Choice(WEIGHT_FORMATS),
+                     default=default(ExportConfig, "weight_format"), show_default=True,
+                     help="How linear layers and the LM head are stored: fp32; fp16 (multiplied in float16); or "
+                          "int8 / int4 blocks (weight-only; int4 keeps the head 8-bit). From a GGUF with 4/8-bit "
+                          "blocks the file's own values are kept where the format holds them exactly."),
+        click.option("--block-size", default=default(ExportConfig, "block_size"), show_default=True,
+                     help="Inputs per int8/int4 quantization block (a power of two >= 16 dividing every layer's "
+                          "input size; GGUF blocks are kept only at 32)."),
+        click.option("-o", "--output", "output", required=True, type=click.Path(path_type=Path),
+                     help="Artifact folder to write (atomically)."),
+        click.option("--force", is_flag=True, help="Replace the output folder if it exists."),
+    ]):
+        func = option(func)
+    return func
+
+
+def _policy_options(func):
+    for option in reversed([
+        click.option("--policy", type=click.Choice(POLICIES),
+                     default=default(PolicyConfig, "policy"), show_default=True, help="Cache policy."),
+        click.option("--budget", default=default(PolicyConfig, "budget"), show_default=True,
+                     help="KV rows per sequence B."),
+        click.option("--sinks", default=default(PolicyConfig, "sinks"), show_default=True,
+                     help="Attention-sink tokens S always kept."),
+        click.option("--window", default=default(PolicyConfig, "window"), show_default=True,
+                     help="Observation window W (last prompt queries)."),
+        click.option("--kernel", default=default(PolicyConfig, "kernel"), show_default=True,
+                     help="Pooling width K (odd)."),
+        click.option("--pooling", type=click.Choice(POOLINGS), default=default(PolicyConfig, "pooling"),
+                     show_default=True, help="How window scores are pooled along positions."),
+        click.option("--scope", type=click.Choice(SCOPES), default=default(PolicyConfig, "scope"), show_default=True,
+                     help="Select per KV head, or one position set per layer."),
+        click.option("--prompt-share", type=int, default=default(PolicyConfig, "prompt_share"),
+                     help="Budget rows for the compressed prompt P (default: B minus a ring of >= B/4)."),
+        click.option("--lower", "lowering", type=click.Choice(LOWERINGS), default=LOWERINGS[0],
+                     show_default=True,
+                     help="standard: compressed attention and selection in standard ONNX ops (any runtime; "
+                          "for TensorRT the selection's TopK needs P <= 3840). plugin: custom op nodes "
+                          "SnapKVDecodeAttention / SnapKVSelect for the TensorRT plugin (no budget limit; "
+                          "ONNX Runtime runs them through onnxruntime-extensions, float32)."),
+    ]):
+        func = option(func)
+    return func
+
+
+def _export_config(slots, max_context, chunk, weight_format, block_size) -> ExportConfig:
+    return ExportConfig(slots=slots, max_context=max_context, chunk=chunk, weight_format=weight_format,
+                        block_size=block_size)
+
+
+@click.command()
+@click.argument("model")
+@_export_options
+def export(model, output, force, **export_args):
+    """Export MODEL to dense-cache ONNX graphs (the baseline the passes rewrite).
+
+    MODEL is a built-in name (smollm2-135m-instruct, tiny-llama, tiny-mistral, tiny-qwen2), a
+    Hugging Face folder (config.json + safetensors) or a .gguf file.
+    """
+    from snapcompile.export import export_model
+    from snapcompile.models import load_model
+    export_cfg = _export_config(**export_args)
+    refuse_existing(output, force)
+    manifest = export_model(load_model(model), export_cfg, output, force=force)
+    click.echo(f"wrote {output} ({', '.join(manifest.graphs)} graphs)")
+
+
+@click.command()
+@click.argument("model")
+@_export_options
+@_policy_options
+def convert(model, output, force, lowering, slots, max_context, chunk, weight_format, block_size, **policy_args):
+    """Export MODEL and compress its cache in one go (export + passes).
+
+    The budget bounds the decode cache at B rows per slot whatever the context; prompts up to
+    --max-context tokens are compressed to the prompt share P at prefill.
+    """
+    from snapcompile.export import export_model
+    from snapcompile.models import load_model
+    from snapcompile.passes.pipeline import compress_graphs
+    export_cfg = _export_config(slots, max_context, chunk, weight_format, block_size)
+    policy = PolicyConfig(**policy_args)
+    policy.check_against(export_cfg)
+    refuse_existing(output, force)
+    manifest = export_model(load_model(model), export_cfg, output, force=force, policy=policy,
+                            transform=lambda graphs, m: compress_graphs(graphs, m, policy, lowering))
+    click.echo(f"wrote {output}: policy {policy.policy}, {decode_blocks(manifest)} attention blocks rewritten")
+
+
+@click.command()
+@click.argument("dense_dir", type=click.Path(path_type=Path))
+@click.option("-o", "--output", required=True, type=click.Path(path_type=Path))
+@click.option("--force", is_flag=True, help="Replace the output folder if it exists.")
+@_policy_options
+def compress(dense_dir, output, force, lowering, **policy_args):
+    """Run the compression passes on an existing dense export DENSE_DIR."""
+    from snapcompile.passes.pipeline import compress_artifact
+    manifest = compress_artifact(dense_dir, output, PolicyConfig(**policy_args), force=force, lowering=lowering)
+    click.echo(f"wrote {output}: policy {manifest.policy.policy}, {decode_blocks(manifest)} attention blocks "
+               "rewritten")
+
+
+def decode_blocks(manifest) -> int:
+    """Attention blocks the passes rewrote in the decode graph."""
+    return max((p["blocks_rewritten"] for p in manifest.passes if p["graph"] == "decode"), default=0)
+
+
+def refuse_existing(output: Path, force: bool, marker: str = "manifest.json") -> None:
+    """Fail before loading a model when the output may not be written (the atomic writer checks again)."""
+    from snapcompile.artifact.atomic import check_replaceable, resolve_output
+    check_replaceable(resolve_output(output), force, marker)
