@@ -7,7 +7,8 @@ from click.testing import CliRunner
 from snapcompile.cli import main
 from snapcompile.errors import SnapcompileError
 from snapcompile.evaluation import report
-from snapcompile.evaluation.runner import EvalConfig, run_eval
+from snapcompile.evaluation.config import EvalConfig
+from snapcompile.evaluation.runner import run_eval
 from snapcompile.evaluation.tasks import fidelity_text, make_cases
 from snapcompile.models import load_model
 from snapcompile.prompts import encode
@@ -127,7 +128,8 @@ def test_eval_cli_writes_json_markdown_and_plots(tmp_path):
     assert (tmp_path / "fid.md").is_file() and (tmp_path / "fid-budget.png").stat().st_size > 1000
     assert (tmp_path / "fid-length.png").stat().st_size > 1000, "--ratios rows get an accuracy-vs-length plot"
     assert not (tmp_path / "fid.json.partial.jsonl").exists(), "a finished run leaves only its results"
-    from snapcompile.evaluation.runner import EvalConfig, ResultStore
+    from snapcompile.evaluation.config import EvalConfig
+    from snapcompile.evaluation.store import ResultStore
     wider = EvalConfig("tiny-llama", "fidelity", ("snapstream",), (), (300,), (0.1, 0.5, 0.9), 2, seed=0, ratios=(3,))
     reused = ResultStore(out, wider).records
     assert sorted(reused) == sorted(r["id"] for r in payload["records"]), "a wider run starts from OUTPUT's cases"
@@ -149,7 +151,7 @@ def test_results_written_before_a_new_field_still_resume(tmp_path):
     import json as _json
     from dataclasses import asdict
 
-    from snapcompile.evaluation.runner import ResultStore
+    from snapcompile.evaluation.store import ResultStore
     config = EvalConfig("tiny-llama", "passkey", ("dense",), (128,), (400,), (0.5,), 1, seed=1)
     old = asdict(config)
     del old["scope"]                                   # as written before --scope existed
@@ -170,7 +172,7 @@ def test_answer_margin_reads_the_tokens_that_spell_the_answer():
     import math
 
     from snapcompile.engine.engine import Result
-    from snapcompile.evaluation.runner import answer_margin
+    from snapcompile.evaluation.metrics import answer_margin
 
     class Chars:                      # token id i decodes to chr(i)
         def decode(self, ids, skip_special_tokens=True):

@@ -75,7 +75,8 @@ def test_plugin_lowering_parity_budget_256(smollm2, smol_dense):
 
 
 def test_eval_slice_on_real_model(tmp_path):
-    from snapcompile.evaluation.runner import EvalConfig, run_eval
+    from snapcompile.evaluation.config import EvalConfig
+    from snapcompile.evaluation.runner import run_eval
     config = EvalConfig("smollm2-135m-instruct", "passkey", ("dense", "snapstream"), (256,), (1000,), (0.5,), 1,
                         seed=0, slots=2)
     records = run_eval(config, tmp_path / "r.json", tmp_path / "cache", log=lambda m: None)

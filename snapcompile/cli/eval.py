@@ -52,7 +52,9 @@ def eval_command(model_or_dir, task, policies, budgets, ratios, lengths, depths,
 
     from snapcompile.artifact.atomic import check_output_file
     from snapcompile.evaluation import report
-    from snapcompile.evaluation.runner import EvalConfig, partial_path, run_eval
+    from snapcompile.evaluation.config import EvalConfig
+    from snapcompile.evaluation.runner import run_eval
+    from snapcompile.evaluation.store import partial_path
     from snapcompile.models.loader import cache_root
     output = check_output_file(output, force=True)      # an existing results file is this run's to update
     unknown = set(policies) - set(POLICIES)

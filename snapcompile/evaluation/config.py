@@ -1,0 +1,81 @@
+"""What an evaluation runs: the task, the (policy, budget) grid, the case lengths and the artifact shapes."""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from snapcompile.config import ExportConfig, PolicyConfig
+from snapcompile.errors import SnapcompileError
+from snapcompile.evaluation.tasks import TASKS, Case
+
+ANSWER_TOKENS = 16          # generated per retrieval case
+FIDELITY_TOKENS = 64        # greedy tokens compared per fidelity case
+TOP_LOGPROBS = 2            # per answer token: enough for the margin between the two likeliest
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    source: str                      # model name/path, or a dense artifact folder
+    task: str
+    policies: tuple[str, ...]
+    budgets: tuple[int, ...]
+    lengths: tuple[int, ...]
+    depths: tuple[float, ...]
+    samples: int
+    seed: int
+    slots: int = 4
+    chunk: int = 256
+    scope: str = "head"              # SnapStream selection scope (head | layer)
+    ratios: tuple[int, ...] = ()     # compression ratios: budget = length // ratio, per length
+    weight_format: str = "fp32"      # --weights of every artifact (fidelity's reference stays fp32 dense)
+
+    def __post_init__(self):
+        if self.task not in TASKS:
+            raise SnapcompileError(f"unknown task {self.task!r}; choose one of {', '.join(TASKS)}")
+        if not self.lengths or min(self.lengths) < 64:
+            raise SnapcompileError("--lengths must be token counts >= 64")
+        if any(not 0.0 <= d <= 1.0 for d in self.depths):
+            raise SnapcompileError("--depths must lie in [0, 1]")
+        if self.samples < 1:
+            raise SnapcompileError("--samples must be >= 1")
+        if any(r < 2 for r in self.ratios):
+            raise SnapcompileError("--ratios must be integers >= 2 (budget = length // ratio)")
+        if not self.budgets and not self.ratios and set(self.policies) != {"dense"}:
+            raise SnapcompileError("give --budgets or --ratios for the compressed policies")
+
+    @property
+    def max_context(self) -> int:
+        extra = FIDELITY_TOKENS if self.task == "fidelity" else ANSWER_TOKENS
+        return max(self.lengths) + extra + 8
+
+    @property
+    def export(self) -> ExportConfig:
+        """The shapes of every artifact this evaluation runs."""
+        return ExportConfig(slots=self.slots, max_context=self.max_context, chunk=self.chunk,
+                            weight_format=self.weight_format)
+
+    @property
+    def reference_export(self) -> ExportConfig:
+        """Fidelity's reference: the dense artifact with fp32 weights."""
+        return replace(self.export, weight_format="fp32")
+
+    def budgets_for(self, length: int) -> list[int]:
+        """Budgets evaluated at `length`: the fixed budgets below it (a budget >= the prompt
+        compresses nothing) and length // ratio for each ratio."""
+        return sorted({b for b in self.budgets if b < length} | {length // r for r in self.ratios})
+
+    def runs(self) -> list[tuple[str, int | None]]:
+        """(policy, budget) pairs; dense has no budget and runs first."""
+        pairs = [("dense", None)] if "dense" in self.policies or self.task == "fidelity" else []
+        budgets = sorted({b for length in self.lengths for b in self.budgets_for(length)})
+        return pairs + [(p, b) for p in self.policies if p != "dense" for b in budgets]
+
+    def applies(self, policy: str, budget: int | None, case: Case) -> bool:
+        """Whether the (policy, budget) cell is evaluated on `case`."""
+        return policy == "dense" or budget in self.budgets_for(case.length)
+
+
+def policy_for(name: str, budget: int | None, scope: str = "head") -> PolicyConfig:
+    """The policy of one cell of the grid (the selection scope applies to snapstream only)."""
+    if name == "dense":
+        return PolicyConfig(policy="dense")
+    return PolicyConfig(policy=name, budget=budget, scope=scope if name == "snapstream" else "head")

@@ -1,0 +1,85 @@
+"""Finished case records, kept so that an interrupted or widened evaluation resumes instead of
+starting over: the results file of an earlier run, plus a `.partial.jsonl` beside it that every
+finished case is appended to."""
+from __future__ import annotations
+
+import json
+from dataclasses import MISSING, asdict, fields
+from pathlib import Path
+
+from snapcompile.errors import SnapcompileError
+from snapcompile.evaluation.config import EvalConfig
+from snapcompile.evaluation.tasks import Case
+
+
+def partial_path(results_path: Path) -> Path:
+    """Where an unfinished run keeps its records (removed once the results file is written)."""
+    return Path(str(results_path) + ".partial.jsonl")
+
+
+class ResultStore:
+    """Finished case records: those of the results file of an earlier run, and those of an
+    interrupted run, appended one JSON line each to the partial file (the resume point).
+
+    A run may reuse the records of an earlier run that differs only in its grid (policies, budgets,
+    ratios, depths, samples, lengths up to the same longest): a record depends only on its case,
+    policy and budget, and on the fields in `_SAME_RESULTS`, which must match."""
+
+    def __init__(self, results_path: Path, config: EvalConfig):
+        self.path = partial_path(results_path)
+        self.config_json = json.dumps(asdict(config), sort_keys=True)
+        self.records: dict[str, dict] = {}
+        self._load_results(Path(results_path), config)
+        if self.path.is_file():
+            lines = self.path.read_text().splitlines()
+            self._check_config(json.loads(lines[0]) if lines else {}, config, self.path)
+            for line in lines[1:]:
+                if line.strip():
+                    record = json.loads(line)
+                    self.records[record["id"]] = record
+
+    def _load_results(self, path: Path, config: EvalConfig) -> None:
+        if not path.is_file():
+            return
+        try:
+            payload = json.loads(path.read_text(encoding="utf-8"))
+            stored, records = payload["config"], payload["records"]
+        except (ValueError, TypeError, KeyError):
+            raise SnapcompileError(f"{path} exists and is not a results file of `snapcompile eval`; "
+                                   "choose another -o") from None
+        self._check_config(stored, config, path)
+        self.records.update((record["id"], record) for record in records)
+
+    @staticmethod
+    def _check_config(stored: dict, config: EvalConfig, path: Path) -> None:
+        if not _same_results(stored, config):
+            raise SnapcompileError(f"{path} holds results of another model, task, seed, scope or "
+                                   "artifact shape: delete it or change -o")
+
+    @staticmethod
+    def record_id(case: Case, policy: str, budget: int | None) -> str:
+        return f"{policy}@{budget or '-'}/{case.key}"
+
+    def done(self, case: Case, policy: str, budget: int | None) -> bool:
+        return self.record_id(case, policy, budget) in self.records
+
+    def add(self, record: dict) -> None:
+        self.records[record["id"]] = record
+        if not self.path.is_file():
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.path.write_text(self.config_json + "\n")
+        with open(self.path, "a") as handle:
+            handle.write(json.dumps(record) + "\n")
+
+
+_SAME_RESULTS = ("source", "task", "seed", "slots", "chunk", "scope", "weight_format")
+
+
+def _same_results(stored: dict, config: EvalConfig) -> bool:
+    """Whether records stored under configuration `stored` are valid for `config`: same fields of
+    `_SAME_RESULTS` (those it predates count as their defaults) and the same artifact shape (its
+    longest length)."""
+    current = json.loads(json.dumps(asdict(config)))
+    defaults = json.loads(json.dumps({f.name: f.default for f in fields(EvalConfig) if f.default is not MISSING}))
+    same = all(stored.get(k, defaults.get(k)) == current[k] for k in _SAME_RESULTS)
+    return same and max(stored.get("lengths") or [0]) == max(config.lengths)
