@@ -1,6 +1,8 @@
 """Shared fixtures: tiny random-weight models and their artifacts (built once per session)."""
 from __future__ import annotations
 
+import shutil
+
 import numpy as np
 import pytest
 
@@ -113,3 +115,27 @@ def run_results(artifact, prompts, max_new_tokens: int) -> list[dict]:
     result = CliRunner().invoke(main, args, catch_exceptions=False)
     assert result.exit_code == 0, result.output
     return json.loads(result.output.strip().splitlines()[-1])["results"]
+
+
+@pytest.fixture
+def hf_copy(tiny_hf_dir, tmp_path):
+    """A copy of the tiny HF folder, free to damage."""
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_hf_dir, folder)
+    return folder
+
+
+@pytest.fixture
+def artifact(tiny_dense_dir, tmp_path):
+    """A copy of the tiny dense artifact, free to damage."""
+    copy = tmp_path / "artifact"
+    shutil.copytree(tiny_dense_dir, copy)
+    return copy
+
+
+@pytest.fixture
+def snap_artifact(tiny_snap_dir, tmp_path):
+    """A copy of the tiny snapstream artifact, free to damage."""
+    copy = tmp_path / "snap"
+    shutil.copytree(tiny_snap_dir, copy)
+    return copy

@@ -2,21 +2,7 @@
 import json
 import shutil
 
-import pytest
-from click.testing import CliRunner
-
-from snapcompile.cli import main
-
-
-def invoke(*args):
-    return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
-
-
-def assert_user_error(result, fragment):
-    assert result.exit_code == 2, result.output
-    lines = result.output.strip().splitlines()
-    assert lines[-1].startswith("error: ") and fragment in lines[-1], lines
-    assert "Traceback" not in result.output
+from tests.cli_helpers import assert_one_line_error, invoke, rerecord_checksums
 
 
 def test_convert_inspect_run_validate(tmp_path):
@@ -55,18 +41,18 @@ def test_run_writes_jsonl(tiny_dense_dir, tmp_path):
         assert len(row["top_logprobs"]) == row["output_tokens"]
         for first, second in row["top_logprobs"]:
             assert first["logprob"] >= second["logprob"] and isinstance(first["token"], str)
-    assert_user_error(invoke("run", tiny_dense_dir, "--prompt", "hi", "--top-logprobs", -1),
+    assert_one_line_error(invoke("run", tiny_dense_dir, "--prompt", "hi", "--top-logprobs", -1),
                       "top_logprobs must be an integer >= 0")
 
 
 def test_missing_model(tmp_path):
-    assert_user_error(invoke("export", tmp_path / "nope", "-o", tmp_path / "o"), "neither a built-in name")
+    assert_one_line_error(invoke("export", tmp_path / "nope", "-o", tmp_path / "o"), "neither a built-in name")
 
 
 def test_corrupt_gguf(tmp_path):
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"not a gguf file at all")
-    assert_user_error(invoke("export", bad, "-o", tmp_path / "o"), "cannot read GGUF file")
+    assert_one_line_error(invoke("export", bad, "-o", tmp_path / "o"), "cannot read GGUF file")
     assert not (tmp_path / "o").exists()
 
 
@@ -76,7 +62,7 @@ def test_unsupported_architecture(tmp_path):
     (folder / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
     (folder / "model.safetensors").write_bytes(b"")
     result = invoke("export", folder, "-o", tmp_path / "o")
-    assert_user_error(result, "unsupported architecture 'GPT2LMHeadModel'")
+    assert_one_line_error(result, "unsupported architecture 'GPT2LMHeadModel'")
     assert "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM" in result.output
 
 
@@ -85,86 +71,69 @@ def test_pickle_only_folder_is_refused(tmp_path):
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama"}))
     (folder / "pytorch_model.bin").write_bytes(b"")
-    assert_user_error(invoke("export", folder, "-o", tmp_path / "o"), "no *.safetensors")
+    assert_one_line_error(invoke("export", folder, "-o", tmp_path / "o"), "no *.safetensors")
 
 
 def test_existing_output_without_force(tmp_path):
     (tmp_path / "o").mkdir()
-    assert_user_error(invoke("export", "tiny-llama", "-o", tmp_path / "o"), "already exists")
+    assert_one_line_error(invoke("export", "tiny-llama", "-o", tmp_path / "o"), "already exists")
 
 
 def test_invalid_policy_flags(tmp_path):
     result = invoke("convert", "tiny-llama", "-o", tmp_path / "o", "--budget", 30, "--window", 32)
-    assert_user_error(result, "must exceed sinks + window")
+    assert_one_line_error(result, "must exceed sinks + window")
     result = invoke("convert", "tiny-llama", "-o", tmp_path / "o", "--kernel", 4)
-    assert_user_error(result, "odd")
+    assert_one_line_error(result, "odd")
     assert not (tmp_path / "o").exists()
 
 
 def test_prompt_longer_than_context(tiny_dense_dir):
     result = invoke("validate", tiny_dense_dir, "--prompt", "x" * 600)
-    assert_user_error(result, "--max-context 512")
+    assert_one_line_error(result, "--max-context 512")
     run = invoke("run", tiny_dense_dir, "--prompt", "x" * 600, "--prompt", "ok", "--max-new-tokens", 2, "--json")
     assert run.exit_code == 1
     payload = json.loads(run.output.strip().splitlines()[0])
     assert "does not fit" in payload["results"][0]["error"] and payload["results"][1]["error"] is None
 
 
-@pytest.fixture
-def artifact_copy(tiny_dense_dir, tmp_path):
-    copy = tmp_path / "copy"
-    shutil.copytree(tiny_dense_dir, copy)
-    return copy
+def test_corrupt_onnx_file(artifact):
+    (artifact / "decode.onnx").write_bytes(b"\x00garbage")
+    assert_one_line_error(invoke("run", artifact, "--prompt", "hi"), "the artifact is truncated or was modified")
+    rerecord_checksums(artifact)
+    assert_one_line_error(invoke("run", artifact, "--prompt", "hi"), "not a valid ONNX file")
 
 
-def rerecord_checksums(folder):
-    """Make the manifest's files table match the folder again (as a careless edit would)."""
-    from snapcompile.artifact.files import file_sha256
-    from snapcompile.artifact.manifest import MANIFEST
-    raw = json.loads((folder / MANIFEST).read_text())
-    raw["files"] = {item.name: {"bytes": item.stat().st_size, "sha256": file_sha256(item)}
-                    for item in sorted(folder.iterdir()) if item.is_file() and item.name != MANIFEST}
-    (folder / MANIFEST).write_text(json.dumps(raw))
+def test_missing_manifest(artifact):
+    (artifact / "manifest.json").unlink()
+    assert_one_line_error(invoke("inspect", artifact), "not a snapcompile artifact")
 
 
-def test_corrupt_onnx_file(artifact_copy):
-    (artifact_copy / "decode.onnx").write_bytes(b"\x00garbage")
-    assert_user_error(invoke("run", artifact_copy, "--prompt", "hi"), "the artifact is truncated or was modified")
-    rerecord_checksums(artifact_copy)
-    assert_user_error(invoke("run", artifact_copy, "--prompt", "hi"), "not a valid ONNX file")
-
-
-def test_missing_manifest(artifact_copy):
-    (artifact_copy / "manifest.json").unlink()
-    assert_user_error(invoke("inspect", artifact_copy), "not a snapcompile artifact")
-
-
-def test_graph_from_another_artifact_is_refused(artifact_copy, tiny_snap_dir):
-    shutil.copy(tiny_snap_dir / "decode.onnx", artifact_copy / "decode.onnx")
-    assert_user_error(invoke("run", artifact_copy, "--prompt", "hi"), "the artifact is truncated or was modified")
-    rerecord_checksums(artifact_copy)
-    assert_user_error(invoke("run", artifact_copy, "--prompt", "hi"), "was not produced with this manifest")
+def test_graph_from_another_artifact_is_refused(artifact, tiny_snap_dir):
+    shutil.copy(tiny_snap_dir / "decode.onnx", artifact / "decode.onnx")
+    assert_one_line_error(invoke("run", artifact, "--prompt", "hi"), "the artifact is truncated or was modified")
+    rerecord_checksums(artifact)
+    assert_one_line_error(invoke("run", artifact, "--prompt", "hi"), "was not produced with this manifest")
 
 
 def test_no_prompt_source(tiny_dense_dir):
-    assert_user_error(invoke("run", tiny_dense_dir), "give exactly one of")
+    assert_one_line_error(invoke("run", tiny_dense_dir), "give exactly one of")
 
 
 def test_bad_prompts_file(tiny_dense_dir, tmp_path):
     bad = tmp_path / "p.jsonl"
     bad.write_text('{"prompt": "ok"}\n{oops\n')
-    assert_user_error(invoke("run", tiny_dense_dir, "--prompts", bad), "p.jsonl line 2: not valid JSON")
+    assert_one_line_error(invoke("run", tiny_dense_dir, "--prompts", bad), "p.jsonl line 2: not valid JSON")
 
 
 def test_missing_execution_provider(tiny_dense_dir):
-    assert_user_error(invoke("run", tiny_dense_dir, "--prompt", "hi", "--provider", "cuda"),
+    assert_one_line_error(invoke("run", tiny_dense_dir, "--prompt", "hi", "--provider", "cuda"),
                       "no CUDAExecutionProvider")
 
 
 def test_bad_field_in_prompts_file(tiny_dense_dir, tmp_path):
     bad = tmp_path / "p.jsonl"
     bad.write_text('{"prompt": "ok", "max_new_tokens": "many"}\n')
-    assert_user_error(invoke("run", tiny_dense_dir, "--prompts", bad),
+    assert_one_line_error(invoke("run", tiny_dense_dir, "--prompts", bad),
                       "p.jsonl line 1: max_new_tokens must be an integer >= 1, got 'many'")
     bad.write_text('{"prompt": "ok", "temperature": -2}\n')
-    assert_user_error(invoke("run", tiny_dense_dir, "--prompts", bad), "temperature must be a finite number >= 0")
+    assert_one_line_error(invoke("run", tiny_dense_dir, "--prompts", bad), "temperature must be a finite number >= 0")

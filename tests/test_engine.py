@@ -11,7 +11,7 @@ from snapcompile.engine.slots import SlotPool
 from snapcompile.errors import SnapcompileError
 from snapcompile.runtime.backend import chunk_starts
 from snapcompile.runtime.ort_backend import OrtBackend
-from tests.conftest import random_prompts
+from tests.conftest import FAULT_SEED, random_prompts
 
 
 def test_slot_pool_hands_out_lowest_free_slot():
@@ -176,3 +176,15 @@ def test_compressed_sequence_stops_at_the_models_last_position(tiny_snap_dir):
     result = engine.generate([Request(random_prompts([100])[0], max_new_tokens=50)])[0]
     # positions 100..102 can be fed: the prefill token plus 3 decode tokens
     assert result.finish_reason == "context" and len(result.output_ids) == 4
+
+
+def test_a_request_failing_inside_the_engine_fails_alone(artifact, faulty_sampling):
+    from snapcompile import Engine, Request, SamplingParams
+    engine = Engine.from_artifact(artifact)
+    requests = [Request(engine.encode("one"), max_new_tokens=3),
+                Request(engine.encode("two"), max_new_tokens=3, sampling=SamplingParams(seed=FAULT_SEED)),
+                Request(engine.encode("three"), max_new_tokens=3)]
+    results = engine.generate(requests)
+    assert [r.error is None for r in results] == [True, False, True]
+    assert "internal error: RuntimeError: injected fault" in results[1].error
+    assert all(len(r.output_ids) == 3 for r in (results[0], results[2]))

@@ -167,7 +167,7 @@ def test_streamingllm_plugin_lowering_on_quantized_weights(tiny_llama, tmp_path)
 
 
 def test_cli_convert_inspect_run_validate_int4(tmp_path):
-    from tests.test_cli import assert_user_error, invoke
+    from tests.cli_helpers import assert_one_line_error, invoke
     out = tmp_path / "int4"
     result = invoke("convert", "tiny-llama", "-o", out, "--weights", "int4", "--block-size", 64, "--budget", 64,
                     "--window", 8, "--kernel", 5, "--max-context", 256, "--chunk", 32, "--slots", 2)
@@ -186,7 +186,7 @@ def test_cli_convert_inspect_run_validate_int4(tmp_path):
         assert summary["weight_format"] == "int4" and summary["matmul"] == matmul
         if passed:
             assert valid.exit_code == 0 and summary["max_abs_logit_diff"] <= 1e-4
-    assert_user_error(invoke("export", "tiny-llama", "-o", tmp_path / "x", "--weights", "int4", "--block-size", 256),
-                      "does not divide the 64 inputs")
-    assert_user_error(invoke("export", "tiny-llama", "-o", tmp_path / "x", "--block-size", 24), "power of two")
-    assert_user_error(invoke("export", "tiny-llama", "-o", tmp_path / "x", "--weights", "int2"), "--weights")
+    too_big_block = invoke("export", "tiny-llama", "-o", tmp_path / "x", "--weights", "int4", "--block-size", 256)
+    assert_one_line_error(too_big_block, "does not divide the 64 inputs")
+    assert_one_line_error(invoke("export", "tiny-llama", "-o", tmp_path / "x", "--block-size", 24), "power of two")
+    assert_one_line_error(invoke("export", "tiny-llama", "-o", tmp_path / "x", "--weights", "int2"), "--weights")

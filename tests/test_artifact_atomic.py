@@ -1,0 +1,113 @@
+"""Outputs are written atomically and --force replaces only what snapcompile wrote."""
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from snapcompile.artifact.atomic import atomic_directory
+from snapcompile.artifact.manifest import MANIFEST
+from snapcompile.errors import SnapcompileError
+from tests.cli_helpers import assert_one_line_error, invoke
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_output_appearing_while_staging_is_left_alone(tmp_path):
+    target = tmp_path / "out"
+    with pytest.raises(SnapcompileError, match="appeared while it was being written"):
+        with atomic_directory(target) as staging:
+            (staging / "new.txt").write_text("new")
+            target.mkdir()
+            (target / "theirs.txt").write_text("theirs")
+    assert sorted(p.name for p in target.iterdir()) == ["theirs.txt"]
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]
+
+
+def test_force_replaces_only_snapcompile_folders(tmp_path, monkeypatch):
+    mydata = tmp_path / "mydata"
+    mydata.mkdir()
+    (mydata / "precious.txt").write_text("keep me")
+    assert_one_line_error(invoke("export", "tiny-llama", "-o", mydata, "--force"), "--force only replaces folders")
+    assert (mydata / "precious.txt").read_text() == "keep me"
+    a_file = tmp_path / "file.txt"
+    a_file.write_text("keep me too")
+    assert_one_line_error(invoke("export", "tiny-llama", "-o", a_file, "--force"), "is not a folder")
+    assert a_file.read_text() == "keep me too"
+    monkeypatch.chdir(mydata)
+    for target in (".", "..", mydata):
+        assert_one_line_error(invoke("export", "tiny-llama", "-o", target, "--force"), "current folder")
+    assert sorted(p.name for p in mydata.iterdir()) == ["precious.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file.txt", "mydata"]
+
+
+def test_force_swaps_in_the_new_folder_in_one_step(tmp_path):
+    target = tmp_path / "out"
+    with atomic_directory(target) as staging:
+        (staging / MANIFEST).write_text("old")
+    with atomic_directory(target, force=True) as staging:
+        (staging / MANIFEST).write_text("new")
+        assert (target / MANIFEST).read_text() == "old"        # the old output stays until the swap
+    assert (target / MANIFEST).read_text() == "new"
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]
+
+
+def _convert_in_subprocess(output: Path) -> subprocess.Popen:
+    args = [sys.executable, "-m", "snapcompile.cli", "convert", "tiny-llama", "-o", str(output), "--budget", "64",
+            "--window", "8", "--max-context", "4096", "--chunk", "64"]
+    # a shell's background job (nohup ... &) ignores SIGINT, and so would the child: restore the default
+    return subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+
+
+def _staging_folders(output: Path) -> list[str]:
+    return sorted(p.name for p in output.parent.iterdir() if p.name.startswith(f".{output.name}."))
+
+
+def _wait_for_staging(process: subprocess.Popen, output: Path) -> None:
+    deadline = time.monotonic() + 120
+    while not _staging_folders(output):
+        assert process.poll() is None and time.monotonic() < deadline, process.communicate()
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signals_during_convert_remove_the_staging_folder(tmp_path, sig):
+    output = tmp_path / "out"
+    process = _convert_in_subprocess(output)
+    _wait_for_staging(process, output)
+    process.send_signal(sig)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 130 and "error: interrupted" in stderr and "Traceback" not in stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_staging_of_a_killed_convert_is_removed_by_the_next(tmp_path):
+    output = tmp_path / "out"
+    process = _convert_in_subprocess(output)
+    _wait_for_staging(process, output)
+    process.kill()
+    process.communicate(timeout=60)
+    assert _staging_folders(output) and not output.exists()
+    result = invoke("convert", "tiny-llama", "-o", output, "--budget", 64, "--window", 8, "--max-context", 256,
+                    "--chunk", 64)
+    assert result.exit_code == 0, result.output
+    assert _staging_folders(output) == [] and (output / MANIFEST).is_file()
+
+
+def test_run_output_is_checked_before_anything_runs(artifact, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "hi"}\n')
+    a_file = tmp_path / "file.txt"
+    a_file.write_text("mine")
+    assert_one_line_error(invoke("run", artifact, "--prompt", "hi", "-o", tmp_path), "is a folder")
+    assert_one_line_error(invoke("run", artifact, "--prompt", "hi", "-o", a_file / "out.jsonl"), "cannot write")
+    assert_one_line_error(invoke("run", artifact, "--prompt", "hi", "-o", a_file), "already exists (use --force")
+    assert_one_line_error(invoke("run", artifact, "--prompts", prompts, "-o", prompts, "--force"), "also an input")
+    assert a_file.read_text() == "mine" and prompts.read_text() == '{"prompt": "hi"}\n'
+    result = invoke("run", artifact, "--prompt", "hi", "-o", a_file, "--force", "--max-new-tokens", 2)
+    assert result.exit_code == 0, result.output
+    assert json.loads(a_file.read_text())["prompt"] == "hi"

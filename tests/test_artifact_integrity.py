@@ -1,0 +1,96 @@
+"""Artifacts that would run wrong are refused: paths confined to the folder, checksums, graph lists
+that follow from the policy, memory checked before allocating."""
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from snapcompile.artifact.manifest import MANIFEST, WEIGHTS
+from tests.cli_helpers import assert_one_line_error, edit_manifest, invoke, rerecord_checksums
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("file", ["../other/decode.onnx", "/etc/hostname", "prefill.onnx"])
+def test_manifest_graph_paths_are_confined(artifact, file):
+    edit_manifest(artifact, lambda raw: raw["graphs"]["decode"].update(file=file))
+    assert_one_line_error(invoke("run", artifact, "--prompt", "hi"), "must be the listed file decode.onnx")
+    assert_one_line_error(invoke("inspect", artifact), "must be the listed file decode.onnx")
+
+
+@pytest.mark.parametrize("name", ["../weights.bin", "/etc/passwd", ".."])
+def test_manifest_file_table_is_confined(artifact, name):
+    edit_manifest(artifact, lambda raw: raw["files"].update({name: {"bytes": 1, "sha256": "0"}}))
+    assert_one_line_error(invoke("inspect", artifact), "outside the artifact folder")
+
+
+def test_symlinked_file_is_refused(artifact, tmp_path):
+    outside = tmp_path / "outside.bin"
+    shutil.copy(artifact / WEIGHTS, outside)
+    (artifact / WEIGHTS).unlink()
+    (artifact / WEIGHTS).symlink_to(outside)
+    assert_one_line_error(invoke("run", artifact, "--prompt", "hi"), "links are not followed")
+
+
+def test_external_data_outside_the_weights_file_is_refused(artifact, tmp_path):
+    import onnx
+    model = onnx.load(str(artifact / "prefill.onnx"), load_external_data=False)
+    for tensor in model.graph.initializer:
+        for entry in tensor.external_data:
+            if entry.key == "location":
+                entry.value = "../secret.bin"
+    onnx.save_model(model, str(artifact / "prefill.onnx"))
+    rerecord_checksums(artifact)
+    assert_one_line_error(invoke("compress", artifact, "-o", tmp_path / "snap", "--budget", 64, "--window", 8),
+                          "reads external data from '../secret.bin'")
+    assert_one_line_error(invoke("run", artifact, "--prompt", "hi"), "reads external data")
+
+
+def test_snapstream_manifest_without_its_select_graph_is_refused(snap_artifact):
+    edit_manifest(snap_artifact, lambda raw: raw["graphs"].pop("select"))
+    assert_one_line_error(invoke("run", snap_artifact, "--prompt", "hi"), "missing: select")
+
+
+def test_streamingllm_manifest_with_a_select_graph_is_refused(snap_artifact):
+    edit_manifest(snap_artifact, lambda raw: raw["policy"].update(policy="streamingllm"))
+    assert_one_line_error(invoke("run", snap_artifact, "--prompt", "hi"), "unexpected: select")
+
+
+def test_flipped_byte_in_the_weights_is_detected(artifact):
+    with open(artifact / WEIGHTS, "r+b") as handle:
+        handle.seek(5000)
+        byte = handle.read(1)
+        handle.seek(5000)
+        handle.write(bytes([byte[0] ^ 0x10]))
+    assert_one_line_error(invoke("run", artifact, "--prompt", "hi"), "does not match its sha256")
+    assert_one_line_error(invoke("inspect", artifact), "does not match its sha256")
+    assert invoke("inspect", artifact, "--no-verify").exit_code == 0      # sizes only, on request
+
+
+@pytest.mark.parametrize("damage, fragment", [
+    (lambda a: (a / WEIGHTS).unlink(), "weights.bin is missing"),
+    (lambda a: (a / WEIGHTS).write_bytes(b""), "the artifact is truncated"),
+    (lambda a: os.truncate(a / WEIGHTS, 1000), "the artifact is truncated"),
+    (lambda a: (a / "tokenizer.json").unlink(), "tokenizer.json is missing"),
+    (lambda a: edit_manifest(a, lambda raw: raw["graphs"].update(step=raw["graphs"].pop("decode"))), "missing: decode"),
+    (lambda a: edit_manifest(a, lambda raw: raw["graphs"]["decode"].update(file="prefill.onnx")),
+     "must be the listed file decode.onnx"),
+    (lambda a: edit_manifest(a, lambda raw: raw.update(format_version=1)), "written by an older snapcompile"),
+    (lambda a: edit_manifest(a, lambda raw: raw.pop("files")), "malformed field 'files'"),
+    (lambda a: (a / MANIFEST).write_text("[1, 2]"), "not a JSON object"),
+], ids=["weights-deleted", "weights-empty", "weights-truncated", "no-tokenizer", "decode-renamed", "wrong-file",
+        "old-format", "no-files-table", "manifest-a-list"])
+def test_damaged_artifacts_are_one_error_line(artifact, damage, fragment):
+    damage(artifact)
+    for command in (("run", artifact, "--prompt", "hi"), ("inspect", artifact)):
+        assert_one_line_error(invoke(*command), fragment)
+
+
+def test_artifact_too_large_for_this_machine_is_refused_before_allocating(tmp_path):
+    out = tmp_path / "huge"
+    assert invoke("export", "tiny-llama", "-o", out, "--slots", 10_000_000, "--max-context", 256,
+                  "--chunk", 64).exit_code == 0
+    result = invoke("run", out, "--prompt", "hi")
+    assert_one_line_error(result, "the artifact needs about 1220.7 GiB")
+    assert "10000000 slots x 256 rows" in result.output and "available here" in result.output

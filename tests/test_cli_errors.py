@@ -1,0 +1,89 @@
+"""Every user mistake is one `error:` line with exit code 2, checked before any work starts."""
+from pathlib import Path
+
+import pytest
+
+from tests.cli_helpers import assert_one_line_error, invoke
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (("--seed", -1, "--temperature", 0.7), "seed must be an integer in [0, 2**64), got -1"),
+    (("--temperature", "nan"), "temperature must be a finite number >= 0, got nan"),
+    (("--temperature", "inf"), "temperature must be a finite number"),
+    (("--top-p", 0), "top_p must be a number in (0, 1]"),
+    (("--max-new-tokens", 0), "0 is not in the range x>=1"),
+    (("--stop", ""), "stop must be a list of non-empty strings"),
+])
+def test_bad_sampling_flags_are_refused_up_front(artifact, args, fragment):
+    assert_one_line_error(invoke("run", artifact, "--prompt", "hi", *args), fragment)
+
+
+@pytest.mark.parametrize("line, fragment", [
+    ('{"prompt": "x", "stop": [1, 2]}', "line 3: stop must be a list of non-empty strings"),
+    ('{"prompt": "x", "stop": 7}', "line 3: stop must be a string or a list of strings, got 7"),
+    ('{"prompt": "x", "max_new_tokens": 0}', "line 3: max_new_tokens must be an integer >= 1"),
+    ('{"prompt": "x", "seed": -1, "temperature": 0.7}', "line 3: seed must be an integer"),
+    ('{"prompt": "x", "top_k": 1.5}', "line 3: top_k must be an integer >= 0"),
+    ('{"prompt": "x", "temperature": true}', "line 3: temperature must be a finite number"),
+    ('{"prompt": "x", "id": "a"}', "line 3: id 'a' is used by an earlier prompt"),
+    ('["prompt"]', 'line 3: each line must be an object with a "prompt" string'),
+])
+def test_prompts_file_errors_name_the_line(artifact, tmp_path, line, fragment):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "ok", "id": "a"}\n\n' + line + "\n")
+    assert_one_line_error(invoke("run", artifact, "--prompts", prompts), f"p.jsonl {fragment}")
+
+
+def test_non_utf8_prompts_file(artifact, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_bytes(b'{"prompt": "caf\xe9"}\n')
+    assert_one_line_error(invoke("run", artifact, "--prompts", prompts), "is not UTF-8 text")
+
+
+BAD_INPUTS = [
+    (("bogus",), "No such command 'bogus'"),
+    (("export",), "Missing argument 'MODEL'"),
+    (("export", "tiny-llama"), "Missing option '-o'"),
+    (("export", "tiny-llama", "-o", "{tmp}/o", "--slots", 0), "--slots must be >= 1"),
+    (("export", "tiny-llama", "-o", "{tmp}/o", "--max-context", "abc"), "'abc' is not a valid integer"),
+    (("export", "tiny-llama", "-o", "{tmp}/o", "--bogus"), "No such option '--bogus'"),
+    (("export", "{tmp}/nope", "-o", "{tmp}/o"), "neither a built-in name"),
+    (("convert", "tiny-llama", "-o", "{tmp}/o", "--policy", "nope"), "'nope' is not one of"),
+    (("convert", "tiny-llama", "-o", "{tmp}/o", "--lower", "nope"), "'nope' is not one of"),
+    (("convert", "tiny-llama", "-o", "{tmp}/o", "--budget", 30, "--window", 32), "must exceed sinks + window"),
+    (("compress", "{tmp}/nope", "-o", "{tmp}/o"), "artifact folder not found"),
+    (("compress", "{dense}", "-o", "{dense}", "--force"), "the output folder is the input artifact"),
+    (("compress", "{snap}", "-o", "{tmp}/o"), "already compressed"),
+    (("inspect", "{tmp}/nope"), "artifact folder not found"),
+    (("inspect", "{dense}/weights.bin"), "artifact folder not found"),
+    (("run", "{dense}"), "give exactly one of"),
+    (("run", "{dense}", "--prompt", "hi", "--slots", 0), "0 is not in the range x>=1"),
+    (("run", "{dense}", "--prompt", "hi", "--slots", 99), "--slots must be in 1..3"),
+    (("run", "{dense}", "--prompt", "hi", "--prefill-tokens-per-step", 0), "0 is not in the range x>=1"),
+    (("run", "{dense}", "--prompt", "hi", "--backend", "nope"), "'nope' is not one of"),
+    (("run", "{dense}", "--prompt", "hi", "--top-logprobs", -1), "top_logprobs must be an integer >= 0"),
+    (("run", "{dense}", "--prompts", "{tmp}/missing.jsonl"), "cannot read prompts file"),
+    (("validate", "{dense}", "--steps", -5), "-5 is not in the range x>=1"),
+    (("validate", "{dense}", "--min-agreement", 2), "2.0 is not in the range 0<=x<=1"),
+    (("validate", "{dense}", "--prompt", "x" * 600), "leaves no room"),
+    (("build", "{tmp}/nope", "-o", "{tmp}/o"), "artifact folder not found"),
+    (("build", "{dense}", "-o", "{tmp}/o"), "TensorRT"),
+    (("eval", "tiny-llama", "--task", "nope"), "'nope' is not one of"),
+    (("eval", "tiny-llama", "--lengths", "abc"), "expected comma-separated int values"),
+    (("eval", "tiny-llama", "--samples", 0), "--samples must be >= 1"),
+    (("eval", "tiny-llama", "--policies", "dense,bogus"), "unknown policies: bogus"),
+    (("eval", "tiny-llama", "--ratios", 1), "--ratios must be integers >= 2"),
+    (("eval", "tiny-llama", "-o", "{tmp}"), "is a folder"),
+    (("bench", "tiny-llama", "--contexts", 10), "--contexts must be >= 64"),
+    (("bench", "tiny-llama", "--repeats", 0), "--repeats must be >= 1"),
+    (("bench", "tiny-llama", "-o", "{dense}/manifest.json"), "already exists (use --force"),
+]
+
+
+@pytest.mark.parametrize("args, fragment", BAD_INPUTS, ids=[" ".join(map(str, a))[:60] for a, _ in BAD_INPUTS])
+def test_every_command_answers_bad_input_with_one_error_line(args, fragment, tiny_dense_dir, tiny_snap_dir, tmp_path):
+    values = {"tmp": tmp_path, "dense": tiny_dense_dir, "snap": tiny_snap_dir}
+    filled = [str(a).format(**values) for a in args]
+    assert_one_line_error(invoke(*filled), fragment)

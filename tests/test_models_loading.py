@@ -1,0 +1,88 @@
+"""Loading untrusted model folders: no code from a model folder runs, only the files the model needs
+are read, and a damaged folder is one error line."""
+import json
+import os
+import pickle
+import shutil
+from pathlib import Path
+
+import pytest
+
+from snapcompile.artifact.manifest import MANIFEST
+from tests.cli_helpers import Marker, assert_one_line_error, invoke, rerecord_checksums
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_weights_load_from_safetensors_whatever_the_index_says(hf_copy, tmp_path):
+    marker = tmp_path / "pickle-ran"
+    with open(hf_copy / "pytorch_model.bin", "wb") as handle:
+        pickle.dump(Marker(marker), handle)
+    index = {"metadata": {}, "weight_map": {"lm_head.weight": "pytorch_model.bin"}}
+    (hf_copy / "model.safetensors.index.json").write_text(json.dumps(index))
+    result = invoke("export", hf_copy, "-o", tmp_path / "out", "--max-context", 256, "--chunk", 64)
+    assert result.exit_code == 0, result.output
+    assert not marker.exists()
+    (hf_copy / "model.safetensors").unlink()               # only the pickle is left
+    assert_one_line_error(invoke("export", hf_copy, "-o", tmp_path / "o2"), "no *.safetensors")
+    shutil.copy(hf_copy / "pytorch_model.bin", hf_copy / "model.safetensors")   # a pickle by another name
+    assert_one_line_error(invoke("export", hf_copy, "-o", tmp_path / "o2"), "is not a valid safetensors file")
+    assert not marker.exists() and not (tmp_path / "o2").exists()
+
+
+@pytest.mark.parametrize("config_file", ["config.json", "tokenizer_config.json"])
+def test_remote_code_is_refused_even_when_the_user_says_yes(hf_copy, tmp_path, config_file):
+    marker = tmp_path / "code-ran"
+    (hf_copy / "evil.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
+    edit_manifest_like = json.loads((hf_copy / config_file).read_text())
+    edit_manifest_like["auto_map"] = {"AutoConfig": "evil.EvilConfig", "AutoTokenizer": ["evil.EvilTokenizer", None],
+                                      "AutoModelForCausalLM": "evil.EvilModel"}
+    (hf_copy / config_file).write_text(json.dumps(edit_manifest_like))
+    result = invoke("convert", hf_copy, "-o", tmp_path / "out", "--budget", 64, "--window", 8, input="y\ny\ny\n")
+    assert_one_line_error(result, "never executes code from a model folder")
+    assert not marker.exists() and not (tmp_path / "out").exists()
+
+
+def test_artifact_asking_for_remote_code_is_refused(artifact, tmp_path):
+    marker = tmp_path / "code-ran"
+    (artifact / "evil.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
+    config = json.loads((artifact / "tokenizer_config.json").read_text())
+    config["auto_map"] = {"AutoTokenizer": ["evil.EvilTokenizer", None]}
+    (artifact / "tokenizer_config.json").write_text(json.dumps(config))
+    rerecord_checksums(artifact)
+    for command in ("run", "validate"):
+        assert_one_line_error(invoke(command, artifact, "--prompt", "hi", input="y\n"), "never executes code")
+    assert not marker.exists()
+
+
+def test_convert_copies_no_file_of_the_model_folder_but_its_tokenizer(hf_copy, tmp_path):
+    (hf_copy / "helper.py").write_text("raise SystemExit('ran')\n")
+    assert invoke("export", hf_copy, "-o", tmp_path / "dense", "--max-context", 256, "--chunk", 64).exit_code == 0
+    assert invoke("compress", tmp_path / "dense", "-o", tmp_path / "snap", "--budget", 64, "--window", 8).exit_code == 0
+    for folder in (tmp_path / "dense", tmp_path / "snap"):
+        names = {p.name for p in folder.iterdir()}
+        assert "helper.py" not in names and not any(n.endswith(".py") for n in names)
+        assert names - {MANIFEST} == set(json.loads((folder / MANIFEST).read_text())["files"])
+
+
+@pytest.mark.parametrize("damage, fragment", [
+    (lambda m: os.truncate(m / "model.safetensors", 5000), "is not a valid safetensors file"),
+    (lambda m: (m / "config.json").write_text("[1, 2]"), "config.json must hold a JSON object, not list"),
+    (lambda m: _patch_config(m, num_attention_heads=0), "num_attention_heads must be a positive integer, got 0"),
+    (lambda m: _patch_config(m, hidden_size="64"), "hidden_size must be a positive integer, got '64'"),
+    (lambda m: _patch_config(m, num_hidden_layers=3), "the checkpoint lacks model.layers.2"),
+    (lambda m: _patch_config(m, intermediate_size=96),
+     "down_proj.weight has shape [64, 128], the config needs [64, 96]"),
+    (lambda m: (m / "config.json").write_bytes(b"\xff\xfe"), "config.json is not valid JSON"),
+], ids=["truncated-safetensors", "config-list", "zero-heads", "string-size", "missing-layer", "wrong-shape",
+        "config-binary"])
+def test_bad_model_files_are_one_error_line(hf_copy, tmp_path, damage, fragment):
+    damage(hf_copy)
+    assert_one_line_error(invoke("export", hf_copy, "-o", tmp_path / "out"), fragment)
+    assert not (tmp_path / "out").exists()
+
+
+def _patch_config(folder, **values):
+    config = json.loads((folder / "config.json").read_text())
+    config.update(values)
+    (folder / "config.json").write_text(json.dumps(config))
