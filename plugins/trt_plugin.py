@@ -7,10 +7,11 @@ once per request). TensorRT's ONNX parser maps
 the plugin-lowered nodes to them by op type, plugin_version and plugin_namespace.
 
 Written against the documented API (tensorrt.plugin.register / impl, TensorDesc.like,
-shape_expr); it has not been run here: no TensorRT on CI machines (see docs/design.md).
+shape_expr); it has not been run here: no TensorRT on CI machines (see docs/design.md). No
+`from __future__ import annotations`: tensorrt.plugin reads the functions' annotations as
+objects (trtp.TensorDesc, ...), which string annotations would not be. The parameter names are
+the contracts' (plugins.contracts), checked by the tests with a stand-in for tensorrt.plugin.
 """
-from __future__ import annotations
-
 from snapcompile.errors import SnapcompileError
 
 from .contracts import DECODE_ATTENTION, SELECT

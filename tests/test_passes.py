@@ -149,3 +149,17 @@ def test_compress_reaches_no_torch():
     code = ("import sys, snapcompile.passes.pipeline, snapcompile.graphs.checks, snapcompile.cli; "
             "print('torch' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "False\n"
+
+
+@pytest.mark.parametrize("lowering", ["standard", "plugin"])
+def test_the_same_convert_twice_gives_byte_identical_files(tmp_path, lowering):
+    """Node names are counted per graph, never per process: what was built before changes nothing."""
+    from tests.cli_helpers import invoke
+    args = ["tiny-llama", "--budget", 64, "--window", 8, "--kernel", 5, "--max-context", 256, "--chunk", 64,
+            "--slots", 2, "--lower", lowering]
+    for name in ("first", "second"):
+        assert invoke("convert", *args, "-o", tmp_path / name).exit_code == 0
+    first, second = sorted((tmp_path / "first").iterdir()), sorted((tmp_path / "second").iterdir())
+    assert [p.name for p in first] == [p.name for p in second]
+    for a, b in zip(first, second):
+        assert a.read_bytes() == b.read_bytes(), a.name

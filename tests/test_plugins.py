@@ -95,3 +95,41 @@ def test_missing_tensorrt_names_the_extra(plugin_dir, tmp_path):
         assert result.exit_code == 2
         assert 'pip install "snapcompile[trt]"' in result.output and "Traceback" not in result.output
     assert not (tmp_path / "e").exists()
+
+
+class _StandInPluginAPI:
+    """Records what trt_plugin registers, in place of tensorrt.plugin (not installable here)."""
+
+    TensorDesc = Tensor = ShapeExprs = object
+
+    def __init__(self):
+        self.registered, self.impls = {}, {}
+
+    def register(self, plugin_id):
+        return lambda func: self.registered.setdefault(plugin_id, func)
+
+    def impl(self, plugin_id):
+        return lambda func: self.impls.setdefault(plugin_id, func)
+
+
+def test_tensorrt_plugin_signatures_are_the_contracts():
+    """TensorRT's QDP API reads the plugin's inputs and attributes from the Python signatures."""
+    import inspect
+
+    from snapcompile.plugins import trt_plugin
+    api = _StandInPluginAPI()
+    trt_plugin._register_decode(api)
+    trt_plugin._register_select(api, trt=None)
+    for contract in (DECODE_ATTENTION, SELECT):
+        expected = [*contract.input_names, *contract.attr_names]
+        assert list(inspect.signature(api.registered[contract.plugin_id]).parameters) == expected
+        assert list(inspect.signature(api.impls[contract.plugin_id]).parameters) == [*expected, "outputs", "stream"]
+        annotations = inspect.signature(api.registered[contract.plugin_id]).parameters
+        assert all(not isinstance(p.annotation, str) for p in annotations.values())   # objects, not strings
+
+
+def test_contract_refuses_inputs_and_attributes_it_does_not_list():
+    with pytest.raises(ValueError, match="takes the inputs"):
+        SELECT.node_inputs(window_query=1, key=2, value=3)
+    with pytest.raises(ValueError, match="has the attributes"):
+        DECODE_ATTENTION.node_attrs(scale=1.0, budget=4)

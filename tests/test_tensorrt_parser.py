@@ -54,7 +54,7 @@ def test_standard_quantized_matmul_passes():
     ("zero_point", "node 'dq' (DequantizeLinear): x_zero_point must be zero"),
     ("int8_gather", "node 'gather' (Gather): input 'table' is INT8"),
     ("pool_1d", "node 'pool' (MaxPool): 2D or 3D pooling only"),
-    ("topk", "node 'topk' (TopK): K must be less than 3840"),
+    ("topk", "node 'topk' (TopK): K must be at most 3840"),
     ("bitshift", "node 'shift' (BitShift): BitShift is not supported"),
     ("opset", "opset 25 is outside TensorRT 10.15's 9-24"),
     ("plugin", "node 'custom' (Mystery): custom op Mystery is not one of the snapcompile plugin's"),
@@ -106,3 +106,28 @@ def test_check_reads_graphs_without_their_weights(tiny_dense_dir):
     model = load_graph(tiny_dense_dir, manifest, "decode")
     assert any(t.data_location == onnx.TensorProto.EXTERNAL for t in model.graph.initializer)
     assert parser_problems(model, "decode") == []
+
+
+@pytest.mark.parametrize("share, fits", [(3840, True), (3841, False)])
+def test_topk_limit_is_one_boundary_for_the_parser_check_and_the_build(share, fits):
+    """k = 3840 passes both the static parser check and build's share check; 3841 fails both."""
+    from dataclasses import replace
+
+    from snapcompile.artifact.manifest import Manifest
+    from snapcompile.models.spec import ModelSpec
+    from snapcompile.runtime.trt_backend import check_trt_limits
+    k = numpy_helper.from_array(np.array([share]), "k")
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 5000])
+    problems = parser_problems(_model([helper.make_node("TopK", ["x", "k"], ["y", "i"], "topk")], [x], [k]), "g")
+    assert (problems == []) == fits, problems
+    spec = ModelSpec(architecture="LlamaForCausalLM", vocab_size=256, hidden_size=64, intermediate_size=128,
+                     num_layers=1, num_heads=4, num_kv_heads=2, head_dim=16, max_positions=8192, rms_norm_eps=1e-5,
+                     qkv_bias=False, tie_word_embeddings=True)
+    policy = PolicyConfig(budget=share + 1000, prompt_share=share)
+    manifest = Manifest("m", spec, ExportConfig(max_context=8192, chunk=256), policy, graphs={"select": {}})
+    if fits:
+        check_trt_limits(manifest)
+    else:
+        with pytest.raises(SnapcompileError, match="exceeds TensorRT's TopK limit of 3840"):
+            check_trt_limits(manifest)
+    check_trt_limits(replace(manifest, lowering="plugin"))     # the plugin lowering has no TopK

@@ -19,7 +19,12 @@ from snapcompile.plugins.contracts import DECODE_ATTENTION, DOMAIN, SELECT
 
 MATRIX_VERSION = "10.15"
 OPSETS = range(9, 25)
-TOPK_LIMIT = 3840
+TOPK_MAX = 3840          # TensorRT's largest TopK k (ITopKLayer: "maximum of K is 3840")
+
+
+def topk_fits(k: int) -> bool:
+    """Whether TensorRT's TopK takes this k: the one statement of the limit."""
+    return k <= TOPK_MAX
 
 _F = {TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16}
 _I = {TensorProto.INT32, TensorProto.INT64}
@@ -134,8 +139,8 @@ def _topk(node, constants) -> None:
     if attrs.get("sorted", 1) != 1:
         raise Violation("sorted must be 1")
     k = constants.get(node.input[1])
-    if k is not None and int(onnx.numpy_helper.to_array(k).reshape(-1)[0]) >= TOPK_LIMIT:
-        raise Violation(f"K must be less than {TOPK_LIMIT} (use the plugin lowering for larger budgets)")
+    if k is not None and not topk_fits(int(onnx.numpy_helper.to_array(k).reshape(-1)[0])):
+        raise Violation(f"K must be at most {TOPK_MAX} (use the plugin lowering for larger budgets)")
 
 
 def _scatter_nd(node, constants) -> None:

@@ -21,15 +21,15 @@ from snapcompile.plugins.trt_plugin import require_tensorrt
 from snapcompile.runtime.backend import SlotBackend
 
 ENGINES = "engines.json"
-TRT_TOPK_MAX = 3840     # TensorRT's largest TopK k
 
 
 def check_trt_limits(manifest: Manifest) -> None:
     """The standard lowering's selection uses TopK with k = prompt share P."""
+    from snapcompile.runtime.tensorrt_parser import TOPK_MAX, topk_fits
     share = manifest.policy.resolved_prompt_share
-    if "select" in manifest.graphs and manifest.lowering == "standard" and share > TRT_TOPK_MAX:
+    if "select" in manifest.graphs and manifest.lowering == "standard" and not topk_fits(share):
         raise SnapcompileError(
-            f"prompt share {share} exceeds TensorRT's TopK limit of {TRT_TOPK_MAX}: "
+            f"prompt share {share} exceeds TensorRT's TopK limit of {TOPK_MAX}: "
             "convert with --lower plugin, or a smaller --budget / --prompt-share")
 
 
