@@ -75,6 +75,9 @@ def test_memory_fit_favours_the_budget(result):
 def test_markdown_table(result):
     table = markdown(result)
     assert table.count("\n| 256 |") == 2 and "snap/eager" in table and "GB/s" in table
+    cpu = result["cpu"]          # every figure names the CPU it was measured on
+    assert cpu["cores"] >= 1 and isinstance(cpu["isa"], list) and len(cpu["load"]) == 3
+    assert f"CPU: {cpu['model']}" in table and " ".join(cpu["isa"]) in table
 
 
 def test_bench_cli_and_bad_input(tmp_path):

@@ -58,3 +58,34 @@ def matmul_flops(size: int = 1536, repeats: int = 5) -> float:
         torch.mm(a, b)
         best = min(best, time.perf_counter() - start)
     return 2 * size ** 3 / best
+
+
+ISA_FEATURES = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_bf16", "amx_int8")
+
+
+def cpu_description() -> dict:
+    """The CPU a figure was measured on: model name, the ISA features the kernels can use, cores,
+    and the 1/5/15-minute load averages at the time (Linux /proc; empty fields elsewhere)."""
+    name, flags = "", set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and not name:
+                name = value.strip()
+            elif key.strip() == "flags" and not flags:
+                flags = set(value.split())
+    except OSError:
+        pass
+    try:
+        load = [float(v) for v in Path("/proc/loadavg").read_text().split()[:3]]
+    except OSError:
+        load = []
+    import os
+    return {"model": name, "isa": [f for f in ISA_FEATURES if f in flags], "cores": os.cpu_count(), "load": load}
+
+
+def describe_cpu(cpu: dict) -> str:
+    """One line naming the CPU, e.g. "AMD EPYC, 2 cores, ISA avx2 fma, load 0.3 / 0.2 / 0.1"."""
+    load = " / ".join(f"{v:.1f}" for v in cpu.get("load", []))
+    return (f"{cpu.get('model') or 'unknown CPU'}, {cpu.get('cores')} cores, ISA {' '.join(cpu.get('isa', [])) or '-'}"
+            + (f", load {load}" if load else ""))

@@ -32,6 +32,10 @@ def markdown(result: dict) -> str:
     lines += _formats_table(result)
     bw = result["bandwidth_bytes_per_s"] / 1e9
     lines.append("")
+    if "cpu" in result:
+        from snapcompile.bench.machine import describe_cpu
+        lines.append(f"CPU: {describe_cpu(result['cpu'])}.")
+        lines.append("")
     lines.append(f"Measured in the same run: copy bandwidth {bw:.1f} GB/s, float32 matmul "
                  f"{result['matmul_flops_per_s'] / 1e9:.0f} GFLOP/s; weights {result['weight_bytes'] / 2**20:.0f} MiB "
                  "read per step. Roofline bound = max(bytes / bandwidth, FLOPs / matmul rate), which one binds in "

@@ -82,6 +82,7 @@ def _open(folder: Path):
 
 def run_bench(config: BenchConfig, cache_dir: Path, progress: Callable[[int], None] | None = None,
               log: Callable[[str], None] = print) -> dict:
+    cpu = machine.cpu_description()
     bandwidth = machine.memory_bandwidth()
     flops = machine.matmul_flops()
     artifacts = ArtifactCache(config.source, cache_dir, log)
@@ -101,7 +102,7 @@ def run_bench(config: BenchConfig, cache_dir: Path, progress: Callable[[int], No
         point["prefill"] = prefill[point["context"]]
         _add_roofline(point, config, artifacts.loaded.spec, weight_bytes, step_bytes, bandwidth, flops)
         _add_ratios(point)
-    return {"config": asdict(config), "bandwidth_bytes_per_s": bandwidth, "matmul_flops_per_s": flops,
+    return {"config": asdict(config), "cpu": cpu, "bandwidth_bytes_per_s": bandwidth, "matmul_flops_per_s": flops,
             "weight_bytes": weight_bytes, "step_weight_bytes": step_bytes,
             "kv_bytes_per_token": artifacts.loaded.spec.kv_bytes_per_token, "points": points,
             "fits": _fits(config, artifacts.loaded.spec, weight_bytes)}

@@ -6,15 +6,17 @@ import time
 
 import click
 
-from snapcompile.cli.options import csv_option, report_options
+from snapcompile.cli.options import config_default, csv_option, report_options
 from snapcompile.cli.reports import write_report
+from snapcompile.config import PolicyConfig
 
 
 @click.command()
 @click.argument("model")
 @click.option("--contexts", default="1024,2048,4096,8192", show_default=True, callback=csv_option(int))
 @click.option("--slots", default="1,4,8,16", show_default=True, callback=csv_option(int))
-@click.option("--budget", default=512, show_default=True, help="SnapStream KV budget B.")
+@click.option("--budget", default=config_default(PolicyConfig, "budget"), show_default=True,
+              help="SnapStream KV budget B.")
 @click.option("--new-tokens", default=64, show_default=True, help="Decode steps timed per repeat.")
 @click.option("--repeats", default=3, show_default=True, help="Repeats per point (median, min, max).")
 @click.option("--prefill-repeats", type=int, default=None, help="Repeats of the prefill timings (default: --repeats).")
@@ -25,7 +27,7 @@ from snapcompile.cli.reports import write_report
               help="Memory for the 'largest slot count that fits' figure.")
 @click.option("--weights", default="fp32", show_default=True, callback=csv_option(str),
               help="Weight formats of the snapstream and dense artifacts, comma-separated (fp32 first; e.g. "
-                   "fp32,int8,int4). Quantized systems are named snapstream-int4 etc.")
+                   "fp32,fp16,int8,int4). Quantized systems are named snapstream-int4 etc.")
 @click.option("--peers", default="", callback=csv_option(str),
               help="Also measure ONNX Runtime GenAI builds of the same model at these precisions "
                    "(fp32,int4), each point in a subprocess (pip install \"snapcompile[peers]\").")

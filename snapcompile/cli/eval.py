@@ -7,9 +7,9 @@ import time
 
 import click
 
-from snapcompile.cli.options import csv_option, report_options
+from snapcompile.cli.options import config_default, csv_option, report_options
 from snapcompile.cli.reports import write_report
-from snapcompile.config import POLICIES, SCOPES, WEIGHT_FORMATS
+from snapcompile.config import POLICIES, SCOPES, WEIGHT_FORMATS, ExportConfig
 from snapcompile.errors import SnapcompileError
 from snapcompile.evaluation.tasks import TASKS
 
@@ -34,9 +34,11 @@ DEFAULT_BUDGETS = (256, 512, 1024, 2048)
 @click.option("--seed", default=0, show_default=True)
 @click.option("--scope", type=click.Choice(SCOPES), default="head", show_default=True,
               help="SnapStream selection scope.")
-@click.option("--slots", default=4, show_default=True, help="Engine slots (continuous batching).")
-@click.option("--weights", type=click.Choice(WEIGHT_FORMATS), default="fp32", show_default=True,
-              help="Weights of every artifact evaluated (fidelity compares them with the fp32 dense model).")
+@click.option("--slots", default=config_default(ExportConfig, "slots"), show_default=True,
+              help="Engine slots (continuous batching).")
+@click.option("--weights", type=click.Choice(WEIGHT_FORMATS), default=config_default(ExportConfig, "weight_format"),
+              show_default=True, help="Weights of every artifact evaluated: fp32, fp16, int8 or int4 (fidelity "
+              "compares them with the fp32 dense model).")
 @report_options("results.json", "eval", "Results JSON; the Markdown table and plots are written beside it. "
                 "An existing results file of the same model, task and seed is resumed and widened.")
 def eval_command(model_or_dir, task, policies, budgets, ratios, lengths, depths, samples, seed, scope, slots, weights,

@@ -1,9 +1,9 @@
 """The export front end: a loaded model -> static dense ONNX graphs and an artifact folder.
 
 `dense.py` writes the artifact; `llama_graph.py` builds the prefill and decode graphs of a
-Llama-family decoder, `attention_graph.py` their cached attention, `onnx_builder.py` the node
-helper they share with the passes. The names below load lazily, so the passes, which use only
-`onnx_builder` and `attention_graph`, never import torch."""
+Llama-family decoder (with `snapcompile.graphs`' builder and cached-attention subgraph), and
+`weights.py` / `quantize.py` store their weights in the chosen format. The names below load
+lazily, so importing this package pulls no torch."""
 
 __all__ = ["build_dense_graphs", "check_export_config", "eos_ids", "export_model", "new_manifest"]
 

@@ -31,7 +31,7 @@ class OrtGraph:
             level = {"int8": "4", "fp32": "1"}[quantized_matmul]
             options.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", level)
             # MatMul + residual Add -> Gemm runs first and would keep the o / down projections
-            # from becoming MatMulNBits (measured: 186 ms instead of 18 ms a SmolLM2 decode step)
+            # from becoming MatMulNBits (186 ms instead of 15.7 ms a SmolLM2 int4 decode step, docs/results/weights.md)
             disabled = ["MatMulAddFusion"]
         if initializers:
             for name, value in initializers.items():
