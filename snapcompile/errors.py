@@ -18,6 +18,10 @@ class PromptError(SnapcompileError):
                          f"1..{limit} prompt tokens")
 
 
+class EngineFailure(SnapcompileError):
+    """The engine thread died (a bug, not the user's): the server stopped; exit code 1."""
+
+
 class ParityError(SnapcompileError):
     """A validated artifact disagrees with the PyTorch oracle beyond tolerance."""
 

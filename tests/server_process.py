@@ -20,10 +20,12 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, artifact: Path, *args: str, model: str = "tiny", log: Path | None = None):
+    def __init__(self, artifact: Path, *args: str, model: str = "tiny", log: Path | None = None,
+                 launcher: tuple[str, ...] = ("-m", "snapcompile.cli", "serve")):
+        """launcher: what runs `serve` (tests.fault_server plants a bug in the engine thread)."""
         self.port, self.model = free_port(), model
         self.url = f"http://127.0.0.1:{self.port}"
-        command = [sys.executable, "-m", "snapcompile.cli", "serve", str(artifact), "--port", str(self.port),
+        command = [sys.executable, *launcher, str(artifact), "--port", str(self.port),
                    "--served-model-name", model, "--log-level", "warning", *args]
         self.log = open(log, "w+") if log else subprocess.DEVNULL
         self.process = subprocess.Popen(command, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT)

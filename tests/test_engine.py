@@ -1,6 +1,8 @@
 """Continuous batching: scheduling without a model, and output equality on tiny-llama."""
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
 from snapcompile.engine.engine import Engine
@@ -188,3 +190,20 @@ def test_a_request_failing_inside_the_engine_fails_alone(artifact, faulty_sampli
     assert [r.error is None for r in results] == [True, False, True]
     assert "internal error: RuntimeError: injected fault" in results[1].error
     assert all(len(r.output_ids) == 3 for r in (results[0], results[2]))
+
+
+@given(text=st.text(alphabet="ab", max_size=30), stop=st.text(alphabet="ab", min_size=1, max_size=8))
+def test_stop_hold_back_is_the_longest_suffix_that_may_still_become_the_stop(text, stop):
+    from snapcompile.engine.engine import stop_prefix_overlap
+    brute = max((k for k in range(1, len(stop)) if text.endswith(stop[:k])), default=0)
+    assert stop_prefix_overlap(text, stop) == brute
+
+
+def test_stop_strings_are_bounded():
+    from snapcompile.engine.request import MAX_STOP_CHARS, MAX_STOP_STRINGS
+    Request([1], stop=("x" * MAX_STOP_CHARS,) * MAX_STOP_STRINGS)
+    with pytest.raises(SnapcompileError, match="at most 256 characters"):
+        Request([1], stop=("q" * 2_000_000,))
+    with pytest.raises(SnapcompileError, match="at most 16 stop strings"):
+        Request([1], stop=tuple(str(i) for i in range(17)))
+

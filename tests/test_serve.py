@@ -295,3 +295,21 @@ def test_smollm2_through_the_server(smol_snap, tmp_path):
         assert "".join(c.choices[0].delta.content or "" for c in chunks) == reply.choices[0].message.content
     finally:
         assert process.stop() == 0
+
+
+def test_an_engine_thread_that_dies_fails_its_requests_turns_health_503_and_exits_1(artifact, tmp_path):
+    """A real `serve` process whose engine thread raises outside Engine.step (tests/fault_server.py)."""
+    server = ServerProcess(artifact, launcher=("-m", "tests.fault_server"), log=tmp_path / "log").wait_ready()
+    try:
+        reply = httpx.post(server.url + "/v1/completions", timeout=60,
+                           json={"model": "tiny", "prompt": "hello", "max_tokens": 8, "temperature": 0})
+        assert reply.status_code == 500 and "the engine stopped" in reply.json()["error"]["message"]
+        try:
+            health = httpx.get(server.url + "/health", timeout=5).status_code
+        except httpx.HTTPError:          # it may already have stopped
+            health = None
+        assert health in (503, None)
+        assert server.process.wait(30) == 1
+    finally:
+        server.stop()
+    assert "planted bug in the engine loop" in (tmp_path / "log").read_text()

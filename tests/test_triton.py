@@ -3,6 +3,7 @@ binary of the nvidia-pytriton wheel, driven through the generate extension and t
 import json
 import queue
 import subprocess
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -232,3 +233,76 @@ def test_bench_serve_drives_triton(triton, artifact, tmp_path):
     summary = json.loads(out.read_text())["summary"]
     assert (summary["completed"], summary["failed"], summary["total_output_tokens"]) == (8, 0, 48)
     assert summary["total_prompt_tokens"] == 8 * 40 and summary["ttft_ms"]["p50"] is not None
+
+
+class _StandInBackendUtils:
+    """What TritonWorker uses of the Python backend's triton_python_backend_utils, recording responses."""
+
+    TRITONSERVER_RESPONSE_COMPLETE_FINAL = 1
+
+    class Tensor:
+        def __init__(self, name, array):
+            self.name, self.array = name, array
+
+        def as_numpy(self):
+            return self.array
+
+    class TritonError:
+        def __init__(self, message):
+            self.message = message
+
+    class InferenceResponse:
+        def __init__(self, output_tensors, error=None):
+            self.output_tensors, self.error = output_tensors, error
+
+    @staticmethod
+    def get_input_tensor_by_name(request, name):
+        return request.inputs.get(name)
+
+
+class _Sender:
+    def __init__(self):
+        self.sent, self.done = [], threading.Event()
+
+    def send(self, response=None, flags=0):
+        self.sent.append(response)
+        if flags:
+            self.done.set()
+
+
+class _TritonRequest:
+    def __init__(self, text):
+        pb = _StandInBackendUtils
+        self.inputs = {"text_input": pb.Tensor("text_input", np.array([text.encode()], dtype=np.object_)),
+                       "max_tokens": pb.Tensor("max_tokens", np.array([4], dtype=np.int32))}
+        self.sender = _Sender()
+
+    def get_response_sender(self):
+        return self.sender
+
+    def is_cancelled(self):
+        return False
+
+
+def test_an_engine_step_fault_is_an_error_to_the_triton_client_not_a_cancel(artifact, monkeypatch):
+    from snapcompile.artifact.manifest import read_manifest
+    from snapcompile.engine.engine import Engine
+    from snapcompile.triton.worker import TritonWorker
+    real_step = Engine.step
+
+    def step(self):
+        if self.scheduler.decoding:
+            raise RuntimeError("planted step fault")
+        return real_step(self)
+    monkeypatch.setattr(Engine, "step", step)
+    worker = TritonWorker(_StandInBackendUtils, artifact, read_manifest(artifact).fingerprint(), slots=None)
+    try:
+        request = _TritonRequest("hello")
+        worker.submit(request)
+        assert request.sender.done.wait(60)
+        final = request.sender.sent[-1]
+        assert final is not None and final.error is not None and "planted step fault" in final.error.message
+        assert worker.loop.metrics.requests.labels("error")._value.get() == 1
+        assert worker.loop.metrics.requests.labels("abort")._value.get() == 0
+    finally:
+        worker.stop()

@@ -6,7 +6,7 @@ import sys
 
 import click
 
-from snapcompile.errors import ParityError, SnapcompileError
+from snapcompile.errors import EngineFailure, ParityError, SnapcompileError
 
 EXIT_USER_ERROR = 2
 EXIT_INTERRUPTED = 130
@@ -39,7 +39,7 @@ class _Group(click.Group):
             return super().invoke(ctx)
         except SnapcompileError as err:
             click.echo(f"error: {_one_line(str(err))}", err=True)
-            ctx.exit(EXIT_USER_ERROR if not isinstance(err, ParityError) else 1)
+            ctx.exit(1 if isinstance(err, (ParityError, EngineFailure)) else EXIT_USER_ERROR)
 
 
 def _raise_interrupt(signum, frame):

@@ -64,6 +64,24 @@ class Result:
         return "error" if self.error is not None else OUTCOMES.get(self.finish_reason, self.finish_reason)
 
 
+def stop_prefix_overlap(text: str, stop: str) -> int:
+    """The length of the longest suffix of `text` that is a proper prefix of `stop`: the text to
+    hold back because it may still become `stop`. O(len(text) + len(stop)) (a KMP failure
+    function over stop, then one scan of text); callers pass only the last len(stop) - 1 chars."""
+    failure, k = [0] * len(stop), 0
+    for i in range(1, len(stop)):
+        while k and stop[i] != stop[k]:
+            k = failure[k - 1]
+        k += stop[i] == stop[k]
+        failure[i] = k
+    matched = 0
+    for char in text:
+        while matched and (matched == len(stop) or char != stop[matched]):
+            matched = failure[matched - 1]
+        matched += char == stop[matched]
+    return matched if matched < len(stop) else failure[matched - 1]
+
+
 class Engine:
     """Serves requests on a backend (see snapcompile.runtime.ort_backend.OrtBackend)."""
 
@@ -147,6 +165,16 @@ class Engine:
             return False
         seq.prefill = None
         self._finish(seq, "abort")
+        return True
+
+    def fail(self, request_id: str, message: str) -> bool:
+        """Finish an unfinished request with an error (finish reason "error"); its slot is free at
+        once. False when it is unknown or already finished."""
+        seq = self.sequences.get(request_id)
+        if seq is None or seq.finished:
+            return False
+        seq.prefill = None
+        self._finish(seq, "error", error=message)
         return True
 
     def forget(self, request_id: str) -> None:
@@ -249,9 +277,8 @@ class Engine:
         end = len(seq.text)
         if not seq.finished:
             end = len(seq.text.rstrip("\ufffd"))
-            held = max((k for stop in seq.request.stop for k in range(1, len(stop))
-                        if seq.text[:end].endswith(stop[:k])), default=0)
-            end -= held
+            end -= max((stop_prefix_overlap(seq.text[max(0, end - len(stop) + 1):end], stop)
+                        for stop in seq.request.stop), default=0)
         new = seq.text[seq.emitted:end] if end > seq.emitted else ""
         seq.emitted = max(seq.emitted, end)
         return new

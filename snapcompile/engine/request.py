@@ -10,6 +10,8 @@ from enum import Enum
 from snapcompile.errors import SnapcompileError
 
 _ids = itertools.count()
+MAX_STOP_STRINGS = 16       # per request (OpenAI allows 4)
+MAX_STOP_CHARS = 256        # per stop string: the hold-back check costs O(this) per token and stop
 
 
 @dataclass(frozen=True)
@@ -30,6 +32,17 @@ class SamplingParams:
             raise SnapcompileError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
         if self.seed is not None and (not _integer(self.seed) or not 0 <= self.seed < 2**64):
             raise SnapcompileError(f"seed must be an integer in [0, 2**64), got {self.seed!r}")
+
+
+def check_stop_strings(stop) -> None:
+    """At most MAX_STOP_STRINGS non-empty strings of at most MAX_STOP_CHARS characters each."""
+    if not isinstance(stop, (tuple, list)) or not all(isinstance(s, str) and s for s in stop):
+        raise SnapcompileError("stop must be a list of non-empty strings")
+    if len(stop) > MAX_STOP_STRINGS:
+        raise SnapcompileError(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(stop)}")
+    longest = max(map(len, stop), default=0)
+    if longest > MAX_STOP_CHARS:
+        raise SnapcompileError(f"a stop string may have at most {MAX_STOP_CHARS} characters, got {longest}")
 
 
 def _integer(value) -> bool:
@@ -58,8 +71,7 @@ class Request:
             raise SnapcompileError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
         if not _integer(self.top_logprobs) or self.top_logprobs < 0:
             raise SnapcompileError(f"top_logprobs must be an integer >= 0, got {self.top_logprobs!r}")
-        if not isinstance(self.stop, tuple) or not all(isinstance(s, str) and s for s in self.stop):
-            raise SnapcompileError(f"stop must be a list of non-empty strings, got {self.stop!r}")
+        check_stop_strings(self.stop)
         if not isinstance(self.logprobs, bool) or not isinstance(self.ignore_eos, bool):
             raise SnapcompileError("logprobs and ignore_eos must be true or false")
         if not isinstance(self.sampling, SamplingParams):

@@ -46,7 +46,14 @@ class ServerState:
     load_error: str | None = None
 
     @property
+    def engine_failed(self) -> str | None:
+        """Why the engine thread stopped, once it has (the server then exits non-zero)."""
+        return self.engine_loop.failed if self.engine_loop is not None else None
+
+    @property
     def status(self) -> str:
+        if self.engine_failed:
+            return "failed"
         if self.draining:
             return "draining"
         return "ok" if self.serving is not None else ("failed" if self.load_error else "loading")
@@ -120,6 +127,8 @@ def _authenticate(request: Request, api_key: str | None) -> None:
 
 
 def _ready(state: ServerState) -> OpenAIServing:
+    if state.engine_failed:
+        raise ApiError(503, "the engine has failed; the server is stopping")
     if state.draining:
         raise ApiError(503, "the server is shutting down", headers={"Retry-After": str(RETRY_AFTER_S)})
     if state.serving is None:

@@ -5,6 +5,10 @@ The engine thread is the only one that touches the engine (and so the backend's 
 a `deliver` callback; the thread runs `Engine.step()` while there is work and calls the request's
 `deliver` with every update (an HTTP handler's callback hands it to its asyncio queue with
 `loop.call_soon_threadsafe`). A request's last update carries its `Result`.
+
+The thread is supervised: an exception anywhere in its loop (a bug) fails every request in flight
+with an error, marks the loop `failed` (the server's /health turns 503 and the process exits
+non-zero), and ends the thread; requests submitted afterwards are refused at once.
 """
 from __future__ import annotations
 
@@ -16,7 +20,7 @@ from dataclasses import dataclass
 
 from snapcompile.engine.engine import Engine, Result, TokenEvent
 from snapcompile.engine.request import Request
-from snapcompile.errors import SnapcompileError
+from snapcompile.errors import SnapcompileError, first_line
 from snapcompile.serve.metrics import Metrics
 
 log = logging.getLogger("snapcompile.serve")
@@ -44,6 +48,7 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name="snapcompile-engine", daemon=True)
         self._lock = threading.Lock()
         self._active = 0            # submitted and not yet finished (both threads update it)
+        self.failed: str | None = None   # why the engine thread stopped, once it has
         self._waiting = 0           # in the engine's queue, without a slot (engine thread, after each step)
 
     def start(self) -> None:
@@ -66,10 +71,18 @@ class EngineLoop:
         return self._waiting + self.inbox.qsize()
 
     def submit(self, request: Request, deliver: Deliver) -> None:
-        """Queue `request`; `deliver(update)` is called on the engine thread for each of its updates."""
+        """Queue `request`; `deliver(update)` is called on the engine thread for each of its updates
+        (on the caller's thread, at once, when the engine thread has failed)."""
         with self._lock:
             self._active += 1
-        self.inbox.put(("submit", request, deliver))
+            failed = self.failed
+        if failed is None:
+            self.inbox.put(("submit", request, deliver))
+            return
+        with self._lock:
+            self._active -= 1
+        event = TokenEvent(request.request_id, None, "", True, "error")
+        deliver(Update(event, _error_result(request.request_id, failed)))
 
     def abort(self, request_id: str) -> None:
         self.inbox.put(("abort", request_id))
@@ -80,20 +93,50 @@ class EngineLoop:
 
     # ------------------------------------------------------------- engine thread
     def _run(self) -> None:
-        while not self._stop.is_set():
-            self._take_inbox(block=self.engine.scheduler.idle)
-            if not self.engine.scheduler.idle:
-                self._step()
-            self._publish_gauges()
+        try:
+            while not self._stop.is_set():
+                self._take_inbox(block=self.engine.scheduler.idle)
+                if not self.engine.scheduler.idle:
+                    self._step()
+                self._publish_gauges()
+        except BaseException as err:      # a bug outside Engine.step: never hang the requests on it
+            log.exception("the engine thread failed")
+            self._fail_everything(f"internal error: the engine stopped ({type(err).__name__}: {first_line(err)})")
 
     def _step(self) -> None:
         try:
             events = self.engine.step()
-        except Exception:           # Engine.step fails requests, not itself: this is a bug
+        except Exception as err:    # Engine.step fails requests, not itself: this is a bug
             log.exception("engine step failed; failing the requests in flight")
-            events = [self._fail_all_event(seq_id) for seq_id in list(self._deliveries)]
+            message = f"internal error: {type(err).__name__}: {first_line(err)}"
+            events = [self._fail_event(seq_id, message) for seq_id in list(self._deliveries)]
         for event in events:
             self._deliver(event)
+
+    def _fail_everything(self, message: str) -> None:
+        """Mark the loop failed, then finish every request it holds (in flight or in the inbox)
+        with `message`, without trusting the engine."""
+        with self._lock:
+            self.failed = message
+        pending = dict(self._deliveries)
+        while True:
+            try:
+                item = self.inbox.get_nowait()
+            except queue.Empty:
+                break
+            if item[0] == "submit":
+                pending[item[1].request_id] = item[2]
+        self._deliveries.clear()
+        for request_id, deliver in pending.items():
+            with self._lock:
+                self._active -= 1
+            result = _error_result(request_id, message)
+            event = TokenEvent(request_id, None, "", True, "error")
+            self.metrics.on_event(event, result)
+            try:
+                deliver(Update(event, result))
+            except Exception:
+                log.exception("delivering the failure of %s failed", request_id)
 
     def _take_inbox(self, block: bool) -> None:
         try:
@@ -113,14 +156,17 @@ class EngineLoop:
             self._deliveries[request.request_id] = deliver
             try:
                 self.engine.submit(request)
-            except SnapcompileError as err:      # refused: it never entered the engine
-                self._deliver(TokenEvent(request.request_id, None, "", True, "error"), refused=str(err))
+            except Exception as err:      # refused: it never entered the engine
+                if not isinstance(err, SnapcompileError):
+                    log.exception("submitting %s failed", request.request_id)
+                reason = str(err) if isinstance(err, SnapcompileError) else f"internal error: {first_line(err)}"
+                self._deliver(TokenEvent(request.request_id, None, "", True, "error"), refused=reason)
         elif item[0] == "abort":
             if self.engine.abort(item[1]):
                 self._deliver(TokenEvent(item[1], None, "", True, "abort"))
 
-    def _fail_all_event(self, request_id: str) -> TokenEvent:
-        self.engine.abort(request_id)
+    def _fail_event(self, request_id: str, message: str) -> TokenEvent:
+        self.engine.fail(request_id, message)
         return TokenEvent(request_id, None, "", True, "error")
 
     def _deliver(self, event: TokenEvent, refused: str | None = None) -> None:
@@ -141,7 +187,7 @@ class EngineLoop:
         with self._lock:
             self._active -= 1
         if refused is not None:
-            return Result(event.request_id, 0, [], "", "error", refused, None, 0.0, [])
+            return _error_result(event.request_id, refused)
         result = self.engine.result(event.request_id)
         self.engine.forget(event.request_id)
         return result
@@ -153,3 +199,8 @@ class EngineLoop:
         per_slot = self.engine.backend.manifest.kv_bytes_per_slot()
         self.metrics.set_load(running=in_slots, waiting=len(scheduler.waiting), slots_in_use=in_slots,
                               kv_bytes_active=in_slots * per_slot)
+
+
+def _error_result(request_id: str, message: str) -> Result:
+    """The result of a request that failed before or outside the engine."""
+    return Result(request_id, 0, [], "", "error", message, None, 0.0, [])

@@ -12,6 +12,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from snapcompile.engine.request import check_stop_strings
+from snapcompile.errors import SnapcompileError
+
 MAX_TOP_LOGPROBS = 20
 
 
@@ -55,8 +58,10 @@ class _Sampling(BaseModel):
     @classmethod
     def _stops(cls, value):
         stops = [value] if isinstance(value, str) else (value or [])
-        if any(not s for s in stops):
-            raise ValueError("stop strings must not be empty")
+        try:
+            check_stop_strings(stops)
+        except SnapcompileError as err:
+            raise ValueError(str(err)) from None
         return stops
 
     def unsupported(self) -> None:

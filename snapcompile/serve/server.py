@@ -8,7 +8,7 @@ import socket
 
 import uvicorn
 
-from snapcompile.errors import SnapcompileError, first_line
+from snapcompile.errors import EngineFailure, SnapcompileError, first_line
 from snapcompile.serve.app import ServerSettings, ServerState, create_app, drain, load_engine
 
 log = logging.getLogger("snapcompile.serve")
@@ -27,7 +27,19 @@ class DrainingServer(uvicorn.Server):
     async def startup(self, sockets=None) -> None:
         self._loop = asyncio.get_running_loop()
         self._load_task = self._loop.create_task(self._load())
+        self._watch_task = self._loop.create_task(self._watch_engine())
         await super().startup(sockets)
+
+    async def _watch_engine(self, poll_s: float = 0.2) -> None:
+        """Stop the server (exit code non-zero) once the engine thread has failed; /health says
+        503 meanwhile and the requests in flight have their error."""
+        while not self.should_exit:
+            if self.state.engine_failed:
+                log.error("stopping: %s", self.state.engine_failed)
+                await asyncio.sleep(poll_s)       # let the failed requests' responses go out
+                self.should_exit = True
+                return
+            await asyncio.sleep(poll_s)
 
     async def _load(self) -> None:
         try:
@@ -70,6 +82,8 @@ def serve(settings: ServerSettings, host: str, port: int, drain_timeout_s: float
             state.engine_loop.stop()
     if state.load_error is not None:
         raise SnapcompileError(f"cannot serve {settings.artifact}: {state.load_error}")
+    if state.engine_failed is not None:
+        raise EngineFailure(f"stopped serving {settings.artifact}: {state.engine_failed}")
 
 
 def _check_bindable(host: str, port: int) -> None:
