@@ -164,3 +164,15 @@ class PolicyConfig:
     @classmethod
     def from_dict(cls, d: dict) -> PolicyConfig:
         return cls(**d)
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    """What one client may cost `serve` (snapcompile.serve.limits applies them; each has a flag)."""
+
+    max_body_bytes: int = 4 * 2**20      # a 4096-token prompt is < 1.5 MB even JSON-escaped
+    body_timeout_s: float = 30.0         # to receive a whole body once its head arrived
+    head_timeout_s: float = 10.0         # to receive a request head (from connecting, or the last response)
+    keep_alive_s: float = 5.0            # idle time of a kept-alive connection
+    max_connections: int = 512           # open connections (and tasks); beyond: 503 from uvicorn
+    render_timeout_s: float = 10.0       # to render a chat template (a file of the artifact); 400 beyond

@@ -1,12 +1,15 @@
 """Built-in prompts and prompt files (JSONL), and turning text into token ids."""
 from __future__ import annotations
 
+import contextlib
 import json
 import random
+import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from snapcompile.errors import SnapcompileError
+from snapcompile.errors import SnapcompileError, first_line
 
 FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here we go. "
           "There and back again. ")
@@ -76,12 +79,60 @@ def read_prompts_file(path: Path) -> list[PromptRecord]:
     return records
 
 
+RENDER_TIMEOUT_S = 10.0     # a chat template (a file of the artifact) renders within this, or is refused
+
+
+class _RenderTimeout(Exception):
+    pass
+
+
+@contextlib.contextmanager
+def _time_limit(seconds: float):
+    """Raise _RenderTimeout inside Python code running longer than `seconds` on this thread (a
+    trace function: a template's loops are Python code; Rust tokenization is bounded by size)."""
+    deadline = time.monotonic() + seconds
+
+    def tracer(frame, event, arg):
+        if time.monotonic() > deadline:
+            raise _RenderTimeout
+        return tracer
+    previous = sys.gettrace()
+    sys.settrace(tracer)
+    try:
+        yield
+    finally:
+        sys.settrace(previous)
+
+
+def encode_messages(tokenizer, messages: list[dict], timeout_s: float = RENDER_TIMEOUT_S) -> list[int]:
+    """Token ids of chat `messages` through the tokenizer's chat template, rendered within
+    `timeout_s`. A template that fails, loops, or a tokenizer that errs is a SnapcompileError
+    naming what went wrong (the template and tokenizer come from files, not from code here)."""
+    import jinja2
+    try:
+        with _time_limit(timeout_s):
+            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    except _RenderTimeout:
+        raise SnapcompileError(f"the chat template did not render within {timeout_s:g} s; refused") from None
+    except jinja2.TemplateError as err:
+        raise SnapcompileError(f"the chat template failed: {type(err).__name__}: {first_line(err)}") from None
+    except (ValueError, TypeError) as err:
+        raise SnapcompileError(f"the chat template cannot be applied: {first_line(err)}") from None
+    if isinstance(ids, dict) or hasattr(ids, "keys"):
+        ids = ids["input_ids"]
+    return [int(i) for i in ids]
+
+
+def encode_text(tokenizer, text: str) -> list[int]:
+    """Token ids of raw `text`; a tokenizer error (e.g. its regex's backtracking limit) is a SnapcompileError."""
+    try:
+        return [int(i) for i in tokenizer.encode(text, add_special_tokens=False)]
+    except Exception as err:     # tokenizers raises plain Exception for its own failures
+        raise SnapcompileError(f"the tokenizer failed on this prompt: {first_line(err)}") from None
+
+
 def encode(tokenizer, text: str, chat: bool) -> list[int]:
     """Token ids of `text`, wrapped in the chat template when `chat`."""
     if chat:
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}],
-                                            add_generation_prompt=True, tokenize=True)
-        if isinstance(ids, dict) or hasattr(ids, "keys"):
-            ids = ids["input_ids"]
-        return [int(i) for i in ids]
-    return [int(i) for i in tokenizer.encode(text, add_special_tokens=False)]
+        return encode_messages(tokenizer, [{"role": "user", "content": text}])
+    return encode_text(tokenizer, text)

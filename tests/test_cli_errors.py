@@ -14,14 +14,14 @@ REPO = Path(__file__).resolve().parents[1]
     (("--temperature", "inf"), "temperature must be a finite number"),
     (("--top-p", 0), "top_p must be a number in (0, 1]"),
     (("--max-new-tokens", 0), "0 is not in the range x>=1"),
-    (("--stop", ""), "stop must be a list of non-empty strings"),
+    (("--stop", ""), "stop strings must not be empty"),
 ])
 def test_bad_sampling_flags_are_refused_up_front(artifact, args, fragment):
     assert_one_line_error(invoke("run", artifact, "--prompt", "hi", *args), fragment)
 
 
 @pytest.mark.parametrize("line, fragment", [
-    ('{"prompt": "x", "stop": [1, 2]}', "line 3: stop must be a list of non-empty strings"),
+    ('{"prompt": "x", "stop": [1, 2]}', "line 3: stop strings must not be empty"),
     ('{"prompt": "x", "stop": 7}', "line 3: stop must be a string or a list of strings, got 7"),
     ('{"prompt": "x", "max_new_tokens": 0}', "line 3: max_new_tokens must be an integer >= 1"),
     ('{"prompt": "x", "seed": -1, "temperature": 0.7}', "line 3: seed must be an integer"),

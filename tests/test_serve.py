@@ -139,10 +139,32 @@ def test_chat_errors_have_openai_shape(server, kwargs, status, fragment):
     (json.dumps({"model": "tiny", "prompt": "x" * 513}).encode(), "513 tokens; this model's context allows"),
     (json.dumps({"model": "tiny"}).encode(), "prompt: Field required"),
     (json.dumps({"model": "tiny", "prompt": ["a", "b"]}).encode(), "a list of prompts is not supported"),
+    (b"[" * 1000 + b"]" * 1000, "nests deeper than 64 levels"),
+    (b"[" * 100 + b"]" * 100, "nests deeper than 64 levels"),
+    (b'{"model": "tiny", "prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}", "not valid JSON"),
+    (b'{"model": "tiny", "prompt": "a\\ud800b"}', "lone UTF-16 surrogate"),
+    (json.dumps({"model": "tiny", "prompt": "x", "stop": ["q" * 2_000_000]}).encode(), "at most 256 characters"),
+    (json.dumps({"model": "tiny", "prompt": "x" * 1_000_000}).encode(), "more than this model's context can hold"),
 ])
 def test_completion_errors(server, body, fragment):
-    response = httpx.post(server.url + "/v1/completions", content=body, timeout=60)
+    response = httpx.post(server.url + "/v1/completions", content=body, timeout=60,
+                          headers={"Content-Type": "application/json"})
     assert response.status_code == 400 and fragment in response.json()["error"]["message"], response.text
+
+
+@pytest.mark.parametrize("method, path, headers, body, status, fragment", [
+    ("POST", "/v1/completions", {"Content-Type": "text/plain"}, b'{"model": "tiny", "prompt": "x"}', 415,
+     "Content-Type: application/json"),
+    ("POST", "/v1/completions", {}, b'{"model": "tiny", "prompt": "x"}', 415, "Content-Type: application/json"),
+    ("POST", "/v1/completions", {"Content-Type": "application/json"}, b" " * (4 * 2**20 + 1), 413, "at most"),
+    ("GET", "/v1/nothing", {}, b"", 404, "no such route"),
+    ("GET", "/v1/completions", {}, b"", 405, "Method Not Allowed"),
+])
+def test_bad_requests_are_refused_in_openai_shape(server, method, path, headers, body, status, fragment):
+    response = httpx.request(method, server.url + path, headers=headers, content=body, timeout=60)
+    error = response.json()["error"]
+    assert response.status_code == status and fragment in error["message"], response.text
+    assert set(error) == {"message", "type", "param", "code"}
 
 
 def test_unknown_fields_are_ignored(server):
@@ -313,3 +335,64 @@ def test_an_engine_thread_that_dies_fails_its_requests_turns_health_503_and_exit
     finally:
         server.stop()
     assert "planted bug in the engine loop" in (tmp_path / "log").read_text()
+
+
+def test_slow_clients_are_closed_and_real_clients_are_served(artifact, tmp_path):
+    """20 connections that send their request head a byte at a time are closed after --head-timeout,
+    while a real client gets its answer; bounded in count and time, loopback only."""
+    import socket
+    server = ServerProcess(artifact, "--head-timeout", "1", "--keep-alive", "1",
+                           log=tmp_path / "log").wait_ready()
+    slow = [socket.create_connection(("127.0.0.1", server.port), timeout=5) for _ in range(20)]
+    try:
+        started, closed_after = time.monotonic(), {}
+        head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+        for step in range(40):                      # at most ~8 s of dripping
+            for index, sock in enumerate(slow):
+                if index in closed_after:
+                    continue
+                try:
+                    sock.sendall(head[step % len(head):step % len(head) + 1])
+                except OSError:
+                    closed_after[index] = time.monotonic() - started
+            reply = httpx.post(server.url + "/v1/completions", timeout=30,
+                               json={"model": "tiny", "prompt": "hi", "max_tokens": 2}) if step == 2 else None
+            if reply is not None:
+                assert reply.status_code == 200
+            if len(closed_after) == len(slow):
+                break
+            time.sleep(0.2)
+        assert len(closed_after) == len(slow), f"{len(slow) - len(closed_after)} slow clients still open"
+        assert max(closed_after.values()) < 5
+    finally:
+        for sock in slow:
+            sock.close()
+        server.stop()
+
+
+def test_a_pathological_chat_template_is_refused_in_time_and_the_server_stays_responsive(artifact, tmp_path):
+    """A crafted artifact whose template loops 10^10 times: 400 after --render-timeout, /health
+    answers meanwhile, and SIGTERM still drains and exits 0."""
+    from tests.cli_helpers import rerecord_checksums
+    (artifact / "chat_template.jinja").write_text(
+        "{% for i in range(100000) %}{% for j in range(100000) %}x{% endfor %}{% endfor %}")
+    rerecord_checksums(artifact)
+    server = ServerProcess(artifact, "--render-timeout", "2", log=tmp_path / "log").wait_ready()
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            started = time.monotonic()
+            chat = pool.submit(httpx.post, server.url + "/v1/chat/completions", timeout=60,
+                               json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}]})
+            health_times = []
+            while not chat.done() and time.monotonic() - started < 30:
+                begin = time.monotonic()
+                assert httpx.get(server.url + "/health", timeout=5).status_code == 200
+                health_times.append(time.monotonic() - begin)
+                time.sleep(0.2)
+            reply = chat.result(timeout=30)
+        assert reply.status_code == 400 and "did not render within 2 s" in reply.json()["error"]["message"]
+        assert health_times and max(health_times) < 1.0
+        assert httpx.post(server.url + "/v1/completions", timeout=30,
+                          json={"model": "tiny", "prompt": "hi", "max_tokens": 2}).status_code == 200
+    finally:
+        assert server.stop() == 0

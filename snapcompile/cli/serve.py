@@ -8,6 +8,8 @@ from pathlib import Path
 
 import click
 
+from snapcompile.cli.options import config_default
+from snapcompile.config import ServerLimits
 from snapcompile.runtime import BACKENDS
 
 LOOPBACK = ("localhost",)
@@ -31,7 +33,25 @@ LOOPBACK = ("localhost",)
               help="On SIGTERM / Ctrl-C, seconds running requests get to finish (new ones get 503).")
 @click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]),
               default="info", show_default=True)
-def serve(artifact, host, port, slots, max_waiting, api_key, served_model_name, backend, drain_timeout, log_level):
+@click.option("--max-body-bytes", type=click.IntRange(min=1024), default=config_default(ServerLimits, "max_body_bytes"),
+              show_default=True, help="Largest request body (413 beyond), checked before anything is parsed.")
+@click.option("--body-timeout", type=click.FloatRange(min=0, min_open=True),
+              default=config_default(ServerLimits, "body_timeout_s"), show_default=True,
+              help="Seconds a client has to send a request body once its head arrived (408 beyond).")
+@click.option("--head-timeout", type=click.FloatRange(min=0, min_open=True),
+              default=config_default(ServerLimits, "head_timeout_s"), show_default=True,
+              help="Seconds a connection has to deliver a request head, from opening or from its last response "
+                   "(slow clients are closed).")
+@click.option("--keep-alive", type=click.FloatRange(min=0, min_open=True),
+              default=config_default(ServerLimits, "keep_alive_s"), show_default=True,
+              help="Seconds an idle kept-alive connection stays open.")
+@click.option("--max-connections", type=click.IntRange(min=1), default=config_default(ServerLimits, "max_connections"),
+              show_default=True, help="Open connections served at once (503 beyond).")
+@click.option("--render-timeout", type=click.FloatRange(min=0, min_open=True),
+              default=config_default(ServerLimits, "render_timeout_s"), show_default=True,
+              help="Seconds the artifact's chat template may take to render one request (400 beyond).")
+def serve(artifact, host, port, slots, max_waiting, api_key, served_model_name, backend, drain_timeout, log_level,
+          max_body_bytes, body_timeout, head_timeout, keep_alive, max_connections, render_timeout):
     """Serve ARTIFACT over an OpenAI-compatible HTTP API.
 
     POST /v1/chat/completions and /v1/completions (streamed or not), GET /v1/models, /health
@@ -51,8 +71,10 @@ def serve(artifact, host, port, slots, max_waiting, api_key, served_model_name, 
     if api_key is None and not _loopback(host):
         click.echo(f"warning: serving on {host} without --api-key: anyone who reaches this address can use it",
                    err=True)
+    limits = ServerLimits(max_body_bytes=max_body_bytes, body_timeout_s=body_timeout, head_timeout_s=head_timeout,
+                          keep_alive_s=keep_alive, max_connections=max_connections, render_timeout_s=render_timeout)
     settings = ServerSettings(Path(artifact), served_model_name or Path(artifact).resolve().name, api_key,
-                              max_waiting, slots, backend)
+                              max_waiting, slots, backend, limits)
     run_server(settings, host, port, drain_timeout, log_level)
 
 

@@ -37,7 +37,7 @@ class SamplingParams:
 def check_stop_strings(stop) -> None:
     """At most MAX_STOP_STRINGS non-empty strings of at most MAX_STOP_CHARS characters each."""
     if not isinstance(stop, (tuple, list)) or not all(isinstance(s, str) and s for s in stop):
-        raise SnapcompileError("stop must be a list of non-empty strings")
+        raise SnapcompileError("stop strings must not be empty (give a list of non-empty strings)")
     if len(stop) > MAX_STOP_STRINGS:
         raise SnapcompileError(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(stop)}")
     longest = max(map(len, stop), default=0)

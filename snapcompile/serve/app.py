@@ -7,16 +7,18 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from snapcompile.config import ServerLimits
 from snapcompile.serve.completions import OpenAIServing
 from snapcompile.serve.engine_loop import EngineLoop
+from snapcompile.serve.limits import read_json_body
 from snapcompile.serve.metrics import CONTENT_TYPE, Metrics
 from snapcompile.serve.protocol import ApiError, ChatRequest, CompletionRequest, now, parse
 
@@ -32,6 +34,7 @@ class ServerSettings:
     max_waiting: int | None = None      # 429 beyond this many requests waiting for a slot
     slots: int | None = None            # use at most this many of the artifact's static slots
     backend: str = "ort"
+    limits: ServerLimits = field(default_factory=ServerLimits)
 
 
 @dataclass
@@ -69,7 +72,8 @@ def load_engine(state: ServerState) -> None:
     engine_loop.start()
     export = engine.backend.manifest.export
     state.engine_loop = engine_loop
-    state.serving = OpenAIServing(engine_loop, engine.tokenizer, settings.model_name, export.max_context)
+    state.serving = OpenAIServing(engine_loop, engine.tokenizer, settings.model_name, export.max_context,
+                                  settings.limits.render_timeout_s)
 
 
 def create_app(state: ServerState) -> FastAPI:
@@ -78,9 +82,21 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, err: ApiError) -> JSONResponse:
-        if err.status in (400, 404, 429, 503):
+        if err.status in (400, 404, 408, 413, 415, 429, 503):
             state.metrics.rejected()
         return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, err: StarletteHTTPException) -> JSONResponse:
+        """Unknown routes (404) and methods (405) in OpenAI's error shape too."""
+        message = "no such route" if err.status_code == 404 else str(err.detail)
+        return JSONResponse(ApiError(err.status_code, message).body(), status_code=err.status_code,
+                            headers=getattr(err, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, err: Exception) -> JSONResponse:
+        log.exception("request failed")
+        return JSONResponse(ApiError(500, "internal error").body(), status_code=500)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -110,7 +126,7 @@ def create_app(state: ServerState) -> FastAPI:
 async def _complete(state: ServerState, request: Request, kind: str, model):
     _authenticate(request, state.settings.api_key)
     serving = _ready(state)
-    call = serving.accept(kind, parse(model, await _json_body(request)))
+    call = await serving.accept(kind, parse(model, await read_json_body(request, state.settings.limits)))
     _admit(state)
     if call.params.stream:
         return StreamingResponse(serving.stream(call), media_type="text/event-stream")
@@ -141,14 +157,6 @@ def _admit(state: ServerState) -> None:
     if limit is not None and state.engine_loop.waiting >= limit:
         raise ApiError(429, f"{limit} requests are already waiting for a slot; retry later",
                        headers={"Retry-After": str(RETRY_AFTER_S)})
-
-
-async def _json_body(request: Request):
-    raw = await request.body()
-    try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ApiError(400, f"the request body is not valid JSON: {err}") from None
 
 
 async def drain(state: ServerState, timeout_s: float, poll_s: float = 0.1) -> int:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from snapcompile.engine.engine import Result, TokenEvent
 from snapcompile.engine.request import Request, SamplingParams
 from snapcompile.errors import PromptError, SnapcompileError
+from snapcompile.prompts import RENDER_TIMEOUT_S, encode_messages, encode_text
 from snapcompile.serve.engine_loop import EngineLoop, Update
 from snapcompile.serve.protocol import ApiError, ChatRequest, CompletionRequest, new_id, now, usage
 
@@ -30,20 +31,36 @@ class Call:
     model: str
 
 
+def max_prompt_chars(tokenizer, max_tokens: int) -> int:
+    """An upper bound on the characters of a prompt that fits in `max_tokens` tokens: each token
+    stands for at most as many characters as its longest vocabulary entry has."""
+    longest = max((len(token) for token in tokenizer.get_vocab()), default=1)
+    return max_tokens * max(longest, 1)
+
+
 class OpenAIServing:
-    def __init__(self, engine_loop: EngineLoop, tokenizer, model_name: str, max_context: int):
+    def __init__(self, engine_loop: EngineLoop, tokenizer, model_name: str, max_context: int,
+                 render_timeout_s: float = RENDER_TIMEOUT_S):
         self.engine_loop, self.tokenizer, self.model_name = engine_loop, tokenizer, model_name
-        self.max_context = max_context
+        self.max_context, self.render_timeout_s = max_context, render_timeout_s
+        self.max_prompt_chars = max_prompt_chars(tokenizer, engine_loop.engine.backend.max_prompt_len())
 
     # ------------------------------------------------------------------ requests
-    def accept(self, kind: str, params: ChatRequest | CompletionRequest) -> Call:
-        """Check `params` against this model and build the engine request (400s name the field)."""
+    async def accept(self, kind: str, params: ChatRequest | CompletionRequest) -> Call:
+        """Check `params` against this model and build the engine request (400s name the field).
+        The prompt is tokenized (and the chat template rendered) on a worker thread, within a time
+        limit, after its size was checked: the event loop never waits on it."""
         params.unsupported()
         if params.model != self.model_name:
             raise ApiError(404, f"the model {params.model!r} does not exist; this server serves {self.model_name!r}",
                            param="model", code="model_not_found")
-        prompt = self._chat_prompt(params) if kind == "chat" else self._raw_prompt(params)
-        self._check_prompt(prompt, param="messages" if kind == "chat" else "prompt")
+        param = "messages" if kind == "chat" else "prompt"
+        render = self._chat_prompt if kind == "chat" else self._raw_prompt
+        try:
+            prompt = await asyncio.to_thread(render, params)
+        except SnapcompileError as err:
+            raise ApiError(400, str(err), param=param) from None
+        self._check_prompt(prompt, param=param)
         logprobs, top = params.logprob_counts()
         try:
             sampling = SamplingParams(temperature=params.temperature, top_p=params.top_p, seed=params.seed)
@@ -65,16 +82,22 @@ class OpenAIServing:
             raise ApiError(400, f"the prompt has {err.tokens} tokens; this model's context allows at most "
                                 f"{err.limit} prompt tokens", param=param, code="context_length_exceeded") from None
 
+    def _check_size(self, chars: int, param: str) -> None:
+        if chars > self.max_prompt_chars:
+            raise ApiError(400, f"the prompt has {chars} characters: more than this model's context can hold "
+                                f"({self.max_prompt_chars} at the most)", param=param, code="context_length_exceeded")
+
     def _chat_prompt(self, params: ChatRequest) -> list[int]:
         if self.tokenizer.chat_template is None:
             raise ApiError(400, "this model has no chat template; use /v1/completions", param="messages")
         messages = [{"role": m.role, "content": m.text()} for m in params.messages]
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        ids = ids["input_ids"] if hasattr(ids, "keys") else ids
-        return [int(i) for i in ids]
+        self._check_size(sum(len(m["content"]) + len(m["role"]) for m in messages), "messages")
+        return encode_messages(self.tokenizer, messages, self.render_timeout_s)
 
     def _raw_prompt(self, params: CompletionRequest) -> list[int]:
-        return [int(i) for i in self.tokenizer.encode(params.prompt_text(), add_special_tokens=False)]
+        text = params.prompt_text()
+        self._check_size(len(text), "prompt")
+        return encode_text(self.tokenizer, text)
 
     # ------------------------------------------------------------------ responses
     def _submit(self, request: Request) -> asyncio.Queue:

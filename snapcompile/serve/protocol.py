@@ -29,7 +29,9 @@ class ApiError(Exception):
     @property
     def kind(self) -> str:
         return {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                429: "rate_limit_error", 503: "service_unavailable"}.get(self.status, "server_error")
+                405: "invalid_request_error", 408: "invalid_request_error", 413: "invalid_request_error",
+                415: "invalid_request_error", 429: "rate_limit_error",
+                503: "service_unavailable"}.get(self.status, "server_error")
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}

@@ -10,6 +10,7 @@ import uvicorn
 
 from snapcompile.errors import EngineFailure, SnapcompileError, first_line
 from snapcompile.serve.app import ServerSettings, ServerState, create_app, drain, load_engine
+from snapcompile.serve.limits import RateLimitedLog, bounded_h11_protocol
 
 log = logging.getLogger("snapcompile.serve")
 
@@ -71,8 +72,12 @@ def serve(settings: ServerSettings, host: str, port: int, drain_timeout_s: float
     """Serve until a signal drains and stops the server; raises SnapcompileError when the artifact
     cannot be loaded or the address cannot be bound."""
     state = ServerState(settings)
+    limits = settings.limits
     config = uvicorn.Config(create_app(state), host=host, port=port, log_level=log_level,
-                            timeout_graceful_shutdown=5, lifespan="off")
+                            timeout_graceful_shutdown=5, lifespan="off",
+                            http=bounded_h11_protocol(limits.head_timeout_s), timeout_keep_alive=limits.keep_alive_s,
+                            limit_concurrency=limits.max_connections)
+    logging.getLogger("asyncio").addFilter(RateLimitedLog("out of system resource"))
     server = DrainingServer(config, state, drain_timeout_s)
     _check_bindable(host, port)
     try:
