@@ -3,6 +3,8 @@ byte-level tokenizer for the tiny random-weight models (no download, determinist
 from __future__ import annotations
 
 import json
+import shutil
+import tempfile
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -32,15 +34,27 @@ def refuse_remote_code(folder: Path) -> None:
                                    "never executes code from a model folder or artifact: refused")
 
 
-def load_tokenizer(folder: Path, gguf_file: str | None = None):
-    """The tokenizer saved in `folder` (a model folder or an artifact), remote code refused."""
+def load_tokenizer(folder: Path, gguf_file: str | None = None, files: list[str] | None = None):
+    """The tokenizer saved in `folder` (a model folder or an artifact), remote code refused.
+    files: read only these files of the folder (an artifact's manifest lists them): they are
+    copied into a private folder first, so a file added beside them (an extra chat template,
+    added_tokens.json) cannot change the tokenization."""
+    if files is None:
+        return _from_pretrained(Path(folder), gguf_file, shown=folder)
+    with tempfile.TemporaryDirectory(prefix="snapcompile-tokenizer-") as staged:
+        for name in files:
+            shutil.copyfile(Path(folder) / name, Path(staged) / name)
+        return _from_pretrained(Path(staged), gguf_file, shown=folder)
+
+
+def _from_pretrained(folder: Path, gguf_file: str | None, shown: Path):
     from transformers import AutoTokenizer
     refuse_remote_code(folder)
     try:
         return AutoTokenizer.from_pretrained(str(folder), gguf_file=gguf_file, trust_remote_code=False,
                                              local_files_only=True)
     except Exception as err:  # transformers raises many types for missing or malformed files
-        raise SnapcompileError(f"cannot load the tokenizer in {folder}: {first_line(err)}") from None
+        raise SnapcompileError(f"cannot load the tokenizer in {shown}: {first_line(err)}") from None
 
 
 def byte_tokenizer() -> PreTrainedTokenizerFast:

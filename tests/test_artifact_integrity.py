@@ -1,5 +1,6 @@
 """Artifacts that would run wrong are refused: paths confined to the folder, checksums, graph lists
 that follow from the policy, memory checked before allocating."""
+import json
 import os
 import shutil
 from pathlib import Path
@@ -94,3 +95,15 @@ def test_artifact_too_large_for_this_machine_is_refused_before_allocating(tmp_pa
     result = invoke("run", out, "--prompt", "hi")
     assert_one_line_error(result, "the artifact needs about 1220.7 GiB")
     assert "10000000 slots x 256 rows" in result.output and "available here" in result.output
+
+
+def test_files_the_manifest_does_not_list_change_nothing(artifact):
+    """An added_tokens.json or an extra chat template dropped beside the listed files is not read."""
+    from snapcompile.engine.engine import Engine
+    before = Engine.from_artifact(artifact).encode("zzz hello", chat=False)
+    (artifact / "added_tokens.json").write_text(json.dumps({"zzz": 258}))
+    (artifact / "additional_chat_templates").mkdir()
+    (artifact / "additional_chat_templates" / "default.jinja").write_text("HIJACKED {{ messages }}")
+    engine = Engine.from_artifact(artifact)
+    assert engine.encode("zzz hello", chat=False) == before
+    assert "HIJACKED" not in engine.tokenizer.apply_chat_template([{"role": "user", "content": "x"}], tokenize=False)

@@ -215,8 +215,8 @@ def validate(artifact, prompt, prompts_file, demo, steps, raw, tolerance, min_ag
     --tolerance, greedy agreement < --min-agreement, or selected positions differ beyond
     near-ties. With no prompts given, the demo prompts are used.
     """
+    from snapcompile.artifact.files import artifact_tokenizer
     from snapcompile.artifact.manifest import read_manifest
-    from snapcompile.models.tokenizer import load_tokenizer
     from snapcompile.prompts import encode
     from snapcompile.reference.parity import Validator, oracle_model, summarize
     if not (prompt or prompts_file or demo):
@@ -225,7 +225,7 @@ def validate(artifact, prompt, prompts_file, demo, steps, raw, tolerance, min_ag
     manifest = read_manifest(artifact)
     tolerance = manifest.export.tolerance if tolerance is None else tolerance
     tie_gap = manifest.export.tie_gap if tie_gap is None else tie_gap
-    tokenizer = load_tokenizer(artifact)
+    tokenizer = artifact_tokenizer(artifact)
     prompts = [encode(tokenizer, r.prompt, manifest.chat and not raw) for r in records]
     limit = manifest.export.max_context - (0 if manifest.policy.compressed else steps + 1)
     too_long = [len(p) for p in prompts if len(p) > limit]

@@ -104,10 +104,10 @@ class Engine:
                       prefill_tokens_per_step: int | None = None, backend: str = "ort",
                       max_slots: int | None = None) -> Engine:
         """An engine on an artifact folder (backend "ort") or a TensorRT engine folder ("trt")."""
-        from snapcompile.models.tokenizer import load_tokenizer
+        from snapcompile.artifact.files import artifact_tokenizer
         from snapcompile.runtime import open_backend
         backend = open_backend(folder, backend, provider=provider, threads=threads)
-        tokenizer = load_tokenizer(folder)
+        tokenizer = artifact_tokenizer(folder)
         return cls(backend, tokenizer, backend.manifest.eos_token_ids, prefill_tokens_per_step,
                    max_slots=max_slots)
 

@@ -21,12 +21,12 @@ from snapcompile.evaluation.tasks import make_cases
 def run_eval(config: EvalConfig, results_path: Path, cache_dir: Path, progress=None,
              log: Callable[[str], None] = print) -> list[dict]:
     """Run every pending case; returns all records (finished earlier or now)."""
-    from snapcompile.models.tokenizer import load_tokenizer
+    from snapcompile.artifact.files import artifact_tokenizer
     export = config.export
     cache = ArtifactCache(config.source, cache_dir, log)
     dense_dir = cache.dense(export)
     chat = read_manifest(dense_dir).chat and config.task != "fidelity"
-    tokenizer = load_tokenizer(dense_dir)
+    tokenizer = artifact_tokenizer(dense_dir)
     cases = make_cases(config.task, tokenizer, config.lengths, config.depths, config.samples, config.seed, chat)
     store = ResultStore(results_path, config)
     cells = {(p, b): [c for c in cases if config.applies(p, b, c)] for p, b in config.runs()}
