@@ -177,15 +177,27 @@ def assign_weights(model, state: dict, folder: Path) -> None:
         model.tie_weights()
 
 
+def _refuse_missing_weights(model, info: dict, path: Path) -> None:
+    """The check folders get in assign_weights, for a GGUF: every parameter must come from the
+    file (transformers would leave a missing one at its random initialisation)."""
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    missing = sorted(k for k in info.get("missing_keys", ()) if not (tied and k == "lm_head.weight")
+                     and not k.endswith("rotary_emb.inv_freq"))
+    if missing:
+        raise SnapcompileError(f"{path} lacks {missing[0]} ({len(missing)} of the model's tensors are missing; "
+                               "the file holds no complete model)")
+
+
 def _load_gguf(path: Path, name: str) -> LoadedModel:
     from transformers import AutoConfig, AutoModelForCausalLM
     try:
         config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name, trust_remote_code=False,
                                             local_files_only=True)
         spec = ModelSpec.from_hf_config(config)
-        model = AutoModelForCausalLM.from_pretrained(
+        model, info = AutoModelForCausalLM.from_pretrained(
             path.parent, gguf_file=path.name, dtype="float32", attn_implementation="eager",
-            trust_remote_code=False, local_files_only=True)
+            trust_remote_code=False, local_files_only=True, output_loading_info=True)
+        _refuse_missing_weights(model, info, path)
         tokenizer = load_tokenizer(path.parent, gguf_file=path.name)
     except SnapcompileError:
         raise

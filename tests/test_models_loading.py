@@ -86,3 +86,30 @@ def _patch_config(folder, **values):
     config = json.loads((folder / "config.json").read_text())
     config.update(values)
     (folder / "config.json").write_text(json.dumps(config))
+
+
+def _tensorless_copy(source: Path, target: Path) -> None:
+    """The GGUF `source` with every metadata field and no tensor."""
+    import gguf
+    reader = gguf.GGUFReader(str(source))
+    writer = gguf.GGUFWriter(str(target), reader.fields["general.architecture"].contents())
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        sub_type = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(name, field.contents(), field.types[0], sub_type=sub_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.slow
+def test_a_gguf_without_its_tensors_is_refused_and_the_real_one_loads(tmp_path):
+    from snapcompile.models.loader import _load_gguf, _smollm2_gguf
+    empty = tmp_path / "empty.gguf"
+    _tensorless_copy(_smollm2_gguf(), empty)
+    assert_one_line_error(invoke("export", empty, "-o", tmp_path / "out", "--max-context", 256, "--chunk", 64),
+                          "lacks model.embed_tokens.weight (272 of the model's tensors are missing")
+    assert not (tmp_path / "out").exists()
+    assert _load_gguf(_smollm2_gguf(), "smollm2").spec.num_layers == 30
