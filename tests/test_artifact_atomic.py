@@ -1,5 +1,6 @@
 """Outputs are written atomically and --force replaces only what snapcompile wrote."""
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -9,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from snapcompile.artifact.atomic import atomic_directory
-from snapcompile.artifact.manifest import MANIFEST
+from snapcompile.artifact.manifest import MANIFEST, WEIGHTS
 from snapcompile.errors import SnapcompileError
 from tests.cli_helpers import assert_one_line_error, invoke
 
@@ -46,12 +47,14 @@ def test_force_replaces_only_snapcompile_folders(tmp_path, monkeypatch):
 
 def test_force_swaps_in_the_new_folder_in_one_step(tmp_path):
     target = tmp_path / "out"
+    old, new = (json.dumps({"format_version": 3, "snapcompile_version": v, "graphs": {}, "files": {}})
+                for v in ("old", "new"))
     with atomic_directory(target) as staging:
-        (staging / MANIFEST).write_text("old")
+        (staging / MANIFEST).write_text(old)
     with atomic_directory(target, force=True) as staging:
-        (staging / MANIFEST).write_text("new")
-        assert (target / MANIFEST).read_text() == "old"        # the old output stays until the swap
-    assert (target / MANIFEST).read_text() == "new"
+        (staging / MANIFEST).write_text(new)
+        assert (target / MANIFEST).read_text() == old        # the old output stays until the swap
+    assert (target / MANIFEST).read_text() == new
     assert [p.name for p in tmp_path.iterdir()] == ["out"]
 
 
@@ -111,3 +114,36 @@ def test_run_output_is_checked_before_anything_runs(artifact, tmp_path):
     result = invoke("run", artifact, "--prompt", "hi", "-o", a_file, "--force", "--max-new-tokens", 2)
     assert result.exit_code == 0, result.output
     assert json.loads(a_file.read_text())["prompt"] == "hi"
+
+
+@pytest.mark.parametrize("marker_text", ["{}", "[1]", '{"format_version": 3}', "not json"])
+def test_force_does_not_take_any_folder_with_a_manifest_json_for_an_artifact(tiny_dense_dir, tmp_path, marker_text):
+    folder = tmp_path / "f"
+    folder.mkdir()
+    (folder / "manifest.json").write_text(marker_text)
+    (folder / "data.txt").write_text("x")
+    assert_one_line_error(invoke("compress", tiny_dense_dir, "-o", folder, "--force"),
+                          "has no manifest.json written by snapcompile")
+    assert (folder / "data.txt").read_text() == "x"
+
+
+def test_force_replaces_an_artifact_snapcompile_wrote(tiny_dense_dir, tmp_path):
+    target = tmp_path / "snap"
+    assert invoke("compress", tiny_dense_dir, "-o", target).exit_code == 0
+    assert invoke("compress", tiny_dense_dir, "-o", target, "--force", "--budget", 128).exit_code == 0
+
+
+def test_results_go_only_to_regular_files_outside_what_is_read(artifact, tmp_path):
+    fifo, link, target = tmp_path / "fifo", tmp_path / "link", tmp_path / "target.txt"
+    os.mkfifo(fifo)
+    target.write_text("keep")
+    link.symlink_to(target)
+    for output in (fifo, link, Path("/dev/null")):
+        assert_one_line_error(invoke("run", artifact, "--prompt", "hi", "-o", output, "--force"),
+                              "is not a regular file")
+    assert target.read_text() == "keep" and os.path.islink(link)
+    weights = (artifact / WEIGHTS).read_bytes()
+    for output in (artifact / WEIGHTS, artifact / "new.jsonl"):
+        assert_one_line_error(invoke("run", artifact, "--prompt", "hi", "-o", output, "--force"),
+                              "which this command reads")
+    assert (artifact / WEIGHTS).read_bytes() == weights and not (artifact / "new.jsonl").exists()

@@ -15,11 +15,19 @@ import errno
 import json
 import os
 import shutil
+import stat
 import tempfile
 from pathlib import Path
 
 from snapcompile.errors import SnapcompileError
 
+# the keys a marker file of each kind holds: a folder is snapcompile's only when its marker parses
+# as one (an arbitrary folder with a file of that name is not replaced)
+MARKER_KEYS = {"manifest.json": ("format_version", "snapcompile_version", "graphs", "files"),
+               "engines.json": ("fingerprint", "engines"),
+               "snapcompile.json": ("model", "artifact", "instances"),
+               "config.json": ("model_type",)}
+MARKER_MAX_BYTES = 64 * 2**20
 _RENAME_NOREPLACE, _RENAME_EXCHANGE = 1, 2
 _AT_FDCWD = -100
 _STAGING_KINDS = ("tmp", "old")
@@ -78,9 +86,23 @@ def check_replaceable(target: Path, force: bool, marker: str) -> None:
         raise SnapcompileError(f"output {target} already exists (use --force to replace it)")
     if target.is_symlink() or not target.is_dir():
         raise SnapcompileError(f"output {target} is not a folder: --force only replaces folders snapcompile wrote")
-    if not (target / marker).is_file() and any(target.iterdir()):
-        raise SnapcompileError(f"output {target} has no {marker}: --force only replaces folders snapcompile "
-                               "wrote; remove it yourself or choose another output")
+    if not any(target.iterdir()):
+        return
+    if not _is_marker(target / marker, marker):
+        raise SnapcompileError(f"output {target} has no {marker} written by snapcompile: --force only replaces "
+                               "folders snapcompile wrote; remove it yourself or choose another output")
+
+
+def _is_marker(path: Path, marker: str) -> bool:
+    """Whether `path` is a regular file parsing as a JSON object with the keys of its kind."""
+    try:
+        info = os.lstat(path)
+        if not stat.S_ISREG(info.st_mode) or info.st_size > MARKER_MAX_BYTES:
+            return False
+        raw = json.loads(path.read_bytes())
+    except (OSError, ValueError, RecursionError):
+        return False
+    return isinstance(raw, dict) and all(key in raw for key in MARKER_KEYS.get(marker, ()))
 
 
 def remove_stale_staging(target: Path) -> None:
@@ -139,15 +161,25 @@ def _commit(staging: Path, target: Path, force: bool, marker: str) -> None:
         raise
 
 
-def check_output_file(path: Path, force: bool, inputs: tuple[Path, ...] = ()) -> Path:
-    """Check, before any work, that a results file can be written at `path`: not a folder, not
-    one of `inputs`, in a folder that exists (or can be made) and takes new files, and not an
-    existing file unless `force`. Returns the absolute path."""
+def check_output_file(path: Path, force: bool, inputs: tuple[Path, ...] = (),
+                      read_folders: tuple[Path, ...] = ()) -> Path:
+    """Check, before any work, that a results file can be written at `path`: absent or a regular
+    file (never a folder, device, FIFO or link), not one of `inputs`, not inside a folder this
+    command reads (`read_folders`: the artifact or model), in a folder that exists (or can be
+    made) and takes new files, and not an existing file unless `force`. Returns the absolute path."""
     path = Path(os.path.abspath(path))
     if path.is_dir():
         raise SnapcompileError(f"output {path} is a folder; give a file name")
+    if os.path.lexists(path) and not stat.S_ISREG(os.lstat(path).st_mode):
+        raise SnapcompileError(f"output {path} is not a regular file (a device, FIFO or link): "
+                               "write the results to a new or regular file")
     if any(path == Path(os.path.abspath(p)) for p in inputs if p is not None):
         raise SnapcompileError(f"output {path} is also an input of this command; choose another file")
+    real = Path(os.path.realpath(path))
+    for folder in (f for f in read_folders if f is not None and Path(f).is_dir()):
+        if real.is_relative_to(Path(os.path.realpath(folder))):
+            raise SnapcompileError(f"output {path} is inside {folder}, which this command reads; "
+                                   "write the results elsewhere")
     if path.exists() and not force:
         raise SnapcompileError(f"output {path} already exists (use --force to replace it)")
     try:

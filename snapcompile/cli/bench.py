@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import sys
 import time
+from pathlib import Path
 
 import click
 
@@ -49,7 +50,7 @@ def bench(model, contexts, slots, budget, new_tokens, repeats, prefill_repeats, 
     config = BenchConfig(model, contexts, slots, budget, new_tokens, repeats, eager=not no_eager,
                          memory_limit_gib=memory_limit_gib, eager_kv_limit_gib=eager_kv_limit_gib,
                          prefill_repeats=prefill_repeats, weight_formats=tuple(weights), peers=tuple(peers))
-    output = check_output_file(output, force)
+    output = check_output_file(output, force, read_folders=(Path(model),))
     started = time.perf_counter()
     with tqdm(total=len(contexts) * len(slots), desc="bench", unit="point", file=sys.stderr, disable=as_json) as bar:
         result = run_bench(config, cache_dir or cache_root() / "bench", progress=bar.update,

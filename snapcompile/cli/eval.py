@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from pathlib import Path
 
 import click
 
@@ -58,7 +59,8 @@ def eval_command(model_or_dir, task, policies, budgets, ratios, lengths, depths,
     from snapcompile.evaluation.runner import run_eval
     from snapcompile.evaluation.store import partial_path
     from snapcompile.models.loader import cache_root
-    output = check_output_file(output, force=True)      # an existing results file is this run's to update
+    output = check_output_file(output, force=True,      # an existing results file is this run's to update
+                               read_folders=(Path(model_or_dir),))
     unknown = set(policies) - set(POLICIES)
     if unknown:
         raise SnapcompileError(f"unknown policies: {', '.join(sorted(unknown))}")

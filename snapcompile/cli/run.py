@@ -72,7 +72,7 @@ def run(artifact, prompt, prompts_file, demo, max_new_tokens, temperature, top_k
     from snapcompile.artifact.atomic import check_output_file
     from snapcompile.engine.engine import Engine
     if output is not None:
-        output = check_output_file(output, force, inputs=(prompts_file,))
+        output = check_output_file(output, force, inputs=(prompts_file,), read_folders=(artifact,))
     records = _load_prompt_records(prompt, prompts_file, demo)
     defaults = dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, max_new_tokens=max_new_tokens,
                     stop=stop, top_logprobs=top_logprobs)

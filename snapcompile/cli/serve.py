@@ -123,7 +123,7 @@ def bench_serve(url, model, num_requests, concurrency, prompt_tokens, output_tok
     from snapcompile.serve.bench import ServeBenchConfig, make_prompts, markdown, run_serve_bench
     config = ServeBenchConfig(url.rstrip("/"), model, num_requests, concurrency, prompt_tokens, output_tokens,
                               request_rate, seed, api_key, api=api)
-    output = check_output_file(output, force)
+    output = check_output_file(output, force, read_folders=(tokenizer_dir,))
     tokenizer = None
     if tokenizer_dir is not None:
         from snapcompile.models.tokenizer import load_tokenizer
