@@ -122,6 +122,7 @@ def _load_from_folder(folder: Path, name: str) -> LoadedModel:
     try:
         config = AutoConfig.from_pretrained(folder, trust_remote_code=False, local_files_only=True)
         spec = ModelSpec.from_hf_config(config)
+        check_model_fits(spec)
         model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32,
                                                  trust_remote_code=False)
     except (OSError, ValueError, TypeError, RuntimeError) as err:
@@ -177,6 +178,14 @@ def assign_weights(model, state: dict, folder: Path) -> None:
         model.tie_weights()
 
 
+def check_model_fits(spec: ModelSpec) -> None:
+    """Loading holds the float32 model and the checkpoint's tensors: refuse, before either is
+    allocated, a config whose sizes could not be loaded here."""
+    from snapcompile.runtime.memory import check_fits
+    check_fits(2 * spec.weight_bytes, f"loading this model ({spec.num_layers} layers, {spec.weight_bytes / 2**30:.1f} "
+               "GiB of float32 weights)", "check the config's sizes")
+
+
 def _refuse_missing_weights(model, info: dict, path: Path) -> None:
     """The check folders get in assign_weights, for a GGUF: every parameter must come from the
     file (transformers would leave a missing one at its random initialisation)."""
@@ -194,6 +203,7 @@ def _load_gguf(path: Path, name: str) -> LoadedModel:
         config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name, trust_remote_code=False,
                                             local_files_only=True)
         spec = ModelSpec.from_hf_config(config)
+        check_model_fits(spec)
         model, info = AutoModelForCausalLM.from_pretrained(
             path.parent, gguf_file=path.name, dtype="float32", attn_implementation="eager",
             trust_remote_code=False, local_files_only=True, output_loading_info=True)

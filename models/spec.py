@@ -60,6 +60,16 @@ class ModelSpec:
         return self.num_heads // self.num_kv_heads
 
     @property
+    def weight_bytes(self) -> int:
+        """float32 bytes of the model's parameters (embedding, every layer's projections and norms,
+        the final norm, the LM head unless tied), computed from the sizes alone."""
+        h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        layer = h * q + 2 * h * kv + q * h + 3 * h * self.intermediate_size + 2 * h
+        layer += (q + 2 * kv) if self.qkv_bias else 0
+        head = 0 if self.tie_word_embeddings else self.vocab_size * h
+        return 4 * (self.vocab_size * h + self.num_layers * layer + h + head)
+
+    @property
     def kv_bytes_per_token(self) -> int:
         """fp32 K and V bytes one token occupies across all layers."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * 4

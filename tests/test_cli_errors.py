@@ -48,6 +48,8 @@ BAD_INPUTS = [
     (("export", "tiny-llama"), "Missing option '-o'"),
     (("export", "tiny-llama", "-o", "{tmp}/o", "--slots", 0), "--slots must be >= 1"),
     (("export", "tiny-llama", "-o", "{tmp}/o", "--max-context", "abc"), "'abc' is not a valid integer"),
+    (("export", "tiny-llama", "-o", "{tmp}/o", "--slots", 100000000), "of KV cache for 100000000 slots"),
+    (("convert", "tiny-llama", "-o", "{tmp}/o", "--slots", 100000000, "--max-context", 8192), "needs about"),
     (("export", "tiny-llama", "-o", "{tmp}/o", "--bogus"), "No such option '--bogus'"),
     (("export", "{tmp}/nope", "-o", "{tmp}/o"), "neither a built-in name"),
     (("convert", "tiny-llama", "-o", "{tmp}/o", "--policy", "nope"), "'nope' is not one of"),

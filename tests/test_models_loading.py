@@ -71,10 +71,12 @@ def test_convert_copies_no_file_of_the_model_folder_but_its_tokenizer(hf_copy, t
     (lambda m: _patch_config(m, num_attention_heads=0), "num_attention_heads must be a positive integer, got 0"),
     (lambda m: _patch_config(m, hidden_size="64"), "hidden_size must be a positive integer, got '64'"),
     (lambda m: _patch_config(m, num_hidden_layers=3), "the checkpoint lacks model.layers.2"),
+    (lambda m: _patch_config(m, num_hidden_layers=1000000), "loading this model (1000000 layers"),
     (lambda m: _patch_config(m, intermediate_size=96),
      "down_proj.weight has shape [64, 128], the config needs [64, 96]"),
     (lambda m: (m / "config.json").write_bytes(b"\xff\xfe"), "config.json is not valid JSON"),
-], ids=["truncated-safetensors", "config-list", "zero-heads", "string-size", "missing-layer", "wrong-shape",
+], ids=["truncated-safetensors", "config-list", "zero-heads", "string-size", "missing-layer", "huge-layers",
+         "wrong-shape",
         "config-binary"])
 def test_bad_model_files_are_one_error_line(hf_copy, tmp_path, damage, fragment):
     damage(hf_copy)

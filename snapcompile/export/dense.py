@@ -15,6 +15,7 @@ from snapcompile.export.llama_graph import DecodeWriter, PrefillWriter
 from snapcompile.export.weights import Quantizer, Weights
 from snapcompile.graphs.checks import check_graph
 from snapcompile.models.loader import LoadedModel
+from snapcompile.runtime.backend import check_memory
 
 
 def check_export_config(loaded: LoadedModel, export: ExportConfig) -> None:
@@ -74,6 +75,7 @@ def export_model(loaded: LoadedModel, export: ExportConfig, out_dir: Path, force
     """
     policy = policy or PolicyConfig(policy="dense")
     policy.check_against(export)
+    check_memory(new_manifest(loaded, export, policy), weight_bytes=loaded.spec.weight_bytes)
     with atomic_directory(Path(out_dir), force=force) as staging:
         graphs, weights_report = build_dense_graphs(loaded, export)
         manifest = new_manifest(loaded, export, PolicyConfig(policy="dense"))

@@ -21,6 +21,7 @@ from snapcompile.artifact.manifest import Manifest, read_manifest
 from snapcompile.artifact.naming import bucket_rows
 from snapcompile.errors import PromptError, SnapcompileError
 from snapcompile.runtime.layout import DecodeStep, SlotLayout
+from snapcompile.runtime.memory import check_fits, gib
 
 
 class Graph(Protocol):
@@ -58,31 +59,26 @@ def chunk_starts(prompt_len: int, chunk: int) -> list[int]:
     return starts
 
 
-def memory_needed(manifest: Manifest) -> dict[str, int]:
+def memory_needed(manifest: Manifest, weight_bytes: int | None = None) -> dict[str, int]:
     """Bytes the backend allocates for an artifact, by purpose (an estimate that leaves out the
-    runtime's own work space): the slot caches, the one-prompt prefill caches, the weights."""
+    runtime's own work space): the slot caches, the one-prompt prefill caches, the weights
+    (weight_bytes, or the artifact's weights.bin)."""
     m, per_token = manifest, manifest.spec.kv_bytes_per_token
     prefill_rows = m.export.max_context if m.policy.compressed else 0
     prefill_rows += max(m.export.prefill_buckets(), default=0)
     return {"slot_caches": m.export.slots * m.rows_per_slot * per_token,
             "prefill_caches": prefill_rows * per_token,
-            "weights": m.files.get("weights.bin", {}).get("bytes", 0)}
+            "weights": m.files.get("weights.bin", {}).get("bytes", 0) if weight_bytes is None else weight_bytes}
 
 
-def check_memory(manifest: Manifest, available: int) -> None:
-    """Refuse, before allocating anything, an artifact that needs more memory than is available."""
-    needed = memory_needed(manifest)
-    total = sum(needed.values())
-    if total > available:
-        raise SnapcompileError(
-            f"the artifact needs about {_gib(total)} ({_gib(needed['slot_caches'])} of KV cache for "
-            f"{manifest.export.slots} slots x {manifest.rows_per_slot} rows, {_gib(needed['weights'])} of weights) "
-            f"but only {_gib(available)} is available here; convert with fewer --slots or a smaller "
-            "--budget / --max-context")
-
-
-def _gib(n: int) -> str:
-    return f"{n / 2**30:.1f} GiB"
+def check_memory(manifest: Manifest, available: int | None = None, weight_bytes: int | None = None) -> None:
+    """Refuse, before allocating anything, an artifact that needs more memory than is available
+    (run and serve check the artifact they open; export checks the shapes it is asked for)."""
+    needed = memory_needed(manifest, weight_bytes)
+    what = (f"the artifact ({gib(needed['slot_caches'])} of KV cache for {manifest.export.slots} slots x "
+            f"{manifest.rows_per_slot} rows, {gib(needed['weights'])} of weights)")
+    check_fits(sum(needed.values()), what, "convert with fewer --slots or a smaller --budget / --max-context",
+               available)
 
 
 class SlotBackend:

@@ -12,6 +12,7 @@ from snapcompile.artifact.onnx_io import load_graph
 from snapcompile.errors import SnapcompileError
 from snapcompile.runtime import PROVIDERS
 from snapcompile.runtime.backend import SlotBackend
+from snapcompile.runtime.memory import available_host_memory
 
 
 class OrtGraph:
@@ -143,19 +144,6 @@ class OrtBackend(SlotBackend):
 
     def __init__(self, folder: Path, provider: str = "cpu", threads: int | None = None, exact_matmul: bool = False):
         super().__init__(folder, OrtDevice(folder, provider, threads, exact_matmul))
-
-
-def available_host_memory() -> int:
-    """Bytes of host memory available to new allocations (/proc/meminfo MemAvailable, else free pages)."""
-    try:
-        with open("/proc/meminfo") as handle:
-            for line in handle:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    import os
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def _providers(provider: str, available: list[str]) -> list[str]:

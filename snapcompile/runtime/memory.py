@@ -1,0 +1,30 @@
+"""Host memory facts and the one check that a size fits in them, made before anything is allocated."""
+from __future__ import annotations
+
+import os
+
+from snapcompile.errors import SnapcompileError
+
+
+def available_host_memory() -> int:
+    """Bytes of host memory available to new allocations (/proc/meminfo MemAvailable, else free pages)."""
+    try:
+        with open("/proc/meminfo") as handle:
+            for line in handle:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def gib(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB"
+
+
+def check_fits(needed: int, what: str, advice: str, available: int | None = None) -> None:
+    """Refuse, before allocating anything, `needed` bytes that exceed the memory available here."""
+    available = available_host_memory() if available is None else available
+    if needed > available:
+        raise SnapcompileError(f"{what} needs about {gib(needed)} but only {gib(available)} is available here; "
+                               f"{advice}")
