@@ -6,7 +6,14 @@ from pathlib import Path
 
 
 def rss_bytes() -> int:
-    """Current resident set size of this process."""
+    """Current resident set size of this process, counted exactly (/proc/self/smaps_rollup walks the
+    mappings; VmRSS in /proc/self/status is a per-thread cache the kernel may sync late)."""
+    try:
+        for line in Path("/proc/self/smaps_rollup").read_text().splitlines():
+            if line.startswith("Rss:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     return _status_kib("VmRSS") * 1024
 
 
