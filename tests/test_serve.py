@@ -145,6 +145,8 @@ def test_chat_errors_have_openai_shape(server, kwargs, status, fragment):
     (b'{"model": "tiny", "prompt": "a\\ud800b"}', "lone UTF-16 surrogate"),
     (json.dumps({"model": "tiny", "prompt": "x", "stop": ["q" * 2_000_000]}).encode(), "at most 256 characters"),
     (json.dumps({"model": "tiny", "prompt": "x" * 1_000_000}).encode(), "more than this model's context can hold"),
+    (json.dumps({"model": "tiny", "prompt": "x", "stream": "yes"}).encode(), "stream: Input should be a valid boolean"),
+    (json.dumps({"model": "tiny", "prompt": "x", "max_tokens": True}).encode(), "max_tokens: Input should be a valid"),
 ])
 def test_completion_errors(server, body, fragment):
     response = httpx.post(server.url + "/v1/completions", content=body, timeout=60,

@@ -1,7 +1,8 @@
 """The OpenAI wire format: request bodies (validated), error bodies and response builders.
 
 Fields OpenAI clients send that do not change the result here are accepted and ignored (the
-models allow extra fields); fields asking for something this server does not do (n > 1, tools,
+models allow extra fields); the fields read are typed strictly ("stream": "yes" or "max_tokens":
+true are 400s, not coerced); fields asking for something this server does not do (n > 1, tools,
 ...) are refused with a 400 naming the field.
 """
 from __future__ import annotations
@@ -38,14 +39,14 @@ class ApiError(Exception):
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
     include_usage: bool = False
 
 
 class _Sampling(BaseModel):
     """Parameters shared by both endpoints, with OpenAI's ranges."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
     model: str
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -92,13 +93,13 @@ class _Sampling(BaseModel):
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
     type: str
     text: str | None = None
 
 
 class Message(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart] | None = None
 
