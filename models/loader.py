@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from snapcompile.artifact.atomic import atomic_directory
-from snapcompile.errors import SnapcompileError, first_line
+from snapcompile.errors import SnapcompileError, first_line, parse_json
 from snapcompile.models.spec import ModelSpec, check_config_dict
 from snapcompile.models.tokenizer import load_tokenizer, refuse_remote_code
 
@@ -104,11 +104,10 @@ def _load_tiny(name: str) -> LoadedModel:
 def _read_config(folder: Path) -> dict:
     path = folder / "config.json"
     try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
+        text = path.read_bytes()
     except FileNotFoundError:
         raise SnapcompileError(f"{folder} has no config.json: not a Hugging Face model folder") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise SnapcompileError(f"{path} is not valid JSON: {err}") from None
+    raw = parse_json(text, str(path))
     check_config_dict(raw, str(path))
     return raw
 

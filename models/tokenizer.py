@@ -2,7 +2,6 @@
 byte-level tokenizer for the tiny random-weight models (no download, deterministic)."""
 from __future__ import annotations
 
-import json
 import shutil
 import tempfile
 from pathlib import Path
@@ -10,7 +9,7 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from snapcompile.errors import SnapcompileError, first_line
+from snapcompile.errors import SnapcompileError, first_line, parse_json
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
@@ -24,11 +23,10 @@ def refuse_remote_code(folder: Path) -> None:
     for name in CODE_CONFIGS:
         path = Path(folder) / name
         try:
-            raw = json.loads(path.read_text(encoding="utf-8"))
+            text = path.read_bytes()
         except FileNotFoundError:
             continue
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise SnapcompileError(f"{path} is not valid JSON: {err}") from None
+        raw = parse_json(text, str(path))
         if isinstance(raw, dict) and "auto_map" in raw:
             raise SnapcompileError(f"{path} asks to run Python code from the folder (auto_map); snapcompile "
                                    "never executes code from a model folder or artifact: refused")

@@ -26,6 +26,31 @@ class ParityError(SnapcompileError):
     """A validated artifact disagrees with the PyTorch oracle beyond tolerance."""
 
 
+def parse_json(text, where: str):
+    """json.loads with every way a user's file can break it one SnapcompileError naming `where`:
+    invalid JSON, nesting past the interpreter's recursion limit, integers past its digit limit."""
+    import json
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise SnapcompileError(f"{where} nests too deeply to be a JSON file snapcompile reads") from None
+    except json.JSONDecodeError as err:
+        raise SnapcompileError(f"{where} is not valid JSON ({err.msg}, line {err.lineno})") from None
+    except (ValueError, UnicodeDecodeError) as err:        # e.g. an integer of thousands of digits
+        raise SnapcompileError(f"{where} is not valid JSON: {first_line(err)}") from None
+
+
+def check_text(text: str, where: str) -> str:
+    """`text` itself when it is valid Unicode text (no lone surrogate, as bytes that are not UTF-8
+    in argv or a \\ud800 escape in JSON produce); else a SnapcompileError naming `where`."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise SnapcompileError(f"{where} is not valid UTF-8 text (it holds a lone surrogate or undecodable "
+                               "bytes)") from None
+    return text
+
+
 def first_line(err: BaseException) -> str:
     """The first line of an exception's message (its type name when it has none)."""
     text = str(err).strip().splitlines()

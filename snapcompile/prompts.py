@@ -2,14 +2,13 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import random
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from snapcompile.errors import SnapcompileError, first_line
+from snapcompile.errors import SnapcompileError, check_text, first_line, parse_json
 
 FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here we go. "
           "There and back again. ")
@@ -67,12 +66,10 @@ def read_prompts_file(path: Path) -> list[PromptRecord]:
         if not line.strip():
             continue
         where = f"{path} line {number}"
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise SnapcompileError(f"{where}: not valid JSON ({err.msg})") from None
+        record = parse_json(line, where)
         if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
             raise SnapcompileError(f'{where}: each line must be an object with a "prompt" string')
+        check_text(record["prompt"], f"{where}: the prompt")
         records.append(PromptRecord(record, where))
     if not records:
         raise SnapcompileError(f"{path} holds no prompts")

@@ -100,6 +100,13 @@ def test_artifact_too_large_for_this_machine_is_refused_before_allocating(tmp_pa
     assert "10000000 slots x 256 rows" in result.output and "available here" in result.output
 
 
+@pytest.mark.parametrize("text, fragment", [("[" * 100000 + "]" * 100000, "nests too deeply"),
+                                            ('{"format_version": ' + "9" * 5000 + "}", "is not valid JSON")])
+def test_a_hostile_manifest_is_one_error_line(artifact, text, fragment):
+    (artifact / MANIFEST).write_text(text)
+    assert_one_line_error(invoke("inspect", artifact), fragment)
+
+
 def test_files_the_manifest_does_not_list_change_nothing(artifact):
     """An added_tokens.json or an extra chat template dropped beside the listed files is not read."""
     from snapcompile.engine.engine import Engine

@@ -122,7 +122,7 @@ def test_no_prompt_source(tiny_dense_dir):
 def test_bad_prompts_file(tiny_dense_dir, tmp_path):
     bad = tmp_path / "p.jsonl"
     bad.write_text('{"prompt": "ok"}\n{oops\n')
-    assert_one_line_error(invoke("run", tiny_dense_dir, "--prompts", bad), "p.jsonl line 2: not valid JSON")
+    assert_one_line_error(invoke("run", tiny_dense_dir, "--prompts", bad), "p.jsonl line 2 is not valid JSON")
 
 
 def test_missing_execution_provider(tiny_dense_dir):

@@ -15,6 +15,8 @@ REPO = Path(__file__).resolve().parents[1]
     (("--top-p", 0), "top_p must be a number in (0, 1]"),
     (("--max-new-tokens", 0), "0 is not in the range x>=1"),
     (("--stop", ""), "stop strings must not be empty"),
+    (("--stop", "\udcff"), "a stop string is not valid UTF-8 text"),
+    (("--prompt", "\udcff\udcfe"), "--prompt 2 is not valid UTF-8 text"),     # bytes ff fe in argv
 ])
 def test_bad_sampling_flags_are_refused_up_front(artifact, args, fragment):
     assert_one_line_error(invoke("run", artifact, "--prompt", "hi", *args), fragment)
@@ -29,6 +31,10 @@ def test_bad_sampling_flags_are_refused_up_front(artifact, args, fragment):
     ('{"prompt": "x", "temperature": true}', "line 3: temperature must be a finite number"),
     ('{"prompt": "x", "id": "a"}', "line 3: id 'a' is used by an earlier prompt"),
     ('["prompt"]', 'line 3: each line must be an object with a "prompt" string'),
+    ('{"prompt": "a\\ud800b"}', "line 3: the prompt is not valid UTF-8 text"),
+    ('{"prompt": "x", "stop": ["\\udfff"]}', "line 3: a stop string is not valid UTF-8 text"),
+    ("[" * 100000 + "]" * 100000, "line 3 nests too deeply"),
+    ('{"prompt": "x", "seed": ' + "9" * 5000 + "}", "line 3 is not valid JSON"),
 ])
 def test_prompts_file_errors_name_the_line(artifact, tmp_path, line, fragment):
     prompts = tmp_path / "p.jsonl"

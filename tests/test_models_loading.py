@@ -75,9 +75,10 @@ def test_convert_copies_no_file_of_the_model_folder_but_its_tokenizer(hf_copy, t
     (lambda m: _patch_config(m, intermediate_size=96),
      "down_proj.weight has shape [64, 128], the config needs [64, 96]"),
     (lambda m: (m / "config.json").write_bytes(b"\xff\xfe"), "config.json is not valid JSON"),
+    (lambda m: (m / "config.json").write_text("[" * 100000 + "]" * 100000), "config.json nests too deeply"),
+    (lambda m: (m / "config.json").write_text('{"hidden_size": ' + "9" * 5000 + "}"), "config.json is not valid JSON"),
 ], ids=["truncated-safetensors", "config-list", "zero-heads", "string-size", "missing-layer", "huge-layers",
-         "wrong-shape",
-        "config-binary"])
+         "wrong-shape", "config-binary", "config-deep", "config-huge-int"])
 def test_bad_model_files_are_one_error_line(hf_copy, tmp_path, damage, fragment):
     damage(hf_copy)
     assert_one_line_error(invoke("export", hf_copy, "-o", tmp_path / "out"), fragment)

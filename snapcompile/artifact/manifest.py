@@ -15,7 +15,7 @@ from pathlib import Path
 from snapcompile import __version__
 from snapcompile.artifact.naming import expected_graphs
 from snapcompile.config import ExportConfig, PolicyConfig
-from snapcompile.errors import SnapcompileError
+from snapcompile.errors import SnapcompileError, parse_json
 from snapcompile.models.spec import ModelSpec
 
 MANIFEST = "manifest.json"
@@ -104,11 +104,10 @@ def read_manifest(folder: Path) -> Manifest:
         raise SnapcompileError(f"artifact folder not found: {folder}")
     path = folder / MANIFEST
     try:
-        raw = json.loads(path.read_text())
+        text = path.read_bytes()
     except FileNotFoundError:
         raise SnapcompileError(f"{folder} has no {MANIFEST}: not a snapcompile artifact") from None
-    except json.JSONDecodeError as err:
-        raise SnapcompileError(f"{path} is corrupt: {err}") from None
+    raw = parse_json(text, f"{path} (corrupt)")
     if not isinstance(raw, dict):
         raise SnapcompileError(f"{path} is not a snapcompile manifest (not a JSON object)")
     version = raw.get("format_version")

@@ -9,7 +9,7 @@ from pathlib import Path
 import click
 
 from snapcompile.config import DEFAULT_TIE_GAP, DEFAULT_TOLERANCE, FP16_TIE_GAP, FP16_TOLERANCE
-from snapcompile.errors import ParityError, SnapcompileError
+from snapcompile.errors import ParityError, SnapcompileError, check_text
 from snapcompile.runtime import BACKENDS, PROVIDERS
 
 
@@ -21,7 +21,7 @@ def _load_prompt_records(prompt: tuple[str, ...], prompts_file: Path | None, dem
     if prompts_file is not None:
         return read_prompts_file(prompts_file)
     flag = "--demo prompt" if demo else "--prompt"
-    texts = demo_prompts() if demo else list(prompt)
+    texts = demo_prompts() if demo else [check_text(text, f"--prompt {i}") for i, text in enumerate(prompt, 1)]
     return [PromptRecord({"prompt": text}, f"{flag} {index}") for index, text in enumerate(texts, 1)]
 
 

@@ -7,7 +7,7 @@ import numbers
 from dataclasses import dataclass, field
 from enum import Enum
 
-from snapcompile.errors import SnapcompileError
+from snapcompile.errors import SnapcompileError, check_text
 
 _ids = itertools.count()
 MAX_STOP_STRINGS = 16       # per request (OpenAI allows 4)
@@ -40,6 +40,8 @@ def check_stop_strings(stop) -> None:
         raise SnapcompileError("stop strings must not be empty (give a list of non-empty strings)")
     if len(stop) > MAX_STOP_STRINGS:
         raise SnapcompileError(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(stop)}")
+    for text in stop:
+        check_text(text, "a stop string")
     longest = max(map(len, stop), default=0)
     if longest > MAX_STOP_CHARS:
         raise SnapcompileError(f"a stop string may have at most {MAX_STOP_CHARS} characters, got {longest}")
