@@ -35,6 +35,42 @@ def check_config_dict(raw, where: str) -> None:
             continue
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise SnapcompileError(f"{where}: {key} must be a positive integer, got {value!r}")
+    _check_values(raw, where)
+
+
+_BOOLS = ("tie_word_embeddings", "attention_bias", "use_sliding_window", "mlp_bias")
+_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
+
+
+def _check_values(raw: dict, where: str) -> None:
+    """The values the exported graphs depend on, typed and in range: a wrong one must fail here,
+    not export a model that prints garbage."""
+    eps = raw.get("rms_norm_eps", 1e-6)
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < 1:
+        raise SnapcompileError(f"{where}: rms_norm_eps must be a number in (0, 1), got {eps!r}")
+    theta = raw.get("rope_theta", 10000.0)
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not 0 < theta < float("inf"):
+        raise SnapcompileError(f"{where}: rope_theta must be a positive number, got {theta!r}")
+    for key in _BOOLS:
+        if key in raw and not isinstance(raw[key], bool):
+            raise SnapcompileError(f"{where}: {key} must be true or false, got {raw[key]!r}")
+    eos = raw.get("eos_token_id")
+    eos_ids = eos if isinstance(eos, list) else [eos] if eos is not None else []
+    if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in eos_ids):
+        raise SnapcompileError(f"{where}: eos_token_id must be a token id or a list of them, got {eos!r}")
+    hidden, heads = raw.get("hidden_size"), raw.get("num_attention_heads")
+    if hidden and heads and "head_dim" not in raw and hidden % heads:
+        raise SnapcompileError(f"{where}: hidden_size {hidden} is not a multiple of num_attention_heads {heads}")
+    kv_heads = raw.get("num_key_value_heads")
+    if heads and kv_heads and heads % kv_heads:
+        raise SnapcompileError(f"{where}: num_attention_heads {heads} is not a multiple of num_key_value_heads "
+                               f"{kv_heads}")
+    scaling = raw.get("rope_scaling")
+    if scaling is not None:
+        kind = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else None
+        if kind not in _ROPE_TYPES:
+            raise SnapcompileError(f"{where}: rope_scaling must name a rope_type of {', '.join(_ROPE_TYPES)}, "
+                                   f"got {scaling!r}")
 
 
 @dataclass(frozen=True)

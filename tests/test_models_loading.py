@@ -75,10 +75,18 @@ def test_convert_copies_no_file_of_the_model_folder_but_its_tokenizer(hf_copy, t
     (lambda m: _patch_config(m, intermediate_size=96),
      "down_proj.weight has shape [64, 128], the config needs [64, 96]"),
     (lambda m: (m / "config.json").write_bytes(b"\xff\xfe"), "config.json is not valid JSON"),
+    (lambda m: _patch_config(m, eos_token_id="x"), "eos_token_id must be a token id"),
+    (lambda m: _patch_config(m, rms_norm_eps="x"), "rms_norm_eps must be a number in (0, 1), got 'x'"),
+    (lambda m: _patch_config(m, rms_norm_eps=float("nan")), "rms_norm_eps must be a number in (0, 1), got nan"),
+    (lambda m: _patch_config(m, rms_norm_eps=-1e-5), "rms_norm_eps must be a number in (0, 1)"),
+    (lambda m: _patch_config(m, tie_word_embeddings="yes"), "tie_word_embeddings must be true or false"),
+    (lambda m: _patch_config(m, num_attention_heads=3), "num_attention_heads 3 is not a multiple of"),
+    (lambda m: _patch_config(m, rope_scaling={"rope_type": "bogus"}), "rope_scaling must name a rope_type"),
     (lambda m: (m / "config.json").write_text("[" * 100000 + "]" * 100000), "config.json nests too deeply"),
     (lambda m: (m / "config.json").write_text('{"hidden_size": ' + "9" * 5000 + "}"), "config.json is not valid JSON"),
 ], ids=["truncated-safetensors", "config-list", "zero-heads", "string-size", "missing-layer", "huge-layers",
-         "wrong-shape", "config-binary", "config-deep", "config-huge-int"])
+         "wrong-shape", "config-binary", "eos-string", "eps-string", "eps-nan", "eps-negative", "tie-string",
+         "heads-not-dividing", "rope-bogus", "config-deep", "config-huge-int"])
 def test_bad_model_files_are_one_error_line(hf_copy, tmp_path, damage, fragment):
     damage(hf_copy)
     assert_one_line_error(invoke("export", hf_copy, "-o", tmp_path / "out"), fragment)
