@@ -306,3 +306,34 @@ def test_an_engine_step_fault_is_an_error_to_the_triton_client_not_a_cancel(arti
         assert worker.loop.metrics.requests.labels("abort")._value.get() == 0
     finally:
         worker.stop()
+
+
+@pytest.mark.parametrize("inputs, fragment", [
+    ({"text_input": np.array([b"\xff\xfe"], dtype=np.object_)}, "text_input is not UTF-8 text"),
+    ({"stop": np.array([b"[" * 100000], dtype=np.object_)}, "stop nests too deeply"),
+    ({"stop": np.array([b"\xff"], dtype=np.object_)}, "stop is not UTF-8 text"),
+    ({"temperature": np.array(["abc"], dtype=np.object_)}, "a request input has a wrong value"),
+])
+def test_bad_triton_inputs_are_named_errors_not_exception_names(artifact, inputs, fragment):
+    from snapcompile.artifact.manifest import read_manifest
+    from snapcompile.triton.worker import TritonWorker
+    worker = TritonWorker(_StandInBackendUtils, artifact, read_manifest(artifact).fingerprint(), slots=None)
+    try:
+        request = _TritonRequest("hello")
+        request.inputs.update({name: _StandInBackendUtils.Tensor(name, value) for name, value in inputs.items()})
+        worker.submit(request)
+        assert request.sender.done.wait(10)
+        assert fragment in request.sender.sent[-1].error.message
+    finally:
+        worker.stop()
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (("--model-name", "abc\n"), "must be 1 to 128 letters"),
+    (("--model-name", "a" * 300), "must be 1 to 128 letters"),
+    (("--instances", 100000), "--instances must be in 1..64"),
+])
+def test_triton_repo_refuses_names_and_instance_counts_it_cannot_serve(artifact, tmp_path, args, fragment):
+    from tests.cli_helpers import assert_one_line_error, invoke
+    assert_one_line_error(invoke("triton-repo", artifact, "-o", tmp_path / "repo", *args), fragment)
+    assert not (tmp_path / "repo").exists()

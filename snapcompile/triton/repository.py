@@ -18,10 +18,14 @@ from snapcompile.artifact.atomic import atomic_directory
 from snapcompile.artifact.files import check_files
 from snapcompile.artifact.manifest import MANIFEST, read_manifest
 from snapcompile.errors import SnapcompileError
+from snapcompile.runtime.backend import memory_needed
+from snapcompile.runtime.memory import check_fits, gib
 
 MARKER = "snapcompile.json"
 MODEL_FILE = Path(__file__).with_name("model.py")
-NAME_RULE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+NAME_RULE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")     # fullmatch: no trailing newline slips through
+MAX_NAME_CHARS = 128
+MAX_INSTANCES = 64
 
 INPUTS = (("text_input", "TYPE_STRING", "[ 1 ]", False), ("max_tokens", "TYPE_INT32", "[ 1 ]", True),
           ("temperature", "TYPE_FP32", "[ 1 ]", True), ("top_p", "TYPE_FP32", "[ 1 ]", True),
@@ -48,10 +52,11 @@ def write_repository(artifact: Path, output: Path, name: str, instances: int = 1
                      slots: int | None = None, link: bool = False, force: bool = False,
                      threads: int | None = None) -> dict:
     """Write the repository atomically; returns what was written (for the CLI and tests)."""
-    if not NAME_RULE.match(name):
-        raise SnapcompileError(f"model name {name!r} must be letters, digits, '_', '-' or '.'")
-    if instances < 1:
-        raise SnapcompileError("--instances must be >= 1")
+    if not NAME_RULE.fullmatch(name) or len(name) > MAX_NAME_CHARS:
+        raise SnapcompileError(f"model name {name[:40]!r}{'...' if len(name) > 40 else ''} must be 1 to "
+                               f"{MAX_NAME_CHARS} letters, digits, '_', '-' or '.', starting with a letter or digit")
+    if not 1 <= instances <= MAX_INSTANCES:
+        raise SnapcompileError(f"--instances must be in 1..{MAX_INSTANCES}, got {instances}")
     artifact = Path(artifact).resolve()
     manifest = read_manifest(artifact)
     check_files(artifact, manifest)
@@ -59,6 +64,8 @@ def write_repository(artifact: Path, output: Path, name: str, instances: int = 1
         raise SnapcompileError(f"--slots must be in 1..{manifest.export.slots} (the artifact's static slots)")
     if threads is not None and threads < 1:
         raise SnapcompileError("--threads must be >= 1")
+    one = sum(memory_needed(manifest).values())       # every instance loads the artifact
+    check_fits(instances * one, f"{instances} instances of this artifact ({gib(one)} each)", "use fewer --instances")
     params = {"artifact": "artifact", "fingerprint": manifest.fingerprint(), "backend": backend,
               "slots": "" if slots is None else str(slots), "threads": "" if threads is None else str(threads)}
     with atomic_directory(Path(output), force=force, marker=MARKER) as staging:

@@ -9,7 +9,7 @@ flagged final. A cancelled request (`is_cancelled()`) is aborted: its slot is fr
 from __future__ import annotations
 
 import itertools
-import json
+import logging
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,10 +17,11 @@ from pathlib import Path
 import numpy as np
 
 from snapcompile.engine.request import Request, SamplingParams
-from snapcompile.errors import PromptError, SnapcompileError
+from snapcompile.errors import PromptError, SnapcompileError, check_text, first_line, parse_json
 from snapcompile.serve.engine_loop import EngineLoop, Update
 from snapcompile.serve.metrics import Metrics
 
+log = logging.getLogger("snapcompile.triton")
 CANCEL_POLL_S = 0.1
 DEFAULT_MAX_TOKENS = 16
 _ids = itertools.count()
@@ -68,8 +69,15 @@ class TritonWorker:
         sender = triton_request.get_response_sender()
         try:
             request, stream = self._engine_request(triton_request)
-        except SnapcompileError as err:
-            sender.send(self.pb.InferenceResponse(output_tensors=[], error=self.pb.TritonError(str(err))),
+        except Exception as err:        # a client's bad input is its error message; a bug is "internal error"
+            if isinstance(err, SnapcompileError):
+                message = str(err)
+            elif isinstance(err, (ValueError, TypeError, OverflowError)):     # float("abc"), int(1e400), ...
+                message = f"a request input has a wrong value: {first_line(err)}"
+            else:
+                log.exception("reading a Triton request failed")
+                message = "internal error reading the request"
+            sender.send(self.pb.InferenceResponse(output_tensors=[], error=self.pb.TritonError(message)),
                         flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
             return
         with self._lock:
@@ -80,7 +88,7 @@ class TritonWorker:
         text = self._scalar(triton_request, "text_input", None)
         if text is None:
             raise SnapcompileError("text_input is required")
-        text = text.decode("utf-8", errors="replace") if isinstance(text, bytes) else str(text)
+        text = _text(text, "text_input")
         prompt = [int(i) for i in self.engine.tokenizer.encode(text, add_special_tokens=False)]
         try:
             self.engine.check_prompt(prompt)
@@ -109,12 +117,12 @@ class TritonWorker:
         tensor = self.pb.get_input_tensor_by_name(triton_request, "stop")
         if tensor is None:
             return ()
-        stops = [s.decode("utf-8") if isinstance(s, bytes) else str(s) for s in tensor.as_numpy().reshape(-1)]
+        stops = [_text(s, "stop") for s in tensor.as_numpy().reshape(-1)]
         if len(stops) == 1 and stops[0].startswith("["):       # a JSON list sent as one string
-            try:
-                stops = [str(s) for s in json.loads(stops[0])]
-            except json.JSONDecodeError:
-                pass
+            listed = parse_json(stops[0], "stop")
+            if not isinstance(listed, list):
+                raise SnapcompileError("stop must be a string or a JSON list of strings")
+            stops = [str(s) for s in listed]
         return tuple(stops)
 
     # ------------------------------------------------------------------ responses out
@@ -162,6 +170,16 @@ class TritonWorker:
                 cancelled = [rid for rid, p in self._pending.items() if p.request.is_cancelled()]
             for request_id in cancelled:
                 self.loop.abort(request_id)
+
+
+def _text(value, name: str) -> str:
+    """A BYTES tensor element as text: UTF-8, or a one-line error naming the input."""
+    if isinstance(value, bytes):
+        try:
+            return value.decode("utf-8")
+        except UnicodeDecodeError:
+            raise SnapcompileError(f"{name} is not UTF-8 text") from None
+    return check_text(str(value), name)
 
 
 def _optional_int(value) -> int | None:
