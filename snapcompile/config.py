@@ -128,6 +128,12 @@ class PolicyConfig:
             lowest = s + 1
         else:
             lowest = s + w + 1
+        if self.prompt_share is None and share < lowest:
+            smallest = next(n for n in range(b, 4 * b + 8) if n - max(1, -(-n // 4)) >= lowest)
+            raise SnapcompileError(
+                f"budget {b} is too small for sinks {s} + window {w}: its prompt share (B minus a ring of B/4) "
+                f"would be {share}, below the {lowest} the selection needs; use --budget >= {smallest}, or a smaller "
+                "--window, or set --prompt-share")
         if not lowest <= share < b:
             raise SnapcompileError(
                 f"prompt share {share} must be in [{lowest}, {b - 1}] for budget {b} "

@@ -137,3 +137,11 @@ def test_bad_field_in_prompts_file(tiny_dense_dir, tmp_path):
                       "p.jsonl line 1: max_new_tokens must be an integer >= 1, got 'many'")
     bad.write_text('{"prompt": "ok", "temperature": -2}\n')
     assert_one_line_error(invoke("run", tiny_dense_dir, "--prompts", bad), "temperature must be a finite number >= 0")
+
+
+def test_validate_fits_its_built_in_prompts_to_a_small_artifact(tiny_dense_dir):
+    """The demo's pass-key prompt (~1000 tokens) is longer than this 512-token artifact allows."""
+    result = invoke("validate", tiny_dense_dir, "--steps", 4, "--json")
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.output.strip().splitlines()[-1])
+    assert summary["passed"] and max(summary["prompt_tokens"]) <= 512 - 4 - 1

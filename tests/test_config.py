@@ -50,3 +50,11 @@ def test_invalid_export_configs(kwargs):
 def test_policy_round_trips_through_dict():
     policy = PolicyConfig(budget=256, pooling="avg", scope="layer", prompt_share=200)
     assert PolicyConfig.from_dict(policy.to_dict()) == policy
+
+
+def test_a_too_small_budget_is_reported_as_a_budget_problem_with_the_smallest_that_works():
+    with pytest.raises(SnapcompileError, match=r"budget 40 is too small .* use --budget >= 50"):
+        PolicyConfig(budget=40)
+    assert PolicyConfig(budget=50).resolved_prompt_share == 37
+    with pytest.raises(SnapcompileError, match=r"prompt share 30 must be in \[37, 39\]"):
+        PolicyConfig(budget=40, prompt_share=30)      # a share the user set is named as such

@@ -228,6 +228,8 @@ def validate(artifact, prompt, prompts_file, demo, steps, raw, tolerance, min_ag
     tokenizer = artifact_tokenizer(artifact)
     prompts = [encode(tokenizer, r.prompt, manifest.chat and not raw) for r in records]
     limit = manifest.export.max_context - (0 if manifest.policy.compressed else steps + 1)
+    if demo:          # the built-in prompts are cut to fit a small artifact (their last tokens kept)
+        prompts = [p[-limit:] for p in prompts]
     too_long = [len(p) for p in prompts if len(p) > limit]
     if too_long:
         raise SnapcompileError(f"a prompt of {too_long[0]} tokens leaves no room for {steps} steps within "
