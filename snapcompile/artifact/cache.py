@@ -29,20 +29,31 @@ class ArtifactCache:
             self._loaded = load_model(self.source)
         return self._loaded
 
+    def _source_export(self, export: ExportConfig) -> ExportConfig | None:
+        """Where the source is a dense artifact: its own shapes, once checked to serve `export`
+        (the same slots, chunk and weights, at least the context); None for a model source."""
+        source = Path(self.source)
+        if not (source / MANIFEST).is_file():
+            return None
+        manifest = read_manifest(source)
+        own = manifest.export
+        if manifest.policy.compressed or own.max_context < export.max_context:
+            raise SnapcompileError(f"{source} must be a dense artifact with --max-context >= "
+                                   f"{export.max_context} for these lengths")
+        if (own.slots, own.chunk) != (export.slots, export.chunk):
+            raise SnapcompileError(f"{source} has {own.slots} slots and chunk {own.chunk}, not the {export.slots} "
+                                   f"and {export.chunk} asked for: give --slots {own.slots} (and chunk "
+                                   f"{own.chunk}), or the model itself")
+        if own.weight_format != export.weight_format:
+            raise SnapcompileError(f"{source} holds {own.weight_format} weights, not {export.weight_format}: "
+                                   "give the model itself to evaluate other --weights")
+        return own
+
     def dense(self, export: ExportConfig) -> Path:
         """A dense artifact of these shapes (the source itself where it is a dense artifact that
         holds them)."""
-        source = Path(self.source)
-        if (source / MANIFEST).is_file():
-            manifest = read_manifest(source)
-            if manifest.policy.compressed or manifest.export.max_context < export.max_context:
-                raise SnapcompileError(f"{source} must be a dense artifact with --max-context >= "
-                                       f"{export.max_context} for these lengths")
-            if manifest.export.weight_format != export.weight_format:
-                raise SnapcompileError(f"{source} holds {manifest.export.weight_format} weights, not "
-                                       f"{export.weight_format}: "
-                                       "give the model itself to evaluate other --weights")
-            return source
+        if self._source_export(export) is not None:
+            return Path(self.source)
         folder = self.dir / artifact_key(self.source, export, PolicyConfig(policy="dense"))
         if not (folder / MANIFEST).is_file():
             from snapcompile.export import export_model
@@ -55,7 +66,7 @@ class ArtifactCache:
         """An artifact of these shapes and this policy."""
         if not policy.compressed:
             return self.dense(export)
-        folder = self.dir / artifact_key(self.source, export, policy)
+        folder = self.dir / artifact_key(self.source, self._source_export(export) or export, policy)
         if not (folder / MANIFEST).is_file():
             from snapcompile.passes.pipeline import compress_artifact
             self.log(f"compressing for {policy.policy} budget {policy.budget} into {folder}")
