@@ -239,3 +239,14 @@ def test_dense_margin_is_read_where_answers_first_differ():
     assert sweep.dense_margin([0, 0], logits, [0, 0]) is None
     expected = ("x", {"scope": "layer", "kernel": 31, "ratio": 8.0})
     assert sweep.parse_variant("x=scope:layer,kernel:31,ratio:8") == expected
+
+
+def test_fidelity_text_is_shipped_data_not_this_interpreter_s_docstrings(tmp_path, monkeypatch):
+    from snapcompile.evaluation import tasks
+    text = tasks.fidelity_text()
+    assert len(text) > 100_000 and "argparse" in text
+    changed = tmp_path / "fidelity.txt"
+    changed.write_text(text + "x", encoding="utf-8")
+    monkeypatch.setattr(tasks, "FIDELITY_TEXT", changed)
+    with pytest.raises(SnapcompileError, match="was modified"):
+        tasks.fidelity_text()

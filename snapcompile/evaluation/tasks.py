@@ -3,14 +3,15 @@
 passkey   a 5-digit key in filler text at a chosen depth, asked at the end; correct when the
           key appears in the answer.
 multikey  several "The special number for <word> is <number>." lines among filler, one asked.
-fidelity  natural text (docstrings of the standard library), greedy continuation compared with
+fidelity  natural text (standard-library docstrings, shipped as data/fidelity.txt), greedy continuation compared with
           dense attention (token agreement and KL of the next-token distributions).
 """
 from __future__ import annotations
 
-import inspect
+import hashlib
 import random
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 from snapcompile.errors import SnapcompileError
 from snapcompile.prompts import FILLER, INTRO, encode, passkey_text
@@ -18,10 +19,6 @@ from snapcompile.prompts import FILLER, INTRO, encode, passkey_text
 TASKS = ("passkey", "multikey", "fidelity")
 WORDS = ("apple", "river", "candle", "falcon", "marble", "violet", "harbor", "copper", "meadow", "lantern",
          "glacier", "pepper", "saddle", "thunder", "orchid", "walnut")
-FIDELITY_MODULES = ("argparse", "collections", "typing", "functools", "itertools", "dataclasses", "pathlib",
-                    "json", "re", "logging", "unittest", "subprocess", "asyncio", "datetime", "decimal",
-                    "fractions", "statistics", "textwrap", "string", "csv", "sqlite3", "email", "http.client")
-
 
 @dataclass(frozen=True)
 class Case:
@@ -83,21 +80,18 @@ def multikey_case(tokenizer, length: int, depth: float, sample: int, seed: int, 
                 str(numbers[words.index(asked)]))
 
 
+FIDELITY_TEXT = Path(__file__).with_name("data") / "fidelity.txt"
+FIDELITY_TEXT_SHA256 = "058bccd6070b80194ba125b4b6ac0a80144060fc9e052054c27f26407c56d2d4"
+
+
 def fidelity_text() -> str:
-    """Long natural English: docstrings of standard-library modules and their public members."""
-    import importlib
-    import warnings
-    parts = []
-    with warnings.catch_warnings():          # typing.io / typing.re warn when their docs are read
-        warnings.simplefilter("ignore", DeprecationWarning)
-        for name in FIDELITY_MODULES:
-            module = importlib.import_module(name)
-            parts.append(inspect.getdoc(module) or "")
-            for member_name in sorted(vars(module)):
-                member = getattr(module, member_name)
-                if not member_name.startswith("_") and (inspect.isclass(member) or inspect.isfunction(member)):
-                    parts.append(inspect.getdoc(member) or "")
-    return "\n\n".join(p for p in parts if len(p) > 200)
+    """Long natural English, shipped with the package so that every interpreter evaluates the same
+    cases: the docstrings of 23 standard-library modules and their public members as CPython 3.11.7
+    has them (Python Software Foundation License), joined by blank lines (data/fidelity.txt)."""
+    data = FIDELITY_TEXT.read_bytes()
+    if hashlib.sha256(data).hexdigest() != FIDELITY_TEXT_SHA256:
+        raise SnapcompileError(f"{FIDELITY_TEXT} was modified: reinstall snapcompile")
+    return data.decode("utf-8")
 
 
 def fidelity_case(tokenizer, length: int, sample: int, seed: int) -> Case:
