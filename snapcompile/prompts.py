@@ -115,6 +115,8 @@ def encode_messages(tokenizer, messages: list[dict], timeout_s: float = RENDER_T
         raise SnapcompileError(f"the chat template failed: {type(err).__name__}: {first_line(err)}") from None
     except (ValueError, TypeError) as err:
         raise SnapcompileError(f"the chat template cannot be applied: {first_line(err)}") from None
+    except BaseException as err:
+        _reraise_tokenizer_failure(err)
     if isinstance(ids, dict) or hasattr(ids, "keys"):
         ids = ids["input_ids"]
     return [int(i) for i in ids]
@@ -124,8 +126,17 @@ def encode_text(tokenizer, text: str) -> list[int]:
     """Token ids of raw `text`; a tokenizer error (e.g. its regex's backtracking limit) is a SnapcompileError."""
     try:
         return [int(i) for i in tokenizer.encode(text, add_special_tokens=False)]
-    except Exception as err:     # tokenizers raises plain Exception for its own failures
-        raise SnapcompileError(f"the tokenizer failed on this prompt: {first_line(err)}") from None
+    except BaseException as err:
+        _reraise_tokenizer_failure(err)
+
+
+def _reraise_tokenizer_failure(err: BaseException):
+    """The tokenizers library fails with plain Exceptions, and its Rust code with a PanicException
+    (a BaseException: e.g. its regex engine's backtracking limit on a crafted pre-tokenizer
+    pattern): a SnapcompileError either way. Interrupts and exits go on as they are."""
+    if isinstance(err, (KeyboardInterrupt, SystemExit, SnapcompileError)):
+        raise err
+    raise SnapcompileError(f"the tokenizer failed on this prompt: {first_line(err)}") from None
 
 
 def encode(tokenizer, text: str, chat: bool) -> list[int]:

@@ -1,9 +1,10 @@
 """Every user mistake is one `error:` line with exit code 2, checked before any work starts."""
+import json
 from pathlib import Path
 
 import pytest
 
-from tests.cli_helpers import assert_one_line_error, invoke
+from tests.cli_helpers import assert_one_line_error, edit_manifest, invoke, rerecord_checksums
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -95,3 +96,32 @@ def test_every_command_answers_bad_input_with_one_error_line(args, fragment, tin
     values = {"tmp": tmp_path, "dense": tiny_dense_dir, "snap": tiny_snap_dir}
     filled = [str(a).format(**values) for a in args]
     assert_one_line_error(invoke(*filled), fragment)
+
+
+def _with_tokenizer_change(artifact, change):
+    path = artifact / "tokenizer.json"
+    spec = json.loads(path.read_text())
+    change(spec)
+    path.write_text(json.dumps(spec))
+    rerecord_checksums(artifact)
+
+
+@pytest.mark.parametrize("template, fragment", [
+    ("{% for %}", "the chat template failed: TemplateSyntaxError"),
+    ("{{ raise_exception('no system role') }}", "the chat template failed: TemplateError: no system role"),
+    ("{{ messages.__class__.__mro__ }}", "the chat template failed: SecurityError"),
+    ("{{ undefined_thing.attribute }}", "the chat template failed: UndefinedError"),
+])
+def test_chat_template_errors_are_one_error_line(artifact, template, fragment):
+    (artifact / "chat_template.jinja").write_text(template)
+    rerecord_checksums(artifact)
+    edit_manifest(artifact, lambda raw: raw.update(chat=True))
+    assert_one_line_error(invoke("run", artifact, "--prompt", "hi", "--max-new-tokens", 1), fragment)
+
+
+def test_a_tokenizer_regex_past_its_backtracking_limit_is_one_error_line(artifact):
+    """A crafted pre-tokenizer pattern: the Rust regex engine panics; the user gets one line."""
+    _with_tokenizer_change(artifact, lambda spec: spec.update(pre_tokenizer={
+        "type": "Split", "pattern": {"Regex": "(a|aa)+$"}, "behavior": "Isolated", "invert": False}))
+    result = invoke("run", artifact, "--prompt", "a" * 50000 + "b", "--max-new-tokens", 1, "--raw")
+    assert_one_line_error(result, "the tokenizer failed on this prompt")

@@ -398,3 +398,17 @@ def test_a_pathological_chat_template_is_refused_in_time_and_the_server_stays_re
                           json={"model": "tiny", "prompt": "hi", "max_tokens": 2}).status_code == 200
     finally:
         assert server.stop() == 0
+
+
+def test_the_accept_failure_log_line_is_rate_limited():
+    import logging
+
+    from snapcompile.serve.limits import RateLimitedLog
+    clock = iter([0.0, 1.0, 2.0, 11.0, 11.5])
+    log_filter = RateLimitedLog("out of system resource", interval_s=10.0, clock=lambda: next(clock))
+    records = [logging.LogRecord("asyncio", logging.ERROR, __file__, 1, "socket.accept() out of system resource",
+                                 (), None) for _ in range(5)]
+    passed = [log_filter.filter(r) for r in records]
+    assert passed == [True, False, False, True, False]
+    assert "(and 2 more in the last 10 s)" in records[3].getMessage()
+    assert log_filter.filter(logging.LogRecord("asyncio", logging.ERROR, __file__, 1, "other", (), None))

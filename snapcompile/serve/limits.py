@@ -125,15 +125,15 @@ class RateLimitedLog(logging.Filter):
     (asyncio logs "socket.accept() out of system resource" once per refused accept); the count of
     those dropped is added to the next one let through."""
 
-    def __init__(self, fragment: str, interval_s: float = 10.0):
+    def __init__(self, fragment: str, interval_s: float = 10.0, clock=time.monotonic):
         super().__init__()
-        self.fragment, self.interval_s = fragment, interval_s
+        self.fragment, self.interval_s, self.clock = fragment, interval_s, clock
         self._last, self._dropped = -float("inf"), 0
 
     def filter(self, record: logging.LogRecord) -> bool:
         if self.fragment not in record.getMessage():
             return True
-        now = time.monotonic()
+        now = self.clock()
         if now - self._last < self.interval_s:
             self._dropped += 1
             return False
