@@ -139,6 +139,13 @@ def _reraise_tokenizer_failure(err: BaseException):
     raise SnapcompileError(f"the tokenizer failed on this prompt: {first_line(err)}") from None
 
 
+def max_prompt_chars(tokenizer, max_tokens: int) -> int:
+    """An upper bound on the characters of a prompt that fits in `max_tokens` tokens: each token
+    stands for at most as many characters as its longest vocabulary entry has."""
+    longest = max((len(token) for token in tokenizer.get_vocab()), default=1)
+    return max_tokens * max(longest, 1)
+
+
 def encode(tokenizer, text: str, chat: bool) -> list[int]:
     """Token ids of `text`, wrapped in the chat template when `chat`."""
     if chat:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from snapcompile.engine.engine import Result, TokenEvent
 from snapcompile.engine.request import Request, SamplingParams
 from snapcompile.errors import PromptError, SnapcompileError
-from snapcompile.prompts import RENDER_TIMEOUT_S, encode_messages, encode_text
+from snapcompile.prompts import RENDER_TIMEOUT_S, encode_messages, encode_text, max_prompt_chars
 from snapcompile.serve.engine_loop import EngineLoop, Update
 from snapcompile.serve.protocol import ApiError, ChatRequest, CompletionRequest, new_id, now, usage
 
@@ -29,13 +29,6 @@ class Call:
     request: Request
     response_id: str
     model: str
-
-
-def max_prompt_chars(tokenizer, max_tokens: int) -> int:
-    """An upper bound on the characters of a prompt that fits in `max_tokens` tokens: each token
-    stands for at most as many characters as its longest vocabulary entry has."""
-    longest = max((len(token) for token in tokenizer.get_vocab()), default=1)
-    return max_tokens * max(longest, 1)
 
 
 class OpenAIServing:

@@ -18,6 +18,7 @@ import numpy as np
 
 from snapcompile.engine.request import Request, SamplingParams
 from snapcompile.errors import PromptError, SnapcompileError, check_text, first_line, parse_json
+from snapcompile.prompts import max_prompt_chars
 from snapcompile.serve.engine_loop import EngineLoop, Update
 from snapcompile.serve.metrics import Metrics
 
@@ -50,6 +51,7 @@ class TritonWorker:
             raise SnapcompileError(f"{artifact} is not the artifact this repository was written for "
                                    "(its manifest's configuration differs); write the repository again")
         self.engine = Engine.from_artifact(artifact, backend=backend, max_slots=slots, threads=threads)
+        self.max_prompt_chars = max_prompt_chars(self.engine.tokenizer, self.engine.backend.max_prompt_len())
         self.loop = EngineLoop(self.engine, Metrics())
         self._pending: dict[str, _Pending] = {}
         self._lock = threading.Lock()
@@ -89,6 +91,9 @@ class TritonWorker:
         if text is None:
             raise SnapcompileError("text_input is required")
         text = _text(text, "text_input")
+        if len(text) > self.max_prompt_chars:          # refused before the tokenizer spends time on it
+            raise SnapcompileError(f"text_input has {len(text)} characters: more than this model's context can "
+                                   f"hold ({self.max_prompt_chars} at the most)")
         prompt = [int(i) for i in self.engine.tokenizer.encode(text, add_special_tokens=False)]
         try:
             self.engine.check_prompt(prompt)
