@@ -147,3 +147,23 @@ def test_results_go_only_to_regular_files_outside_what_is_read(artifact, tmp_pat
         assert_one_line_error(invoke("run", artifact, "--prompt", "hi", "-o", output, "--force"),
                               "which this command reads")
     assert (artifact / WEIGHTS).read_bytes() == weights and not (artifact / "new.jsonl").exists()
+
+
+def test_report_files_beside_the_output_are_never_written_through_a_link_or_into_a_fifo(tmp_path):
+    """OUTPUT.md and the plots are renamed into place: a link or FIFO at their path is replaced,
+    what it pointed to is untouched, and nothing blocks on the FIFO."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from snapcompile.artifact.atomic import save_figure_atomic, write_text_atomic
+    target = tmp_path / "precious.txt"
+    target.write_text("keep")
+    (tmp_path / "report.md").symlink_to(target)
+    os.mkfifo(tmp_path / "report-budget.png")
+    write_text_atomic(tmp_path / "report.md", "| table |\n")
+    fig = plt.figure()
+    save_figure_atomic(fig, tmp_path / "report-budget.png")
+    plt.close(fig)
+    assert target.read_text() == "keep" and (tmp_path / "report.md").read_text() == "| table |\n"
+    assert (tmp_path / "report-budget.png").read_bytes()[:4] == b"\x89PNG"

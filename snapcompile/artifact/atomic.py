@@ -197,17 +197,35 @@ def write_json_atomic(path: Path, payload) -> None:
     write_text_atomic(path, json.dumps(payload, indent=2) + "\n")
 
 
-def write_text_atomic(path: Path, text: str) -> None:
-    """Write text to `path` via a temporary file and a rename."""
+def save_figure_atomic(fig, path: Path, dpi: int = 110) -> None:
+    """A matplotlib figure as a PNG at `path`, via a temporary file and a rename (never written
+    through a link or into whatever `path` names)."""
+    write_bytes_atomic(path, _png_bytes(fig, dpi))
+
+
+def _png_bytes(fig, dpi: int) -> bytes:
+    import io
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=dpi)
+    return buffer.getvalue()
+
+
+def write_bytes_atomic(path: Path, data: bytes) -> None:
+    """Write bytes to `path` via a temporary file and a rename."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
-        with os.fdopen(fd, "w") as handle:
-            handle.write(text)
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
         os.chmod(tmp, 0o644)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write text (UTF-8) to `path` via a temporary file and a rename."""
+    write_bytes_atomic(path, text.encode("utf-8"))

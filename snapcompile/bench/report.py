@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from snapcompile.artifact.atomic import save_figure_atomic
+
 
 def markdown(result: dict) -> str:
     eager = result["config"]["eager"]
@@ -93,7 +95,7 @@ def plots(result: dict, stem: Path) -> list[Path]:
         ax.legend(fontsize=7)
     fig.tight_layout()
     paths = [stem.with_name(stem.name + "-decode.png")]
-    fig.savefig(paths[0], dpi=110)
+    save_figure_atomic(fig, paths[0])
     plt.close(fig)
 
     fig, (mem, fit) = plt.subplots(1, 2, figsize=(9, 3.2))
@@ -115,7 +117,7 @@ def plots(result: dict, stem: Path) -> list[Path]:
     fit.legend(fontsize=7)
     fig.tight_layout()
     paths.append(stem.with_name(stem.name + "-memory.png"))
-    fig.savefig(paths[1], dpi=110)
+    save_figure_atomic(fig, paths[1])
     plt.close(fig)
     return paths
 

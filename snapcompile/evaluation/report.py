@@ -4,6 +4,8 @@ from __future__ import annotations
 from collections import defaultdict
 from pathlib import Path
 
+from snapcompile.artifact.atomic import save_figure_atomic
+
 SURE_MARGIN = 0.1   # dense answered "surely" when every answer token beat the runner-up by this much
 
 
@@ -201,7 +203,7 @@ def _log_ticks(ax, values) -> None:
 def _save(fig, stem: Path, kind: str, plt) -> Path:
     fig.tight_layout()
     path = stem.with_name(f"{stem.name}-{kind}.png")
-    fig.savefig(path, dpi=110)
+    save_figure_atomic(fig, path)
     plt.close(fig)
     return path
 
