@@ -314,6 +314,7 @@ def test_an_engine_step_fault_is_an_error_to_the_triton_client_not_a_cancel(arti
     ({"stop": np.array([b"\xff"], dtype=np.object_)}, "stop is not UTF-8 text"),
     ({"temperature": np.array(["abc"], dtype=np.object_)}, "a request input has a wrong value"),
     ({"text_input": np.array([b"x" * 5_000_000], dtype=np.object_)}, "more than this model's context can hold"),
+    ({"stop": np.array([b"q" * 1_500_000], dtype=np.object_)}, "a stop string may have at most 256 characters"),
 ])
 def test_bad_triton_inputs_are_named_errors_not_exception_names(artifact, inputs, fragment):
     from snapcompile.artifact.manifest import read_manifest
