@@ -228,7 +228,9 @@ def test_api_key_and_queue_limit(artifact, tmp_path):
 
 def test_sigterm_drains_running_requests_and_exits_0(artifact, tmp_path):
     process = ServerProcess(artifact, "--drain-timeout", "60", log=tmp_path / "server.log").wait_ready()
-    body = {"model": "tiny", "prompt": "go", "max_tokens": 300, "ignore_eos": True, "stream": True}
+    # long enough (positions up to 4096 on this snapstream artifact) to outlast the checks below: with 300
+    # tokens an unloaded machine finished the stream, drained and exited before /health was asked
+    body = {"model": "tiny", "prompt": "go", "max_tokens": 3000, "ignore_eos": True, "stream": True}
     texts, started = [], threading.Event()
 
     def stream():
