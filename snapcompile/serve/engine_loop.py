@@ -73,14 +73,12 @@ class EngineLoop:
     def submit(self, request: Request, deliver: Deliver) -> None:
         """Queue `request`; `deliver(update)` is called on the engine thread for each of its updates
         (on the caller's thread, at once, when the engine thread has failed)."""
-        with self._lock:
-            self._active += 1
+        with self._lock:            # checked and queued at once: _fail_everything drains under the lock
             failed = self.failed
-        if failed is None:
-            self.inbox.put(("submit", request, deliver))
-            return
-        with self._lock:
-            self._active -= 1
+            if failed is None:
+                self._active += 1
+                self.inbox.put(("submit", request, deliver))
+                return
         event = TokenEvent(request.request_id, None, "", True, "error")
         deliver(Update(event, _error_result(request.request_id, failed)))
 
@@ -116,16 +114,16 @@ class EngineLoop:
     def _fail_everything(self, message: str) -> None:
         """Mark the loop failed, then finish every request it holds (in flight or in the inbox)
         with `message`, without trusting the engine."""
-        with self._lock:
-            self.failed = message
         pending = dict(self._deliveries)
-        while True:
-            try:
-                item = self.inbox.get_nowait()
-            except queue.Empty:
-                break
-            if item[0] == "submit":
-                pending[item[1].request_id] = item[2]
+        with self._lock:            # after this, submit answers new requests itself
+            self.failed = message
+            while True:
+                try:
+                    item = self.inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if item[0] == "submit":
+                    pending[item[1].request_id] = item[2]
         self._deliveries.clear()
         for request_id, deliver in pending.items():
             with self._lock:
