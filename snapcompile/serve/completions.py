@@ -6,7 +6,9 @@ engine's updates into response bodies or server-sent-event chunks.
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
+import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -37,6 +39,15 @@ class OpenAIServing:
         self.engine_loop, self.tokenizer, self.model_name = engine_loop, tokenizer, model_name
         self.max_context, self.render_timeout_s = max_context, render_timeout_s
         self.max_prompt_chars = max_prompt_chars(tokenizer, engine_loop.engine.backend.max_prompt_len())
+        self._per_thread = threading.local()
+
+    def _thread_tokenizer(self):
+        """This worker thread's own copy of the tokenizer: a fast tokenizer's encode borrows its Rust
+        state mutably, so concurrent calls on one object can fail ("Already borrowed")."""
+        tokenizer = getattr(self._per_thread, "tokenizer", None)
+        if tokenizer is None:
+            tokenizer = self._per_thread.tokenizer = copy.deepcopy(self.tokenizer)
+        return tokenizer
 
     # ------------------------------------------------------------------ requests
     async def accept(self, kind: str, params: ChatRequest | CompletionRequest) -> Call:
@@ -85,12 +96,12 @@ class OpenAIServing:
             raise ApiError(400, "this model has no chat template; use /v1/completions", param="messages")
         messages = [{"role": m.role, "content": m.text()} for m in params.messages]
         self._check_size(sum(len(m["content"]) + len(m["role"]) for m in messages), "messages")
-        return encode_messages(self.tokenizer, messages, self.render_timeout_s)
+        return encode_messages(self._thread_tokenizer(), messages, self.render_timeout_s)
 
     def _raw_prompt(self, params: CompletionRequest) -> list[int]:
         text = params.prompt_text()
         self._check_size(len(text), "prompt")
-        return encode_text(self.tokenizer, text)
+        return encode_text(self._thread_tokenizer(), text)
 
     # ------------------------------------------------------------------ responses
     def _submit(self, request: Request) -> asyncio.Queue:
