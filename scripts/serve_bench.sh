@@ -14,7 +14,7 @@ OUT=${OUT:-docs/results/serving}
 ART=${ART:-artifacts}
 PORT=${PORT:-18631}
 PARTS=${PARTS:-serve triton}
-BENCH=(--requests 32 --prompt-tokens 2000 --output-tokens 128 --force)
+BENCH=(--requests 32 --prompt-tokens 2000 --output-tokens 128 --seed 0 --force)   # one seed: the same prompts for every (fresh) server
 mkdir -p "$OUT" "$ART"
 [ -f "$ART/smollm2-snap512-n8/manifest.json" ] || $SNAP convert smollm2-135m-instruct -o "$ART/smollm2-snap512-n8" \
     --slots 8 --budget 512 --max-context 2304

@@ -414,3 +414,19 @@ def test_the_accept_failure_log_line_is_rate_limited():
     assert passed == [True, False, False, True, False]
     assert "(and 2 more in the last 10 s)" in records[3].getMessage()
     assert log_filter.filter(logging.LogRecord("asyncio", logging.ERROR, __file__, 1, "other", (), None))
+
+
+def test_bench_serve_draws_a_fresh_seed_per_run_unless_given(server, tmp_path):
+    """A fixed default seed would resend the same prompts, and a server with a prompt cache would
+    report false TTFTs."""
+    def run(name, *seed):
+        out = tmp_path / f"{name}.json"
+        result = CliRunner().invoke(main, ["bench-serve", server.url, "--model", "tiny", "--requests", "2",
+                                           "--prompt-tokens", "16", "--output-tokens", "2", *seed,
+                                           "--save-prompts", str(tmp_path / f"{name}.jsonl"), "-o", str(out)],
+                                    catch_exceptions=False)
+        assert result.exit_code == 0, result.output
+        return json.loads(out.read_text())["config"]["seed"], (tmp_path / f"{name}.jsonl").read_text()
+    (seed_a, prompts_a), (seed_b, prompts_b) = run("a"), run("b")
+    assert seed_a != seed_b and prompts_a != prompts_b
+    assert run("c", "--seed", str(seed_a)) == (seed_a, prompts_a)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import secrets
 import sys
 from pathlib import Path
 
@@ -102,7 +103,9 @@ def _loopback(host: str) -> bool:
 @click.option("--api", type=click.Choice(["openai", "triton"]), default="openai", show_default=True,
               help="openai: /v1/completions of `snapcompile serve`; triton: the generate_stream endpoint of a "
                    "Triton repository from `snapcompile triton-repo` (--model is the Triton model name).")
-@click.option("--seed", default=0, show_default=True)
+@click.option("--seed", type=click.IntRange(min=0), default=None,
+              help="Seed of the prompts and arrivals (default: a fresh random one per run, recorded in the results: "
+                   "a fixed default would let a server with a prompt cache report false TTFTs).")
 @click.option("--save-prompts", type=click.Path(path_type=Path), default=None,
               help="Also write the prompts as a JSONL prompts file (for `snapcompile run --prompts` on the same).")
 @click.option("-o", "--output", type=click.Path(path_type=Path), default=Path("bench-serve.json"), show_default=True,
@@ -121,6 +124,8 @@ def bench_serve(url, model, num_requests, concurrency, prompt_tokens, output_tok
 
     from snapcompile.artifact.atomic import check_output_file, write_json_atomic, write_text_atomic
     from snapcompile.serve.bench import ServeBenchConfig, make_prompts, markdown, run_serve_bench
+    if seed is None:
+        seed = secrets.randbelow(2**31)
     config = ServeBenchConfig(url.rstrip("/"), model, num_requests, concurrency, prompt_tokens, output_tokens,
                               request_rate, seed, api_key, api=api)
     output = check_output_file(output, force, read_folders=(tokenizer_dir,))
