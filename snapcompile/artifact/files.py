@@ -46,12 +46,10 @@ def record_files(folder: Path, manifest: Manifest) -> None:
                       for item in sorted(Path(folder).iterdir()) if item.is_file() and item.name != MANIFEST}
 
 
-def artifact_tokenizer(folder: Path):
-    """The tokenizer of an artifact (or engine folder), read from the files its manifest lists
-    and nothing else; their sizes are checked first."""
-    from snapcompile.artifact.manifest import read_manifest
+def artifact_tokenizer(folder: Path, manifest: Manifest):
+    """The tokenizer of an artifact (or engine folder) with this `manifest`, read from the files
+    the manifest lists and nothing else; their sizes are checked first."""
     from snapcompile.models.tokenizer import load_tokenizer
-    manifest = read_manifest(folder)
     names = manifest.support_files()
     check_files(folder, manifest, names, checksums=False)
     return load_tokenizer(folder, files=names)

@@ -225,7 +225,7 @@ def validate(artifact, prompt, prompts_file, demo, steps, raw, tolerance, min_ag
     manifest = read_manifest(artifact)
     tolerance = manifest.export.tolerance if tolerance is None else tolerance
     tie_gap = manifest.export.tie_gap if tie_gap is None else tie_gap
-    tokenizer = artifact_tokenizer(artifact)
+    tokenizer = artifact_tokenizer(artifact, manifest)
     prompts = [encode(tokenizer, r.prompt, manifest.chat and not raw) for r in records]
     limit = manifest.export.max_context - (0 if manifest.policy.compressed else steps + 1)
     if demo:          # the built-in prompts are cut to fit a small artifact (their last tokens kept)

@@ -107,7 +107,7 @@ class Engine:
         from snapcompile.artifact.files import artifact_tokenizer
         from snapcompile.runtime import open_backend
         backend = open_backend(folder, backend, provider=provider, threads=threads)
-        tokenizer = artifact_tokenizer(folder)
+        tokenizer = artifact_tokenizer(folder, backend.manifest)
         return cls(backend, tokenizer, backend.manifest.eos_token_ids, prefill_tokens_per_step,
                    max_slots=max_slots)
 

@@ -25,8 +25,9 @@ def run_eval(config: EvalConfig, results_path: Path, cache_dir: Path, progress=N
     export = config.export
     cache = ArtifactCache(config.source, cache_dir, log)
     dense_dir = cache.dense(export)
-    chat = read_manifest(dense_dir).chat and config.task != "fidelity"
-    tokenizer = artifact_tokenizer(dense_dir)
+    manifest = read_manifest(dense_dir)
+    chat = manifest.chat and config.task != "fidelity"
+    tokenizer = artifact_tokenizer(dense_dir, manifest)
     cases = make_cases(config.task, tokenizer, config.lengths, config.depths, config.samples, config.seed, chat)
     store = ResultStore(results_path, config)
     cells = {(p, b): [c for c in cases if config.applies(p, b, c)] for p, b in config.runs()}
