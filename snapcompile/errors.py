@@ -26,6 +26,10 @@ class ParityError(SnapcompileError):
     """A validated artifact disagrees with the PyTorch oracle beyond tolerance."""
 
 
+class JsonTooDeep(SnapcompileError):
+    """JSON nested past the interpreter's recursion limit (never a plausible user file)."""
+
+
 def parse_json(text, where: str):
     """json.loads with every way a user's file can break it one SnapcompileError naming `where`:
     invalid JSON, nesting past the interpreter's recursion limit, integers past its digit limit."""
@@ -33,7 +37,7 @@ def parse_json(text, where: str):
     try:
         return json.loads(text)
     except RecursionError:
-        raise SnapcompileError(f"{where} nests too deeply to be a JSON file snapcompile reads") from None
+        raise JsonTooDeep(f"{where} nests too deeply to be a JSON file snapcompile reads") from None
     except json.JSONDecodeError as err:
         raise SnapcompileError(f"{where} is not valid JSON ({err.msg}, line {err.lineno})") from None
     except (ValueError, UnicodeDecodeError) as err:        # e.g. an integer of thousands of digits

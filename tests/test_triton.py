@@ -330,6 +330,19 @@ def test_bad_triton_inputs_are_named_errors_not_exception_names(artifact, inputs
         worker.stop()
 
 
+def test_a_stop_string_that_only_looks_like_json_is_a_literal_stop(artifact):
+    from snapcompile.artifact.manifest import read_manifest
+    from snapcompile.triton.worker import TritonWorker
+    worker = TritonWorker(_StandInBackendUtils, artifact, read_manifest(artifact).fingerprint(), slots=None)
+    try:
+        for stop, expected in ((b"[END]", ("[END]",)), (b'["a", "b"]', ("a", "b"))):
+            request = _TritonRequest("hello")
+            request.inputs["stop"] = _StandInBackendUtils.Tensor("stop", np.array([stop], dtype=np.object_))
+            assert worker._stops(request) == expected
+    finally:
+        worker.stop()
+
+
 @pytest.mark.parametrize("args, fragment", [
     (("--model-name", "abc\n"), "must be 1 to 128 letters"),
     (("--model-name", "a" * 300), "must be 1 to 128 letters"),

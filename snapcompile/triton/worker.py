@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from snapcompile.engine.request import Request, SamplingParams
-from snapcompile.errors import PromptError, SnapcompileError, check_text, first_line, parse_json
+from snapcompile.errors import JsonTooDeep, PromptError, SnapcompileError, check_text, first_line, parse_json
 from snapcompile.prompts import max_prompt_chars
 from snapcompile.serve.engine_loop import EngineLoop, Update
 from snapcompile.serve.metrics import Metrics
@@ -124,10 +124,9 @@ class TritonWorker:
             return ()
         stops = [_text(s, "stop") for s in tensor.as_numpy().reshape(-1)]
         if len(stops) == 1 and stops[0].startswith("["):       # a JSON list sent as one string
-            listed = parse_json(stops[0], "stop")
-            if not isinstance(listed, list):
-                raise SnapcompileError("stop must be a string or a JSON list of strings")
-            stops = [str(s) for s in listed]
+            listed = _json_list(stops[0])
+            if listed is not None:
+                stops = [str(s) for s in listed]
         return tuple(stops)
 
     # ------------------------------------------------------------------ responses out
@@ -175,6 +174,18 @@ class TritonWorker:
                 cancelled = [rid for rid, p in self._pending.items() if p.request.is_cancelled()]
             for request_id in cancelled:
                 self.loop.abort(request_id)
+
+
+def _json_list(text: str) -> list | None:
+    """`text` parsed as a JSON list, or None when it is not one (a literal stop such as "[END]");
+    nesting past the interpreter's recursion limit is an error, not a stop string."""
+    try:
+        listed = parse_json(text, "stop")
+    except JsonTooDeep:
+        raise
+    except SnapcompileError:
+        return None
+    return listed if isinstance(listed, list) else None
 
 
 def _text(value, name: str) -> str:
