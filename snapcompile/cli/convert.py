@@ -7,60 +7,53 @@ from pathlib import Path
 import click
 
 from snapcompile.cli.options import config_default as default
+from snapcompile.cli.options import option_group
 from snapcompile.config import LOWERINGS, POLICIES, POOLINGS, SCOPES, WEIGHT_FORMATS, ExportConfig, PolicyConfig
 
+_export_options = option_group(
+    click.option("--slots", default=default(ExportConfig, "slots"), show_default=True,
+                 help="Decode batch slots N (static)."),
+    click.option("--max-context", default=default(ExportConfig, "max_context"), show_default=True,
+                 help="Longest prompt (+ generation, for dense) in tokens: the dense cache length L."),
+    click.option("--chunk", default=default(ExportConfig, "chunk"), show_default=True,
+                 help="Prefill chunk length in tokens."),
+    click.option("--weights", "weight_format", type=click.Choice(WEIGHT_FORMATS),
+                 default=default(ExportConfig, "weight_format"), show_default=True,
+                 help="How linear layers and the LM head are stored: fp32; fp16 (multiplied in float16); or "
+                      "int8 / int4 blocks (weight-only; int4 keeps the head 8-bit). From a GGUF with 4/8-bit "
+                      "blocks the file's own values are kept where the format holds them exactly."),
+    click.option("--block-size", default=default(ExportConfig, "block_size"), show_default=True,
+                 help="Inputs per int8/int4 quantization block (a power of two >= 16 dividing every layer's "
+                      "input size; GGUF blocks are kept only at 32)."),
+    click.option("-o", "--output", "output", required=True, type=click.Path(path_type=Path),
+                 help="Artifact folder to write (atomically)."),
+    click.option("--force", is_flag=True, help="Replace the output folder if it exists."),
+)
 
-def _export_options(func):
-    for option in reversed([
-        click.option("--slots", default=default(ExportConfig, "slots"), show_default=True,
-                     help="Decode batch slots N (static)."),
-        click.option("--max-context", default=default(ExportConfig, "max_context"), show_default=True,
-                     help="Longest prompt (+ generation, for dense) in tokens: the dense cache length L."),
-        click.option("--chunk", default=default(ExportConfig, "chunk"), show_default=True,
-                     help="Prefill chunk length in tokens."),
-        click.option("--weights", "weight_format", type=click.Choice(WEIGHT_FORMATS),
-                     default=default(ExportConfig, "weight_format"), show_default=True,
-                     help="How linear layers and the LM head are stored: fp32; fp16 (multiplied in float16); or "
-                          "int8 / int4 blocks (weight-only; int4 keeps the head 8-bit). From a GGUF with 4/8-bit "
-                          "blocks the file's own values are kept where the format holds them exactly."),
-        click.option("--block-size", default=default(ExportConfig, "block_size"), show_default=True,
-                     help="Inputs per int8/int4 quantization block (a power of two >= 16 dividing every layer's "
-                          "input size; GGUF blocks are kept only at 32)."),
-        click.option("-o", "--output", "output", required=True, type=click.Path(path_type=Path),
-                     help="Artifact folder to write (atomically)."),
-        click.option("--force", is_flag=True, help="Replace the output folder if it exists."),
-    ]):
-        func = option(func)
-    return func
-
-
-def _policy_options(func):
-    for option in reversed([
-        click.option("--policy", type=click.Choice(POLICIES),
-                     default=default(PolicyConfig, "policy"), show_default=True, help="Cache policy."),
-        click.option("--budget", default=default(PolicyConfig, "budget"), show_default=True,
-                     help="KV rows per sequence B."),
-        click.option("--sinks", default=default(PolicyConfig, "sinks"), show_default=True,
-                     help="Attention-sink tokens S always kept."),
-        click.option("--window", default=default(PolicyConfig, "window"), show_default=True,
-                     help="Observation window W (last prompt queries)."),
-        click.option("--kernel", default=default(PolicyConfig, "kernel"), show_default=True,
-                     help="Pooling width K (odd)."),
-        click.option("--pooling", type=click.Choice(POOLINGS), default=default(PolicyConfig, "pooling"),
-                     show_default=True, help="How window scores are pooled along positions."),
-        click.option("--scope", type=click.Choice(SCOPES), default=default(PolicyConfig, "scope"), show_default=True,
-                     help="Select per KV head, or one position set per layer."),
-        click.option("--prompt-share", type=int, default=default(PolicyConfig, "prompt_share"),
-                     help="Budget rows for the compressed prompt P (default: B minus a ring of >= B/4)."),
-        click.option("--lower", "lowering", type=click.Choice(LOWERINGS), default=LOWERINGS[0],
-                     show_default=True,
-                     help="standard: compressed attention and selection in standard ONNX ops (any runtime; "
-                          "for TensorRT the selection's TopK needs P <= 3840). plugin: custom op nodes "
-                          "SnapKVDecodeAttention / SnapKVSelect for the TensorRT plugin (no budget limit; "
-                          "ONNX Runtime runs them through onnxruntime-extensions, float32)."),
-    ]):
-        func = option(func)
-    return func
+_policy_options = option_group(
+    click.option("--policy", type=click.Choice(POLICIES),
+                 default=default(PolicyConfig, "policy"), show_default=True, help="Cache policy."),
+    click.option("--budget", default=default(PolicyConfig, "budget"), show_default=True,
+                 help="KV rows per sequence B."),
+    click.option("--sinks", default=default(PolicyConfig, "sinks"), show_default=True,
+                 help="Attention-sink tokens S always kept."),
+    click.option("--window", default=default(PolicyConfig, "window"), show_default=True,
+                 help="Observation window W (last prompt queries)."),
+    click.option("--kernel", default=default(PolicyConfig, "kernel"), show_default=True,
+                 help="Pooling width K (odd)."),
+    click.option("--pooling", type=click.Choice(POOLINGS), default=default(PolicyConfig, "pooling"),
+                 show_default=True, help="How window scores are pooled along positions."),
+    click.option("--scope", type=click.Choice(SCOPES), default=default(PolicyConfig, "scope"), show_default=True,
+                 help="Select per KV head, or one position set per layer."),
+    click.option("--prompt-share", type=int, default=default(PolicyConfig, "prompt_share"),
+                 help="Budget rows for the compressed prompt P (default: B minus a ring of >= B/4)."),
+    click.option("--lower", "lowering", type=click.Choice(LOWERINGS), default=LOWERINGS[0],
+                 show_default=True,
+                 help="standard: compressed attention and selection in standard ONNX ops (any runtime; "
+                      "for TensorRT the selection's TopK needs P <= 3840). plugin: custom op nodes "
+                      "SnapKVDecodeAttention / SnapKVSelect for the TensorRT plugin (no budget limit; "
+                      "ONNX Runtime runs them through onnxruntime-extensions, float32)."),
+)
 
 
 def _export_config(slots, max_context, chunk, weight_format, block_size) -> ExportConfig:

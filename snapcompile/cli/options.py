@@ -19,22 +19,25 @@ def csv_option(kind):
     return parse
 
 
-def report_options(default_output: str, cache_name: str, output_help: str):
-    """--cache-dir, -o/--output and --json of a command that builds artifacts and writes a report
-    (OUTPUT JSON, the Markdown table and the plots beside it)."""
-    options = [
-        click.option("--cache-dir", type=click.Path(path_type=Path), default=None,
-                     help=f"Where built artifacts are kept (default: $SNAPCOMPILE_CACHE/{cache_name})."),
-        click.option("-o", "--output", type=click.Path(path_type=Path), default=Path(default_output),
-                     show_default=True, help=output_help),
-        click.option("--json", "as_json", is_flag=True, help="Print the results as one JSON object."),
-    ]
-
+def option_group(*options):
+    """One decorator applying click `options` in the order given (as they appear in --help)."""
     def decorate(func):
         for option in reversed(options):
             func = option(func)
         return func
     return decorate
+
+
+def report_options(default_output: str, cache_name: str, output_help: str):
+    """--cache-dir, -o/--output and --json of a command that builds artifacts and writes a report
+    (OUTPUT JSON, the Markdown table and the plots beside it)."""
+    return option_group(
+        click.option("--cache-dir", type=click.Path(path_type=Path), default=None,
+                     help=f"Where built artifacts are kept (default: $SNAPCOMPILE_CACHE/{cache_name})."),
+        click.option("-o", "--output", type=click.Path(path_type=Path), default=Path(default_output),
+                     show_default=True, help=output_help),
+        click.option("--json", "as_json", is_flag=True, help="Print the results as one JSON object."),
+    )
 
 
 def config_default(config_class, name: str):
