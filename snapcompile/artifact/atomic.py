@@ -19,7 +19,7 @@ import stat
 import tempfile
 from pathlib import Path
 
-from snapcompile.errors import SnapcompileError
+from snapcompile.errors import SnapcompileError, parse_json
 
 # the keys a marker file of each kind holds: a folder is snapcompile's only when its marker parses
 # as one (an arbitrary folder with a file of that name is not replaced)
@@ -99,8 +99,8 @@ def _is_marker(path: Path, marker: str) -> bool:
         info = os.lstat(path)
         if not stat.S_ISREG(info.st_mode) or info.st_size > MARKER_MAX_BYTES:
             return False
-        raw = json.loads(path.read_bytes())
-    except (OSError, ValueError, RecursionError):
+        raw = parse_json(path.read_bytes(), str(path))
+    except (OSError, SnapcompileError):
         return False
     return isinstance(raw, dict) and all(key in raw for key in MARKER_KEYS.get(marker, ()))
 
