@@ -153,16 +153,24 @@ def read_safetensors(folder: Path) -> dict:
     return state
 
 
+ROTARY_BUFFER = "rotary_emb.inv_freq"
+
+
+def _may_be_absent(key: str, tied: bool) -> bool:
+    """A parameter a checkpoint may leave out: the LM head when tied to the embedding, and the
+    rotary buffer the model computes itself. Every other one must be in the file."""
+    return (tied and key == "lm_head.weight") or key.endswith(ROTARY_BUFFER)
+
+
 def assign_weights(model, state: dict, folder: Path) -> None:
     """Load `state` into `model`, requiring every parameter (the LM head may be tied to the
     embedding) and refusing tensors the model does not have or of the wrong shape."""
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
-    state = {k: v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}   # a buffer old files carry
+    state = {k: v for k, v in state.items() if not k.endswith(ROTARY_BUFFER)}   # a buffer old files carry
     if tied and "model.embed_tokens.weight" not in state and "lm_head.weight" in state:
         state["model.embed_tokens.weight"] = state.pop("lm_head.weight")
     expected = model.state_dict()
-    optional = {"lm_head.weight"} if tied else set()
-    missing = sorted(set(expected) - set(state) - optional)
+    missing = sorted(k for k in set(expected) - set(state) if not _may_be_absent(k, tied))
     unexpected = sorted(set(state) - set(expected))
     if missing or unexpected:
         what = f"lacks {missing[0]}" if missing else f"has {unexpected[0]}, which the model does not"
@@ -189,8 +197,7 @@ def _refuse_missing_weights(model, info: dict, path: Path) -> None:
     """The check folders get in assign_weights, for a GGUF: every parameter must come from the
     file (transformers would leave a missing one at its random initialisation)."""
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
-    missing = sorted(k for k in info.get("missing_keys", ()) if not (tied and k == "lm_head.weight")
-                     and not k.endswith("rotary_emb.inv_freq"))
+    missing = sorted(k for k in info.get("missing_keys", ()) if not _may_be_absent(k, tied))
     if missing:
         raise SnapcompileError(f"{path} lacks {missing[0]} ({len(missing)} of the model's tensors are missing; "
                                "the file holds no complete model)")
