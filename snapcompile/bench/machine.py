@@ -1,6 +1,7 @@
 """Machine measurements: resident memory and memory bandwidth (Linux /proc, numpy)."""
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -87,7 +88,6 @@ def cpu_description() -> dict:
         load = [float(v) for v in Path("/proc/loadavg").read_text().split()[:3]]
     except OSError:
         load = []
-    import os
     return {"model": name, "isa": [f for f in ISA_FEATURES if f in flags], "cores": os.cpu_count(), "load": load}
 
 
