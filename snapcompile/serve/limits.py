@@ -9,13 +9,13 @@ complete request head, and closes it otherwise.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from snapcompile.config import ServerLimits
+from snapcompile.errors import JsonTooDeep, SnapcompileError, parse_json
 from snapcompile.serve.protocol import ApiError
 
 JSON_MAX_DEPTH = 64         # nesting of a request body (OpenAI's bodies need 4 or 5)
@@ -75,7 +75,7 @@ async def read_json_body(request, limits: ServerLimits):
         raw = await asyncio.wait_for(_read_bounded(request, limits.max_body_bytes), limits.body_timeout_s)
     except asyncio.TimeoutError:
         raise ApiError(408, f"the request body did not arrive within {limits.body_timeout_s:g} s") from None
-    return parse_json(raw)
+    return parse_request_json(raw)
 
 
 async def _read_bounded(request, max_bytes: int) -> bytes:
@@ -88,14 +88,14 @@ async def _read_bounded(request, max_bytes: int) -> bytes:
     return b"".join(chunks)
 
 
-def parse_json(raw: bytes):
-    """json.loads with every failure a 400 (never a 500), and the depth and surrogate checks."""
+def parse_request_json(raw: bytes):
+    """errors.parse_json with every failure a 400 (never a 500), then the depth and surrogate checks."""
     try:
-        value = json.loads(raw)
-    except RecursionError:
+        value = parse_json(raw, "the request body")
+    except JsonTooDeep:
         raise ApiError(400, f"the request body nests deeper than {JSON_MAX_DEPTH} levels") from None
-    except (ValueError, UnicodeDecodeError) as err:     # JSONDecodeError, and ints past the digit limit
-        raise ApiError(400, f"the request body is not valid JSON: {err}") from None
+    except SnapcompileError as err:     # invalid JSON, ints past the digit limit
+        raise ApiError(400, str(err)) from None
     _check_json_value(value)
     return value
 
