@@ -36,12 +36,13 @@ def save_graphs(folder: Path, graphs: dict[str, onnx.ModelProto], manifest: Mani
     """Write graphs (their large initializers into one shared weights.bin) and the manifest.
 
     weights_source: an existing weights.bin the graphs already reference (passes re-save graphs
-    loaded without their data); it is copied instead of rewritten.
+    loaded without their data; the export writes it while building, `WeightsFile`); it is copied
+    unless it is the folder's own, instead of rewritten.
     """
     folder = Path(folder)
     if weights_source is None:
         _externalize_shared(graphs.values(), folder / WEIGHTS)
-    else:
+    elif Path(weights_source).resolve() != (folder / WEIGHTS).resolve():
         shutil.copyfile(weights_source, folder / WEIGHTS)  # onnx.checker rejects hard links
     fingerprint = manifest.fingerprint()
     for name, model in graphs.items():
@@ -99,22 +100,63 @@ def _set_metadata(model: onnx.ModelProto, key: str, value: str) -> None:
 def _externalize_shared(models, weights_path: Path) -> None:
     """Move every initializer of >= 1 KiB into weights_path; identical tensors (the weights both
     graphs use) are written once."""
-    offsets: dict[tuple[str, bytes], tuple[int, int]] = {}
-    with open(weights_path, "wb") as handle:
+    with WeightsFile(weights_path) as store:
         for model in models:
             for tensor in model.graph.initializer:
                 if not tensor.HasField("raw_data") and tensor.data_location != TensorProto.EXTERNAL:
                     # graphsurgeon writes INT4 tensors as int32_data; raw bytes are packed
                     tensor.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(tensor), tensor.name))
-                if not tensor.HasField("raw_data") or len(tensor.raw_data) < EXTERNAL_MIN_BYTES:
-                    continue
-                key = (tensor.name, hashlib.sha1(tensor.raw_data).digest())
-                if key not in offsets:
-                    pad = (-handle.tell()) % 64        # aligned offsets allow memory mapping
-                    handle.write(b"\0" * pad)
-                    offsets[key] = (handle.tell(), len(tensor.raw_data))
-                    handle.write(tensor.raw_data)
-                offset, length = offsets[key]
-                external_data_helper.set_external_data(tensor, WEIGHTS, offset=offset, length=length)
-                tensor.data_location = TensorProto.EXTERNAL
-                tensor.ClearField("raw_data")
+                reference = store.add(tensor)
+                if reference is not tensor:
+                    tensor.CopyFrom(reference)
+
+
+class WeightsFile:
+    """An artifact's weights.bin being written, one tensor at a time, so that graphs hold only
+    references (ONNX external data) and an export never keeps more than one tensor's bytes
+    outside the model's own weights.
+
+    `add` writes a tensor of >= 1 KiB once (by name and content) at a 64-byte aligned offset
+    (aligned offsets allow memory mapping) and returns it as a reference without data; smaller
+    tensors are returned unchanged. `reference(name)` is the reference to a tensor already
+    written under that name (the export's weights have one value per name), or None."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self._handle = open(self.path, "wb")
+        self._offsets: dict[tuple[str, bytes], tuple[int, int]] = {}
+        self._by_name: dict[str, TensorProto] = {}
+
+    def add(self, tensor: TensorProto) -> TensorProto:
+        if not tensor.HasField("raw_data") or len(tensor.raw_data) < EXTERNAL_MIN_BYTES:
+            return tensor
+        key = (tensor.name, hashlib.sha1(tensor.raw_data).digest())
+        if key not in self._offsets:
+            self._handle.write(b"\0" * ((-self._handle.tell()) % 64))
+            self._offsets[key] = (self._handle.tell(), len(tensor.raw_data))
+            self._handle.write(tensor.raw_data)
+        offset, length = self._offsets[key]
+        reference = TensorProto(name=tensor.name, data_type=tensor.data_type, dims=tensor.dims,
+                                raw_data=b"\0")   # set_external_data wants the field present
+        external_data_helper.set_external_data(reference, WEIGHTS, offset=offset, length=length)
+        reference.data_location = TensorProto.EXTERNAL
+        reference.ClearField("raw_data")
+        self._by_name[tensor.name] = reference
+        return self.reference(tensor.name)
+
+    def reference(self, name: str) -> TensorProto | None:
+        written = self._by_name.get(name)
+        if written is None:
+            return None
+        copy = TensorProto()
+        copy.CopyFrom(written)
+        return copy
+
+    def close(self) -> None:
+        self._handle.close()
+
+    def __enter__(self) -> WeightsFile:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

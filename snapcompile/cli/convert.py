@@ -75,7 +75,7 @@ def export(model, output, force, **export_args):
     export_cfg = _export_config(**export_args)
     refuse_existing(output, force)
     manifest = export_model(load_model(model), export_cfg, output, force=force)
-    click.echo(f"wrote {output} ({', '.join(manifest.graphs)} graphs)")
+    click.echo(f"wrote {output} ({', '.join(manifest.graphs)} graphs); {peak_memory()}")
 
 
 @click.command()
@@ -97,7 +97,8 @@ def convert(model, output, force, lowering, slots, max_context, chunk, weight_fo
     refuse_existing(output, force)
     manifest = export_model(load_model(model), export_cfg, output, force=force, policy=policy,
                             transform=lambda graphs, m: compress_graphs(graphs, m, policy, lowering))
-    click.echo(f"wrote {output}: policy {policy.policy}, {decode_blocks(manifest)} attention blocks rewritten")
+    click.echo(f"wrote {output}: policy {policy.policy}, {decode_blocks(manifest)} attention blocks rewritten; "
+               f"{peak_memory()}")
 
 
 @click.command()
@@ -111,6 +112,13 @@ def compress(dense_dir, output, force, lowering, **policy_args):
     manifest = compress_artifact(dense_dir, output, PolicyConfig(**policy_args), force=force, lowering=lowering)
     click.echo(f"wrote {output}: policy {manifest.policy.policy}, {decode_blocks(manifest)} attention blocks "
                "rewritten")
+
+
+def peak_memory() -> str:
+    """The summary's memory figure: the weights go to weights.bin as each graph is built, so this
+    stays near twice the model's float32 weights whatever --slots and --max-context are."""
+    from snapcompile.runtime.memory import gib, peak_rss_bytes
+    return f"peak RSS {gib(peak_rss_bytes())}"
 
 
 def decode_blocks(manifest) -> int:

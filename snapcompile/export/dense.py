@@ -6,9 +6,9 @@ from pathlib import Path
 import onnx
 
 from snapcompile.artifact.atomic import atomic_directory
-from snapcompile.artifact.manifest import Manifest
+from snapcompile.artifact.manifest import WEIGHTS, Manifest
 from snapcompile.artifact.naming import graph_name
-from snapcompile.artifact.onnx_io import save_graphs
+from snapcompile.artifact.onnx_io import WeightsFile, save_graphs
 from snapcompile.config import ExportConfig, PolicyConfig
 from snapcompile.errors import SnapcompileError
 from snapcompile.export.llama_graph import DecodeWriter, PrefillWriter
@@ -29,8 +29,13 @@ def check_export_config(loaded: LoadedModel, export: ExportConfig) -> None:
             f"--max-context {export.max_context} must not exceed it")
 
 
-def build_dense_graphs(loaded: LoadedModel, export: ExportConfig) -> tuple[dict[str, onnx.ModelProto], dict]:
-    """The dense graphs, and the quantization report (empty for fp32 weights)."""
+def build_dense_graphs(loaded: LoadedModel, export: ExportConfig,
+                       store: WeightsFile | None = None) -> tuple[dict[str, onnx.ModelProto], dict]:
+    """The dense graphs, and the quantization report (empty for fp32 weights).
+
+    store: the weights.bin the weights are written to while the graphs are built, so the graphs
+    hold references only and memory does not grow with the number of graphs (--slots,
+    --max-context buckets); None keeps the weights in each graph (in-memory use, tests)."""
     check_export_config(loaded, export)
     quantizer = None
     if export.quantized:
@@ -40,10 +45,10 @@ def build_dense_graphs(loaded: LoadedModel, export: ExportConfig) -> tuple[dict[
             gguf = read_blocks(loaded.gguf, loaded.spec.num_heads, loaded.spec.num_kv_heads)
         quantizer = Quantizer(export, gguf)
     weights = Weights(loaded.model, loaded.spec, quantizer, half=export.weight_format == "fp16")
-    graphs = {"prefill": PrefillWriter(loaded.spec, weights, export).build().model(),
-              "decode": DecodeWriter(loaded.spec, weights, export).build().model()}
+    graphs = {"prefill": PrefillWriter(loaded.spec, weights, export, store=store).build().model(),
+              "decode": DecodeWriter(loaded.spec, weights, export, store).build().model()}
     for rows in export.prefill_buckets():
-        bucket = PrefillWriter(loaded.spec, weights, export, rows)
+        bucket = PrefillWriter(loaded.spec, weights, export, rows, store)
         graphs[graph_name("prefill", rows, export.max_context)] = bucket.build().model()
     for name, model in graphs.items():
         check_graph(model, name)
@@ -77,11 +82,12 @@ def export_model(loaded: LoadedModel, export: ExportConfig, out_dir: Path, force
     policy.check_against(export)
     check_memory(new_manifest(loaded, export, policy), weight_bytes=loaded.spec.weight_bytes)
     with atomic_directory(Path(out_dir), force=force) as staging:
-        graphs, weights_report = build_dense_graphs(loaded, export)
+        with WeightsFile(staging / WEIGHTS) as store:
+            graphs, weights_report = build_dense_graphs(loaded, export, store)
         manifest = new_manifest(loaded, export, PolicyConfig(policy="dense"))
         manifest.weights_report = weights_report
         if transform is not None:
             graphs = transform(graphs, manifest)
         loaded.tokenizer.save_pretrained(staging)
-        save_graphs(staging, graphs, manifest)
+        save_graphs(staging, graphs, manifest, weights_source=staging / WEIGHTS)
     return manifest

@@ -31,8 +31,10 @@ from snapcompile.models.spec import ModelSpec
 class LlamaGraphWriter:
     """Emits the decoder body shared by prefill and decode; subclasses differ in attention layout."""
 
-    def __init__(self, spec: ModelSpec, weights: Weights, export: ExportConfig):
-        self.spec, self.w, self.export = spec, weights, export
+    def __init__(self, spec: ModelSpec, weights: Weights, export: ExportConfig, store=None):
+        """store: the WeightsFile the weights are written to as the graph is built (None: the
+        graph holds them)."""
+        self.spec, self.w, self.export, self.store = spec, weights, export, store
 
     def _attach_weights(self, b: GraphBuilder) -> None:
         for name, array in self.w.arrays.items():
@@ -100,14 +102,15 @@ class LlamaGraphWriter:
 class PrefillWriter(LlamaGraphWriter):
     """The prefill graph against a cache of `cache_rows` rows (default: max_context)."""
 
-    def __init__(self, spec: ModelSpec, weights: Weights, export: ExportConfig, cache_rows: int | None = None):
-        super().__init__(spec, weights, export)
+    def __init__(self, spec: ModelSpec, weights: Weights, export: ExportConfig, cache_rows: int | None = None,
+                 store=None):
+        super().__init__(spec, weights, export, store)
         self.cache_rows = cache_rows or export.max_context
 
     def build(self) -> GraphBuilder:
         s, c, L = self.spec, self.export.chunk, self.cache_rows
         hkv, g, d = s.num_kv_heads, s.group_size, s.head_dim
-        b = GraphBuilder(graph_name("prefill", L, self.export.max_context))
+        b = GraphBuilder(graph_name("prefill", L, self.export.max_context), self.store)
         self._attach_weights(b)
         ids = b.input("input_ids", np.int64, [1, c])
         start = b.input("start", np.int64, [1])
@@ -150,7 +153,7 @@ class DecodeWriter(LlamaGraphWriter):
     def build(self) -> GraphBuilder:
         s, n, L = self.spec, self.export.slots, self.export.max_context
         hkv, g, d = s.num_kv_heads, s.group_size, s.head_dim
-        b = GraphBuilder("decode")
+        b = GraphBuilder("decode", self.store)
         self._attach_weights(b)
         ids = b.input("input_ids", np.int64, [n, 1])
         position = b.input("position", np.int64, [n])

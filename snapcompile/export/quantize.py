@@ -111,7 +111,7 @@ def emit_matmul(b, x: str, name: str, matrix: BlockQuantized) -> str:
     """x [..., K] float32 -> x @ W.T [..., N] with W held as `name`.qweight / .qscale / .qoffset
     initializers (added here) on the GraphBuilder `b`."""
     _, k = matrix.shape
-    b.initializers.append(initializer(f"{name}.qweight", matrix))
+    b.tensor(f"{name}.qweight", lambda: initializer(f"{name}.qweight", matrix))
     b.weight(f"{name}.qscale", np.ascontiguousarray(matrix.scales.T))
     w = b.op("DequantizeLinear", f"{name}.qweight", f"{name}.qscale", axis=0, block_size=matrix.block_size)
     y = b.op("MatMul", x, w)

@@ -14,8 +14,10 @@ NP_TO_ONNX = {np.dtype(np.float32): TensorProto.FLOAT, np.dtype(np.float16): Ten
 class GraphBuilder:
     """Accumulates nodes, constants, inputs and outputs; `op` returns output tensor names."""
 
-    def __init__(self, name: str):
-        self.name = name
+    def __init__(self, name: str, store=None):
+        """store: a WeightsFile that weights go to as they are added (the graph then holds
+        references only); None keeps them in the graph."""
+        self.name, self.store = name, store
         self.nodes: list[onnx.NodeProto] = []
         self.initializers: list[onnx.TensorProto] = []
         self.inputs: list[onnx.ValueInfoProto] = []
@@ -46,7 +48,15 @@ class GraphBuilder:
         return self._const_cache[key]
 
     def weight(self, name: str, array: np.ndarray) -> str:
-        self.initializers.append(numpy_helper.from_array(np.ascontiguousarray(array), name))
+        return self.tensor(name, lambda: numpy_helper.from_array(np.ascontiguousarray(array), name))
+
+    def tensor(self, name: str, make) -> str:
+        """Add initializer `name`; make() builds its TensorProto, called only when the store has
+        not written that name yet (each weight is serialized once per export, not once per graph)."""
+        if self.store is None:
+            self.initializers.append(make())
+        else:
+            self.initializers.append(self.store.reference(name) or self.store.add(make()))
         return name
 
     def input(self, name: str, dtype, shape) -> str:

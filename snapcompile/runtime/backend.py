@@ -217,33 +217,53 @@ class SlotBackend:
         if len(token_ids) > self.max_prompt_len():
             raise PromptError("too_long", len(token_ids), self.max_prompt_len())
 
+    def chunk_rows(self, start: int) -> int:
+        """Cache rows the chunk starting at `start` attends over: the smallest bucket that holds
+        the `start` rows already filled, else max_context. So a prompt's chunks follow the causal
+        triangle in bucket steps instead of all paying the whole prompt's bucket."""
+        fitting = [rows for rows in self.bucket_graphs if rows >= start]
+        return min(fitting) if fitting else self.manifest.export.max_context
+
     def prefill_chunks(self, slot: int, token_ids: list[int]):
         """Generator form of `prefill`: yields the tokens of each chunk once it ran (so an
-        engine can interleave decode steps) and returns the PrefillResult."""
+        engine can interleave decode steps) and returns the PrefillResult.
+
+        Every chunk's K/V goes to the targets (the slot, or the scratch cache of a compressed
+        prompt); a bucket's own cache is a copy of their first rows, filled when a chunk moves
+        to that bucket (the buckets share one buffer, so one holds this prompt at a time)."""
         self.check_prompt(token_ids)
         length = len(token_ids)
         targets = self._prefill_targets(slot)
-        rows = self.prefill_rows(length)
-        graph, caches = self._prefill_graph_for(rows, targets)
         ids = np.zeros((1, self.chunk), np.int64)
+        synced = None                    # the bucket whose cache holds the rows filled so far
         began = time.perf_counter()
         for start in chunk_starts(length, self.chunk):
             count = min(self.chunk, length - start)
+            rows = self.chunk_rows(start)
+            if rows != synced:
+                synced = self._prepare_chunk_graph(rows, targets, start)
             ids[0, :count] = token_ids[start:start + count]
             ids[0, count:] = 0
             self.device.upload(self.p_ids, ids)
             self.device.upload(self.p_start, np.array([start], np.int64))
             self.device.upload(self.p_len, np.array([count], np.int64))
-            graph.run()
-            for keys, values in caches:
-                for i in self._layers:
-                    keys[i][:, :, start:start + count] = self.p_new_k[i][:, :, :count]
-                    values[i][:, :, start:start + count] = self.p_new_v[i][:, :, :count]
+            (self.bucket_graphs.get(rows) or self.prefill_graph).run()
+            self._write_chunk(targets, start, count)
+            if synced is not None:
+                if start + count <= synced:
+                    self._write_chunk(self._bucket_cache(synced), start, count)
+                else:
+                    synced = None        # the bucket has no room for these rows
             yield count
         compressed_at = time.perf_counter()
         share = self.manifest.policy.resolved_prompt_share if self.manifest.policy.compressed else None
         layout = SlotLayout.for_prompt(length, self.rows_per_slot, share)
-        kept = self._compress_into_slot(slot, layout, rows) if self.manifest.policy.compressed else None
+        kept = None
+        if self.manifest.policy.compressed:
+            rows = self.prefill_rows(length)
+            if rows in self.select_buckets and rows != synced:
+                self._copy_rows(targets, self._bucket_cache(rows), length)
+            kept = self._compress_into_slot(slot, layout, rows)
         self.last_prefill_seconds = {"chunks": compressed_at - began, "select": time.perf_counter() - compressed_at}
         return PrefillResult(self.device.download(self.p_logits)[0].copy(), layout, kept)
 
@@ -255,15 +275,33 @@ class SlotBackend:
             except StopIteration as stop:
                 return stop.value
 
-    def _prefill_graph_for(self, rows: int, targets):
-        """The prefill graph over `rows` cache rows, and the (keys, values) caches each chunk's
-        K/V is written to: the targets, plus the bucket's own cache when a bucket runs."""
+    def _prepare_chunk_graph(self, rows: int, targets, filled: int) -> int | None:
+        """Make the prefill graph over `rows` cache rows see the `filled` rows of the targets:
+        copy them into the bucket's cache (returns rows, the bucket now in sync), or bind the
+        full graph to the targets themselves (returns None)."""
         if rows in self.bucket_graphs:
-            return self.bucket_graphs[rows], [targets, (self.bucket_k[rows], self.bucket_v[rows])]
+            self._copy_rows(targets, self._bucket_cache(rows), filled)
+            return rows
         for i in self._layers:
             self.prefill_graph.bind(f"past_key.{i}", targets[0][i])
             self.prefill_graph.bind(f"past_value.{i}", targets[1][i])
-        return self.prefill_graph, [targets]
+        return None
+
+    def _bucket_cache(self, rows: int):
+        return self.bucket_k[rows], self.bucket_v[rows]
+
+    def _copy_rows(self, source, target, count: int) -> None:
+        """Rows [0, count) of every layer's K and V from the caches `source` to `target`."""
+        for i in self._layers:
+            target[0][i][:, :, :count] = source[0][i][:, :, :count]
+            target[1][i][:, :, :count] = source[1][i][:, :, :count]
+
+    def _write_chunk(self, caches, start: int, count: int) -> None:
+        """The chunk's new K/V (the prefill graph's outputs) into rows [start, start + count)."""
+        keys, values = caches
+        for i in self._layers:
+            keys[i][:, :, start:start + count] = self.p_new_k[i][:, :, :count]
+            values[i][:, :, start:start + count] = self.p_new_v[i][:, :, :count]
 
     def _prefill_targets(self, slot: int):
         if self.manifest.policy.compressed:
