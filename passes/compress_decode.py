@@ -16,9 +16,11 @@ from snapcompile.graphs.editor import GraphEditor, finalize
 from snapcompile.passes.match import find_attention_blocks
 
 
-def compress_decode(model: onnx.ModelProto, num_layers: int, budget: int) -> tuple[onnx.ModelProto, dict]:
+def compress_decode(model: onnx.ModelProto, num_layers: int, budget: int,
+                    name: str = "decode") -> tuple[onnx.ModelProto, dict]:
+    """name: the decode graph's name ("decode", or "decode_<slots>"), for errors and the report."""
     graph = gs.import_onnx(model)
-    blocks = find_attention_blocks(graph, num_layers, "decode")
+    blocks = find_attention_blocks(graph, num_layers, name)
     edit = GraphEditor(graph, "compress_decode")
     slots = edit.input("cache_len").shape[0]
     mask = _ring_mask(edit, slots, budget)
@@ -29,8 +31,8 @@ def compress_decode(model: onnx.ModelProto, num_layers: int, budget: int) -> tup
             cache.shape = [cache.shape[0], cache.shape[1], budget, cache.shape[3]]
         block.cache_mask_add.inputs[1] = mask
         block.split.inputs[1] = edit.const([budget, 1])
-    return finalize(graph, "decode"), {"pass": "compress_decode", "graph": "decode",
-                                       "blocks_rewritten": len(blocks), "budget": budget}
+    return finalize(graph, name), {"pass": "compress_decode", "graph": name,
+                                   "blocks_rewritten": len(blocks), "budget": budget}
 
 
 def _ring_mask(edit: GraphEditor, slots: int, budget: int) -> gs.Variable:

@@ -13,9 +13,10 @@ from snapcompile.passes.match import find_attention_blocks
 from snapcompile.plugins.contracts import DECODE_ATTENTION, DOMAIN
 
 
-def lower_decode(model: onnx.ModelProto, num_layers: int) -> tuple[onnx.ModelProto, dict]:
+def lower_decode(model: onnx.ModelProto, num_layers: int, name: str = "decode") -> tuple[onnx.ModelProto, dict]:
+    """name: the decode graph's name ("decode", or "decode_<slots>"), for errors and the report."""
     graph = gs.import_onnx(model)
-    blocks = find_attention_blocks(graph, num_layers, "decode")
+    blocks = find_attention_blocks(graph, num_layers, name)
     edit = GraphEditor(graph, "lower_plugin")
     write_index, cache_len = edit.input("write_index"), edit.input("cache_len")
     for block in blocks:
@@ -26,5 +27,5 @@ def lower_decode(model: onnx.ModelProto, num_layers: int) -> tuple[onnx.ModelPro
                                               write_index=write_index, cache_len=cache_len)
         edit.node(DECODE_ATTENTION.name, inputs, [result], domain=DOMAIN,
                   **DECODE_ATTENTION.node_attrs(scale=float(block.scale)))
-    return finalize(graph, "decode", custom_domains=(DOMAIN,)), {"pass": "lower_plugin", "graph": "decode",
-                                                                 "blocks_rewritten": len(blocks)}
+    return finalize(graph, name, custom_domains=(DOMAIN,)), {"pass": "lower_plugin", "graph": name,
+                                                             "blocks_rewritten": len(blocks)}

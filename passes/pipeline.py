@@ -10,7 +10,7 @@ import onnx
 from snapcompile.artifact.atomic import atomic_directory
 from snapcompile.artifact.files import check_files, copy_support_files
 from snapcompile.artifact.manifest import WEIGHTS, Manifest, read_manifest
-from snapcompile.artifact.naming import graph_name, is_prefill_graph, select_rows
+from snapcompile.artifact.naming import graph_name, is_decode_graph, is_prefill_graph, select_rows
 from snapcompile.artifact.onnx_io import load_graph, save_graphs
 from snapcompile.config import LOWERINGS, PolicyConfig
 from snapcompile.errors import SnapcompileError
@@ -65,12 +65,15 @@ def compress_graphs(graphs: dict[str, onnx.ModelProto], manifest: Manifest,
 
 def _compress_decode(graphs: dict[str, onnx.ModelProto], manifest: Manifest, policy: PolicyConfig,
                      lowering: str) -> None:
-    graphs["decode"], report = compress_decode(graphs["decode"], manifest.spec.num_layers, policy.budget)
-    manifest.passes.append(report)
-    if lowering == "plugin":
-        from snapcompile.passes.lower_plugin import lower_decode
-        graphs["decode"], report = lower_decode(graphs["decode"], manifest.spec.num_layers)
+    """Every decode graph (one per slot bucket) gets the ring cache, and the plugin nodes."""
+    layers = manifest.spec.num_layers
+    for name in filter(is_decode_graph, list(graphs)):
+        graphs[name], report = compress_decode(graphs[name], layers, policy.budget, name)
         manifest.passes.append(report)
+        if lowering == "plugin":
+            from snapcompile.passes.lower_plugin import lower_decode
+            graphs[name], report = lower_decode(graphs[name], layers, name)
+            manifest.passes.append(report)
 
 
 def _add_selection(graphs: dict[str, onnx.ModelProto], manifest: Manifest, policy: PolicyConfig,

@@ -25,7 +25,8 @@ class ExportConfig:
     generated). chunk: C, prefill chunk length (a prompt is processed C tokens at a time).
     weight_format: how linear layers are stored (WEIGHT_FORMATS); block_size: inputs per quantization
     block (int8 / int4). fp16 linear layers also multiply in float16; norms, attention, the KV
-    cache and graph I/O are float32 in every format.
+    cache and graph I/O are float32 in every format. slot_buckets: decode graphs for fewer
+    active slots too (`decode_sizes`).
     """
 
     slots: int = 4
@@ -33,6 +34,7 @@ class ExportConfig:
     chunk: int = 256
     weight_format: str = "fp32"
     block_size: int = 32
+    slot_buckets: bool = True
 
     def __post_init__(self):
         if self.slots < 1:
@@ -76,6 +78,16 @@ class ExportConfig:
             buckets.append(rows)
             rows *= 2
         return buckets
+
+    def decode_sizes(self) -> list[int]:
+        """Slot counts of the decode graphs: 1, 2, 4, ... below N, and N (N alone without
+        slot_buckets). A step whose active slots all lie below k runs on the graph of the
+        smallest such k, so a lone request pays a 1-slot step, not an N-slot one."""
+        sizes, size = [], 1
+        while self.slot_buckets and size < self.slots:
+            sizes.append(size)
+            size *= 2
+        return [*sizes, self.slots]
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -40,6 +40,55 @@ def test_scheduler_admits_fifo_into_free_slots():
     assert not scheduler.idle
 
 
+def test_compaction_moves_the_highest_decoding_sequence_down_when_the_graph_shrinks():
+    scheduler = Scheduler(slots=8, prefill_tokens_per_step=8, decode_sizes=[1, 2, 4, 8])
+    seqs = [Sequence(Request([1], request_id=f"r{i}")) for i in range(6)]
+    for seq in seqs:
+        scheduler.add(seq)
+    scheduler.admit()
+    for seq in seqs:
+        scheduler.prefill_done(seq)
+    for seq in seqs[:5]:
+        scheduler.release(seq)                   # slot 5 alone: an 8-slot step
+    assert scheduler.graph_size(5) == 8
+    assert scheduler.compact() == [(seqs[5], 5)] and seqs[5].slot == 0 and scheduler.decoding == {0: seqs[5]}
+    assert scheduler.compact() == []
+    more = [Sequence(Request([1], request_id=f"m{i}")) for i in range(2)]
+    for seq in more:
+        scheduler.add(seq)
+    scheduler.admit()                            # slots 1 and 2, still prefilling: never moved
+    scheduler.prefill_done(more[1])
+    scheduler.release(seqs[5])                   # decoding: slot 2 only; slot 0 is free
+    assert scheduler.compact() == [(more[1], 2)] and more[1].slot == 0 and more[0].slot == 1
+
+
+@given(st.lists(st.tuples(st.sampled_from(["add", "done", "release", "compact"]), st.integers(0, 7)),
+                max_size=60))
+def test_compaction_keeps_slots_unique_and_leaves_no_useful_move(ops):
+    scheduler = Scheduler(slots=6, prefill_tokens_per_step=8, decode_sizes=[1, 2, 4, 6])
+    live = []
+    for n, (op, pick) in enumerate(ops):
+        if op == "add":
+            scheduler.add(seq := Sequence(Request([1], request_id=f"r{n}")))
+            live.append(seq)
+            scheduler.admit()
+        elif op == "done" and scheduler.prefilling:
+            scheduler.prefill_done(scheduler.prefilling[pick % len(scheduler.prefilling)])
+        elif op == "release" and live:
+            scheduler.release(live.pop(pick % len(live)))
+        elif op == "compact":
+            for seq, left in scheduler.compact():
+                assert seq.slot < left
+        slots = [seq.slot for seq in live if seq.slot is not None]
+        assert len(slots) == len(set(slots)) and scheduler.pool.free == 6 - len(slots)
+        assert all(scheduler.decoding[seq.slot] is seq for seq in live if seq.status is Status.DECODING)
+    scheduler.compact()
+    if scheduler.decoding and scheduler.pool.lowest() is not None:
+        highest = max(scheduler.decoding)
+        rest = [slot for slot in scheduler.decoding if slot != highest]
+        assert scheduler.graph_size(max([*rest, scheduler.pool.lowest()])) >= scheduler.graph_size(highest)
+
+
 def test_chunk_starts_end_at_the_prompt_end():
     assert chunk_starts(10, 4) == [0, 4, 6]
     assert chunk_starts(8, 4) == [0, 4]
@@ -106,6 +155,23 @@ def test_continuous_batching_equals_running_alone(artifact, request):
         alone = _engine(folder).generate([request_alone])[0]
         assert together.output_ids == alone.output_ids, request_alone.request_id
         assert together.finish_reason == alone.finish_reason
+
+
+@pytest.mark.parametrize("artifact", ["tiny_dense_dir", "tiny_snap_dir"])
+def test_a_lone_request_moves_down_and_runs_on_the_one_slot_graph(artifact, request):
+    """r0 finishes first in slot 0; r1 moves from slot 1 to slot 0 and its steps run on the
+    1-slot decode graph, with the output it has alone."""
+    folder = request.getfixturevalue(artifact)
+    prompts = random_prompts([40, 100], seed=5)
+    engine = _engine(folder)
+    assert engine.backend.decode_sizes == [1, 2, 3]
+    ran, choose = [], engine.backend.decode_size
+    engine.backend.decode_size = lambda slots: ran.append(choose(slots)) or ran[-1]     # graph sizes run
+    results = engine.generate([Request(prompts[0], max_new_tokens=8, request_id="r0"),
+                               Request(prompts[1], max_new_tokens=20, request_id="r1")])
+    assert 2 in ran and ran[-1] == 1 and ran.count(1) >= 12
+    alone = _engine(folder).generate([Request(prompts[1], max_new_tokens=20)])[0]
+    assert results[1].output_ids == alone.output_ids
 
 
 def test_error_requests_are_isolated(tiny_dense_dir):

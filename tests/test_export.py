@@ -23,7 +23,7 @@ def test_artifact_layout_and_manifest(tiny_dense_dir):
     assert {"prefill.onnx", "decode.onnx", "weights.bin", MANIFEST, "tokenizer.json"} <= names
     manifest = json.loads((tiny_dense_dir / MANIFEST).read_text())
     assert manifest["export"] == {"slots": 3, "max_context": 512, "chunk": 64, "weight_format": "fp32",
-                                  "block_size": 32}
+                                  "block_size": 32, "slot_buckets": True}
     assert manifest["weights_report"]["format"] == "fp32" and manifest["weights_file"] == "weights.bin"
     assert manifest["policy"]["policy"] == "dense"
     assert {"onnx", "onnxruntime", "torch", "transformers"} <= set(manifest["versions"])
@@ -57,7 +57,7 @@ def test_prefill_buckets_double_from_two_chunks_below_max_context(tiny_dense_dir
     assert [bucket_rows(n) for n in ("prefill_128", "prefill", "decode", "select")] == [128, None, None, None]
     assert [is_prefill_graph(n) for n in ("prefill", "prefill_128", "decode")] == [True, True, False]
     manifest = read_manifest(tiny_dense_dir)
-    assert sorted(manifest.graphs) == ["decode", "prefill", "prefill_128", "prefill_256"]
+    assert sorted(manifest.graphs) == ["decode", "decode_1", "decode_2", "prefill", "prefill_128", "prefill_256"]
     past = {i["name"]: i["shape"] for i in manifest.graphs["prefill_128"]["inputs"]}["past_key.0"]
     assert past == [1, 2, 128, 16]
 

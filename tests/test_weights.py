@@ -175,7 +175,9 @@ def test_cli_convert_inspect_run_validate_int4(tmp_path):
     info = json.loads(invoke("inspect", out, "--json").output)
     assert info["export"]["weight_format"] == "int4" and info["export"]["block_size"] == 64
     assert info["weights_report"]["requantized_blocks"] > 0
-    assert info["weights_file_bytes"] >= info["weights_report"]["weight_bytes"]
+    # tensors under 1 KiB (here the norms and most block scales) stay inside the graphs
+    weight_bytes = info["weights_report"]["weight_bytes"]
+    assert 0.8 * weight_bytes <= info["weights_file_bytes"] <= weight_bytes
     text = invoke("inspect", out).output
     assert "weights        int4 (blocks of 64, LM head 8-bit; GGUF blocks kept 0" in text
     run = invoke("run", out, "--prompt", "hello " * 40, "--max-new-tokens", 4, "--json")

@@ -1,14 +1,16 @@
-"""Which graphs an artifact holds and what they are called: "prefill", "decode", "select", and the
-buckets "<kind>_<rows>" over fewer cache rows. Pure functions of the export shapes and the policy."""
+"""Which graphs an artifact holds and what they are called: "prefill", "decode", "select", the
+buckets "<kind>_<rows>" over fewer cache rows, and the decode graphs "decode_<slots>" for fewer
+slots. Pure functions of the export shapes and the policy."""
 from __future__ import annotations
 
 from snapcompile.config import ExportConfig, PolicyConfig
 
 
-def graph_name(kind: str, cache_rows: int, max_context: int) -> str:
-    """The name of a "prefill" or "select" graph over `cache_rows` cache rows: `kind` itself for
-    max_context rows, "<kind>_<rows>" for a bucket."""
-    return kind if cache_rows == max_context else f"{kind}_{cache_rows}"
+def graph_name(kind: str, size: int, full_size: int) -> str:
+    """The name of a "prefill" or "select" graph over `size` cache rows (full_size: max_context),
+    or of a "decode" graph of `size` slots (full_size: N): `kind` itself for the full size,
+    "<kind>_<size>" for a bucket."""
+    return kind if size == full_size else f"{kind}_{size}"
 
 
 def expected_graphs(export: ExportConfig, policy: PolicyConfig) -> set[str]:
@@ -16,7 +18,8 @@ def expected_graphs(export: ExportConfig, policy: PolicyConfig) -> set[str]:
     buckets) and decode, plus for snapstream select and one select bucket per prefill bucket of
     more rows than the prompt share (a prompt that fits in P is never selected from)."""
     buckets = export.prefill_buckets()
-    names = {"prefill", "decode", *(graph_name("prefill", rows, export.max_context) for rows in buckets)}
+    names = {"prefill", *(graph_name("prefill", rows, export.max_context) for rows in buckets)}
+    names |= {graph_name("decode", slots, export.slots) for slots in export.decode_sizes()}
     if policy.policy == "snapstream":
         names |= {graph_name("select", rows, export.max_context) for rows in select_rows(export, policy)}
     return names
@@ -33,7 +36,12 @@ def is_prefill_graph(name: str) -> bool:
     return name == "prefill" or bucket_rows(name) is not None
 
 
+def is_decode_graph(name: str) -> bool:
+    return name == "decode" or bucket_rows(name, "decode") is not None
+
+
 def bucket_rows(name: str, kind: str = "prefill") -> int | None:
-    """The cache rows of a bucket graph "<kind>_<rows>"; None for any other graph."""
+    """The cache rows of a bucket graph "<kind>_<rows>" (the slots of a "decode_<slots>"); None
+    for any other graph."""
     prefix, _, rows = name.partition("_")
     return int(rows) if prefix == kind and rows.isdigit() else None

@@ -25,6 +25,11 @@ _export_options = option_group(
     click.option("--block-size", default=default(ExportConfig, "block_size"), show_default=True,
                  help="Inputs per int8/int4 quantization block (a power of two >= 16 dividing every layer's "
                       "input size; GGUF blocks are kept only at 32)."),
+    click.option("--slot-buckets/--no-slot-buckets", default=default(ExportConfig, "slot_buckets"),
+                 show_default=True,
+                 help="Also write decode graphs for 1, 2, 4, ... slots below N, so that a step with few active "
+                      "requests does not pay for N slots (each costs one graph and, on ONNX Runtime, its "
+                      "own pre-packed weights)."),
     click.option("-o", "--output", "output", required=True, type=click.Path(path_type=Path),
                  help="Artifact folder to write (atomically)."),
     click.option("--force", is_flag=True, help="Replace the output folder if it exists."),
@@ -56,9 +61,9 @@ _policy_options = option_group(
 )
 
 
-def _export_config(slots, max_context, chunk, weight_format, block_size) -> ExportConfig:
+def _export_config(slots, max_context, chunk, weight_format, block_size, slot_buckets) -> ExportConfig:
     return ExportConfig(slots=slots, max_context=max_context, chunk=chunk, weight_format=weight_format,
-                        block_size=block_size)
+                        block_size=block_size, slot_buckets=slot_buckets)
 
 
 @click.command()
@@ -82,7 +87,8 @@ def export(model, output, force, **export_args):
 @click.argument("model")
 @_export_options
 @_policy_options
-def convert(model, output, force, lowering, slots, max_context, chunk, weight_format, block_size, **policy_args):
+def convert(model, output, force, lowering, slots, max_context, chunk, weight_format, block_size, slot_buckets,
+            **policy_args):
     """Export MODEL and compress its cache in one go (export + passes).
 
     The budget bounds the decode cache at B rows per slot whatever the context; prompts up to
@@ -91,7 +97,7 @@ def convert(model, output, force, lowering, slots, max_context, chunk, weight_fo
     from snapcompile.export import export_model
     from snapcompile.models import load_model
     from snapcompile.passes.pipeline import compress_graphs
-    export_cfg = _export_config(slots, max_context, chunk, weight_format, block_size)
+    export_cfg = _export_config(slots, max_context, chunk, weight_format, block_size, slot_buckets)
     policy = PolicyConfig(**policy_args)
     policy.check_against(export_cfg)
     refuse_existing(output, force)

@@ -92,7 +92,8 @@ class Engine:
         self.clock = clock
         if max_slots is not None and not 1 <= max_slots <= backend.slots:
             raise SnapcompileError(f"--slots must be in 1..{backend.slots} (the artifact's static slots)")
-        self.scheduler = Scheduler(max_slots or backend.slots, max(prefill_tokens_per_step or backend.chunk, 1))
+        self.scheduler = Scheduler(max_slots or backend.slots, max(prefill_tokens_per_step or backend.chunk, 1),
+                                   backend.decode_sizes)
         self.max_positions = backend.manifest.spec.max_positions
         self.sequences: dict[str, Sequence] = {}
         self._rngs: dict[str, np.random.Generator] = {}
@@ -212,6 +213,9 @@ class Engine:
                 events.append(self._fail(seq, err))
 
     def _decode(self, events: list[TokenEvent]) -> None:
+        for seq, left in self.scheduler.compact():
+            rows = min(self.backend.rows_per_slot, len(seq.request.prompt_ids) + len(seq.output_ids))
+            self.backend.move_slot(left, seq.slot, rows)
         running = dict(self.scheduler.decoding)
         tokens = {slot: seq.output_ids[-1] for slot, seq in running.items()}
         steps = {slot: seq.layout.step(len(seq.output_ids) - 1) for slot, seq in running.items()}

@@ -1,4 +1,6 @@
-"""Scheduling policy: FIFO admission into free slots, one prefill at a time, token-budgeted.
+"""Scheduling policy: FIFO admission into free slots (lowest first), one prefill at a time,
+token-budgeted; decoding sequences move down into free slots when that lets a step run on a
+smaller decode graph.
 
 No tensors here: it decides, the engine executes.
 """
@@ -11,10 +13,13 @@ from snapcompile.engine.slots import SlotPool
 
 
 class Scheduler:
-    def __init__(self, slots: int, prefill_tokens_per_step: int):
+    def __init__(self, slots: int, prefill_tokens_per_step: int, decode_sizes: list[int] | None = None):
+        """decode_sizes: slot counts of the backend's decode graphs (a step whose highest active
+        slot is h runs on the smallest one > h); default one graph of all slots."""
         if prefill_tokens_per_step < 1:
             raise ValueError("prefill_tokens_per_step must be >= 1")
         self.pool = SlotPool(slots)
+        self.decode_sizes = sorted(decode_sizes or [slots])
         self.waiting: deque[Sequence] = deque()
         self.prefilling: deque[Sequence] = deque()
         self.decoding: dict[int, Sequence] = {}
@@ -42,6 +47,27 @@ class Scheduler:
         self.prefilling.remove(seq)
         seq.status = Status.DECODING
         self.decoding[seq.slot] = seq
+
+    def graph_size(self, highest_slot: int) -> int:
+        """Slots of the decode graph a step whose highest active slot is `highest_slot` runs on."""
+        return next((k for k in self.decode_sizes if k > highest_slot), self.decode_sizes[-1])
+
+    def compact(self) -> list[tuple[Sequence, int]]:
+        """Move the highest decoding sequence into the lowest free slot while that makes the step's
+        decode graph smaller. Returns (sequence, slot it left) per move, in order; the caller
+        moves the cache rows before the next step. A prefilling sequence never moves."""
+        moves = []
+        while self.decoding and self.pool.lowest() is not None:
+            highest, free = max(self.decoding), self.pool.lowest()
+            after = max([*(slot for slot in self.decoding if slot != highest), free])
+            if self.graph_size(after) >= self.graph_size(highest):
+                break
+            seq = self.decoding.pop(highest)
+            seq.slot = self.pool.acquire()
+            self.pool.release(highest)
+            self.decoding[seq.slot] = seq
+            moves.append((seq, highest))
+        return moves
 
     def release(self, seq: Sequence) -> None:
         """Free the sequence's slot at once (finished, failed or aborted); a sequence still waiting

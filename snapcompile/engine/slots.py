@@ -11,6 +11,10 @@ class SlotPool:
         """A free slot (lowest number first), or None when all are busy."""
         return self._free.pop() if self._free else None
 
+    def lowest(self) -> int | None:
+        """The slot `acquire` would give, without taking it."""
+        return self._free[-1] if self._free else None
+
     def release(self, slot: int) -> None:
         if slot in self._free or not 0 <= slot < self.num_slots:
             raise ValueError(f"slot {slot} is not in use")

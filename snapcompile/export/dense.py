@@ -45,8 +45,10 @@ def build_dense_graphs(loaded: LoadedModel, export: ExportConfig,
             gguf = read_blocks(loaded.gguf, loaded.spec.num_heads, loaded.spec.num_kv_heads)
         quantizer = Quantizer(export, gguf)
     weights = Weights(loaded.model, loaded.spec, quantizer, half=export.weight_format == "fp16")
-    graphs = {"prefill": PrefillWriter(loaded.spec, weights, export, store=store).build().model(),
-              "decode": DecodeWriter(loaded.spec, weights, export, store).build().model()}
+    graphs = {"prefill": PrefillWriter(loaded.spec, weights, export, store=store).build().model()}
+    for slots in export.decode_sizes():
+        decode = DecodeWriter(loaded.spec, weights, export, store, slots)
+        graphs[graph_name("decode", slots, export.slots)] = decode.build().model()
     for rows in export.prefill_buckets():
         bucket = PrefillWriter(loaded.spec, weights, export, rows, store)
         graphs[graph_name("prefill", rows, export.max_context)] = bucket.build().model()

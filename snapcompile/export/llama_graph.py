@@ -150,10 +150,16 @@ class PrefillWriter(LlamaGraphWriter):
 
 
 class DecodeWriter(LlamaGraphWriter):
+    """The decode graph of `slots` slots (default: N; fewer for the slot buckets)."""
+
+    def __init__(self, spec: ModelSpec, weights: Weights, export: ExportConfig, store=None, slots: int | None = None):
+        super().__init__(spec, weights, export, store)
+        self.slots = slots or export.slots
+
     def build(self) -> GraphBuilder:
-        s, n, L = self.spec, self.export.slots, self.export.max_context
+        s, n, L = self.spec, self.slots, self.export.max_context
         hkv, g, d = s.num_kv_heads, s.group_size, s.head_dim
-        b = GraphBuilder("decode", self.store)
+        b = GraphBuilder(graph_name("decode", n, self.export.slots), self.store)
         self._attach_weights(b)
         ids = b.input("input_ids", np.int64, [n, 1])
         position = b.input("position", np.int64, [n])

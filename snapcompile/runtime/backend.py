@@ -18,7 +18,7 @@ from typing import Protocol
 import numpy as np
 
 from snapcompile.artifact.manifest import Manifest, read_manifest
-from snapcompile.artifact.naming import bucket_rows
+from snapcompile.artifact.naming import bucket_rows, is_decode_graph
 from snapcompile.errors import PromptError, SnapcompileError
 from snapcompile.runtime.layout import DecodeStep, SlotLayout
 from snapcompile.runtime.memory import check_fits, gib
@@ -98,7 +98,9 @@ class SlotBackend:
         self.prefill_graph = device.graph("prefill", m)
         self.bucket_graphs = {bucket_rows(name): device.graph(name, m)           # rows -> graph
                               for name in m.graphs if bucket_rows(name) is not None}
-        self.decode_graph = device.graph("decode", m)
+        self.decode_graphs = {m.export.slots if name == "decode" else bucket_rows(name, "decode"): device.graph(name, m)
+                              for name in m.graphs if is_decode_graph(name)}              # slots -> graph
+        self.decode_sizes = sorted(self.decode_graphs)
         self.select_graph = device.graph("select", m) if "select" in m.graphs else None
         self.select_buckets = {bucket_rows(name, "select"): device.graph(name, m)  # rows -> graph
                                for name in m.graphs if bucket_rows(name, "select") is not None}
@@ -187,23 +189,31 @@ class SlotBackend:
                 g.bind(f"window_query.{i}", self.window_q[i], output=True)
 
     def _init_decode(self) -> None:
+        """Per-step buffers for N slots; a decode graph of k slots is bound to their first k rows
+        (and to the first k slot caches), so every graph reads and writes the same buffers."""
         n, zeros = self.slots, self.device.zeros
         self.d_ids = zeros((n, 1), "int64")
         self.d_inputs = {name: zeros((n,), "int64") for name in ("position", "cache_len", "write_index")}
         self.d_logits = zeros((n, self.manifest.spec.vocab_size), "float32")
         self.d_new_k = [self._kv(n, 1) for _ in self._layers]
         self.d_new_v = [self._kv(n, 1) for _ in self._layers]
-        g = self.decode_graph
-        g.bind("input_ids", self.d_ids)
-        for name, array in self.d_inputs.items():
-            if name != "write_index" or self.manifest.policy.compressed:
-                g.bind(name, array)
-        g.bind("logits", self.d_logits, output=True)
-        for i in self._layers:
-            g.bind(f"past_key.{i}", self.keys[i])
-            g.bind(f"past_value.{i}", self.values[i])
-            g.bind(f"key.{i}", self.d_new_k[i], output=True)
-            g.bind(f"value.{i}", self.d_new_v[i], output=True)
+        for k, g in self.decode_graphs.items():
+            g.bind("input_ids", self.d_ids[:k])
+            for name, array in self.d_inputs.items():
+                if name != "write_index" or self.manifest.policy.compressed:
+                    g.bind(name, array[:k])
+            g.bind("logits", self.d_logits[:k], output=True)
+            for i in self._layers:
+                g.bind(f"past_key.{i}", self.keys[i][:k])
+                g.bind(f"past_value.{i}", self.values[i][:k])
+                g.bind(f"key.{i}", self.d_new_k[i][:k], output=True)
+                g.bind(f"value.{i}", self.d_new_v[i][:k], output=True)
+
+    def decode_size(self, slots) -> int:
+        """Slots of the decode graph a step of these active slots runs on: the smallest graph
+        that holds the highest of them."""
+        highest = max(slots) + 1
+        return next(k for k in self.decode_sizes if k >= highest)
 
     # ---------------------------------------------------------------- prefill
     def max_prompt_len(self) -> int:
@@ -338,7 +348,8 @@ class SlotBackend:
 
     # ---------------------------------------------------------------- decode
     def decode(self, tokens: dict[int, int], steps: dict[int, DecodeStep]) -> np.ndarray:
-        """One decode step for the active slots (keys of `tokens`); idle slots are masked.
+        """One decode step for the active slots (keys of `tokens`) on the smallest decode graph
+        that holds them (`decode_size`); idle slots below it are masked.
 
         Returns logits [N, V] as a host array (rows of idle slots are meaningless). The new K/V
         of each active slot is written at its step's write_index.
@@ -353,13 +364,19 @@ class SlotBackend:
         self.device.upload(self.d_ids, ids)
         for name, array in self.d_inputs.items():
             self.device.upload(array, host[name])
-        self.decode_graph.run()
+        self.decode_graphs[self.decode_size(tokens)].run()
         active = np.fromiter(tokens.keys(), np.int64, len(tokens))
         slots, writes = self.device.indices(active), self.device.indices(host["write_index"][active])
         for i in self._layers:
             self.keys[i][slots, :, writes] = self.d_new_k[i][slots, :, 0]
             self.values[i][slots, :, writes] = self.d_new_v[i][slots, :, 0]
         return self.device.download(self.d_logits)
+
+    def move_slot(self, source: int, target: int, rows: int) -> None:
+        """Copy the first `rows` cache rows of slot `source` into slot `target` (the engine moves a
+        sequence to a lower slot so that its steps run on a smaller decode graph)."""
+        for cache in (*self.keys, *self.values):
+            cache[target, :, :rows] = cache[source, :, :rows]
 
     def kv_bytes_allocated(self) -> int:
         """Bytes of the slot caches (allocated once, independent of prompt lengths)."""
