@@ -31,7 +31,8 @@ class ExportConfig:
 
     slots: int = 4
     max_context: int = 2048
-    chunk: int = 256
+    chunk: int = 64          # prefill costs the same at 32-256 on CPU (docs/results/performance.md), and a
+                             # smaller chunk stalls running decodes less
     weight_format: str = "fp32"
     block_size: int = 32
     slot_buckets: bool = True

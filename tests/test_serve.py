@@ -430,3 +430,13 @@ def test_bench_serve_draws_a_fresh_seed_per_run_unless_given(server, tmp_path):
     (seed_a, prompts_a), (seed_b, prompts_b) = run("a"), run("b")
     assert seed_a != seed_b and prompts_a != prompts_b
     assert run("c", "--seed", str(seed_a)) == (seed_a, prompts_a)
+
+
+def test_prefill_tokens_per_step_reaches_the_engine(artifact):
+    from snapcompile.serve.app import ServerSettings, ServerState, load_engine
+    state = ServerState(ServerSettings(artifact, "tiny", prefill_tokens_per_step=128))
+    load_engine(state)
+    try:
+        assert state.engine_loop.engine.scheduler.prefill_tokens_per_step == 128
+    finally:
+        state.engine_loop.stop()

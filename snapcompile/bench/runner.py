@@ -37,7 +37,7 @@ class BenchConfig:
     budget: int = 512
     new_tokens: int = 64
     repeats: int = 3
-    chunk: int = 256
+    chunk: int = 64
     eager: bool = True
     memory_limit_gib: float = 16.0       # for the "largest slot count that fits" figure
     eager_kv_limit_gib: float = 4.0      # eager points whose cache exceeds this are skipped (it is copied per step)

@@ -51,8 +51,13 @@ LOOPBACK = ("localhost",)
 @click.option("--render-timeout", type=click.FloatRange(min=0, min_open=True),
               default=config_default(ServerLimits, "render_timeout_s"), show_default=True,
               help="Seconds the artifact's chat template may take to render one request (400 beyond).")
+@click.option("--prefill-tokens-per-step", type=click.IntRange(min=1), default=None,
+              help="Prompt tokens prefilled between two decode steps, in whole chunks (default: one chunk). "
+                   "Fewer bound the inter-token latency of running requests; more shorten the time to a new "
+                   "request's first token. A smaller --chunk at convert time makes the step finer.")
 def serve(artifact, host, port, slots, max_waiting, api_key, served_model_name, backend, drain_timeout, log_level,
-          max_body_bytes, body_timeout, head_timeout, keep_alive, max_connections, render_timeout):
+          max_body_bytes, body_timeout, head_timeout, keep_alive, max_connections, render_timeout,
+          prefill_tokens_per_step):
     """Serve ARTIFACT over an OpenAI-compatible HTTP API.
 
     POST /v1/chat/completions and /v1/completions (streamed or not), GET /v1/models, /health
@@ -75,7 +80,7 @@ def serve(artifact, host, port, slots, max_waiting, api_key, served_model_name, 
     limits = ServerLimits(max_body_bytes=max_body_bytes, body_timeout_s=body_timeout, head_timeout_s=head_timeout,
                           keep_alive_s=keep_alive, max_connections=max_connections, render_timeout_s=render_timeout)
     settings = ServerSettings(Path(artifact), served_model_name or Path(artifact).resolve().name, api_key,
-                              max_waiting, slots, backend, limits)
+                              max_waiting, slots, backend, limits, prefill_tokens_per_step)
     run_server(settings, host, port, drain_timeout, log_level)
 
 

@@ -35,6 +35,7 @@ class ServerSettings:
     slots: int | None = None            # use at most this many of the artifact's static slots
     backend: str = "ort"
     limits: ServerLimits = field(default_factory=ServerLimits)
+    prefill_tokens_per_step: int | None = None   # prompt tokens between two decode steps (None: one chunk)
 
 
 @dataclass
@@ -66,7 +67,8 @@ def load_engine(state: ServerState) -> None:
     """Open the artifact and start the engine thread (runs on a worker thread)."""
     from snapcompile.engine.engine import Engine
     settings = state.settings
-    engine = Engine.from_artifact(settings.artifact, backend=settings.backend, max_slots=settings.slots)
+    engine = Engine.from_artifact(settings.artifact, backend=settings.backend, max_slots=settings.slots,
+                                  prefill_tokens_per_step=settings.prefill_tokens_per_step)
     state.metrics.set_totals(engine.scheduler.pool.num_slots, engine.kv_bytes_allocated())
     engine_loop = EngineLoop(engine, state.metrics)
     engine_loop.start()
