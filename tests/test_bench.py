@@ -36,6 +36,7 @@ class FakeClock:
 def test_bandwidth_and_flops_are_bytes_and_flops_per_second(monkeypatch):
     monkeypatch.setattr(machine.time, "perf_counter", FakeClock(0.01))
     assert machine.memory_bandwidth(megabytes=8, repeats=2) == pytest.approx(2 * 8 * 2**20 / 0.01)  # read + written
+    assert machine.memory_read_bandwidth(megabytes=8, repeats=2) == pytest.approx(8 * 2**20 / 0.01)  # read only
     assert machine.matmul_flops(size=64, repeats=2) == pytest.approx(2 * 64**3 / 0.01)
 
 
@@ -78,6 +79,21 @@ def test_markdown_table(result):
     cpu = result["cpu"]          # every figure names the CPU it was measured on
     assert cpu["cores"] >= 1 and isinstance(cpu["isa"], list) and len(cpu["load"]) == 3
     assert f"CPU: {cpu['model']}" in table and " ".join(cpu["isa"]) in table
+
+
+def test_one_quantized_format_alone_is_the_reference(tmp_path):
+    """bench --weights int4: no fp32 artifact is built; the table and ratios are int4's own."""
+    config = BenchConfig("tiny-llama", contexts=(128,), slots=(2,), budget=64, new_tokens=4, repeats=1,
+                         eager=False, weight_formats=("int4",))
+    result = run_bench(config, tmp_path, log=lambda m: None)
+    point = result["points"][0]
+    assert set(point["systems"]) == {"snapstream-int4", "dense-int4"}
+    assert point["ratios"]["snapstream_vs_dense"] == pytest.approx(
+        point["systems"]["snapstream-int4"]["tokens_per_s"]["median"]
+        / point["systems"]["dense-int4"]["tokens_per_s"]["median"])
+    assert point["systems"]["snapstream-int4"]["fraction_of_bound"] > 0
+    assert "| snapstream-int4 tok/s | dense-int4 tok/s |" in markdown(result)
+    assert result["read_bandwidth_bytes_per_s"] > 0
 
 
 def test_bench_cli_and_bad_input(tmp_path):
@@ -128,7 +144,5 @@ def test_weight_formats_and_onnx_runtime_genai_peers(tiny_hf_dir, tmp_path):
     assert len(list((tmp_path / "peers").glob("ortgenai-int4-*"))) == 1
     with pytest.raises(SnapcompileError, match="unknown --peers precision 'int2'"):
         BenchConfig("tiny-llama", peers=("int2",))
-    with pytest.raises(SnapcompileError, match="--weights must include fp32"):
-        BenchConfig("tiny-llama", weight_formats=("int4",))
     with pytest.raises(SnapcompileError, match="--peers needs a model loaded from a Hugging Face folder"):
         run_bench(BenchConfig("tiny-llama", contexts=(128,), slots=(1,), budget=64, peers=("int4",)), tmp_path)

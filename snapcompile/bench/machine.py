@@ -55,6 +55,20 @@ def memory_bandwidth(megabytes: int = 512, repeats: int = 5) -> float:
     return 2 * source.numel() * 4 / best
 
 
+def memory_read_bandwidth(megabytes: int = 512, repeats: int = 5) -> float:
+    """Sustained read bandwidth in bytes/s, best of `repeats`: a multithreaded sum (torch, all
+    intra-op threads) of an array much larger than the caches. A decode step reads its weights
+    and KV rows and writes almost nothing, so this, not the copy figure, bounds it."""
+    import torch
+    source = torch.ones(megabytes * 2**20 // 4, dtype=torch.float32)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        source.sum()
+        best = min(best, time.perf_counter() - start)
+    return source.numel() * 4 / best
+
+
 def matmul_flops(size: int = 1536, repeats: int = 5) -> float:
     """Sustained float32 matrix-multiply throughput in FLOP/s (all intra-op threads), best of `repeats`."""
     import torch

@@ -4,44 +4,47 @@ from __future__ import annotations
 from pathlib import Path
 
 from snapcompile.artifact.atomic import save_figure_atomic
+from snapcompile.bench.runner import reference_systems
 
 
 def markdown(result: dict) -> str:
     eager = result["config"]["eager"]
-    head = ("| context | slots | snapstream tok/s | dense tok/s | " + ("eager tok/s | " if eager else "")
+    snap, dense = reference_systems(result["config"]["weight_formats"])
+    head = (f"| context | slots | {snap} tok/s | {dense} tok/s | " + ("eager tok/s | " if eager else "")
             + "snap/dense | " + ("snap/eager | " if eager else "")
             + "ms/step snap (dense) | % of roofline bound snap / dense | KV/slot snap / dense | "
             + "prefill s snap / dense / eager (selection share) |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for p in result["points"]:
         s, r = p["systems"], p["ratios"]
-        cells = [str(p["context"]), str(p["slots"]), _range(s["snapstream"]["tokens_per_s"]),
-                 _range(s["dense"]["tokens_per_s"])]
+        cells = [str(p["context"]), str(p["slots"]), _range(s[snap]["tokens_per_s"]), _range(s[dense]["tokens_per_s"])]
         if eager:
             cells.append(_range(s["eager"]["tokens_per_s"]) if "eager" in s else "skipped (memory)")
         cells.append(f"{r['snapstream_vs_dense']:.2f}x")
         if eager:
             cells.append(f"{r['snapstream_vs_eager']:.1f}x" if r["snapstream_vs_eager"] else "—")
-        cells.append(f"{s['snapstream']['step_ms']['median']:.1f} ({s['dense']['step_ms']['median']:.1f})")
-        cells.append(f"{100 * s['snapstream']['fraction_of_bound']:.0f}% ({s['snapstream']['bound']}) / "
-                     f"{100 * s['dense']['fraction_of_bound']:.0f}% ({s['dense']['bound']})")
-        cells.append(f"{_mib(s['snapstream']['kv_bytes_per_slot'])} / {_mib(s['dense']['kv_bytes_per_slot'])}")
+        cells.append(f"{s[snap]['step_ms']['median']:.1f} ({s[dense]['step_ms']['median']:.1f})")
+        cells.append(f"{100 * s[snap]['fraction_of_bound']:.0f}% ({s[snap]['bound']}) / "
+                     f"{100 * s[dense]['fraction_of_bound']:.0f}% ({s[dense]['bound']})")
+        cells.append(f"{_mib(s[snap]['kv_bytes_per_slot'])} / {_mib(s[dense]['kv_bytes_per_slot'])}")
         pre = p["prefill"]
         eager_prefill = f" / {pre['eager']['seconds']['median']:.2f}" if "eager" in pre else ""
-        cells.append(f"{pre['snapstream']['seconds']['median']:.2f} / {pre['dense']['seconds']['median']:.2f}"
-                     f"{eager_prefill} ({100 * pre['snapstream']['selection_share']:.1f}%)")
+        cells.append(f"{pre[snap]['seconds']['median']:.2f} / {pre[dense]['seconds']['median']:.2f}"
+                     f"{eager_prefill} ({100 * pre[snap]['selection_share']:.1f}%)")
         lines.append("| " + " | ".join(cells) + " |")
     lines += _formats_table(result)
+    read = result.get("read_bandwidth_bytes_per_s", result["bandwidth_bytes_per_s"]) / 1e9
     bw = result["bandwidth_bytes_per_s"] / 1e9
     lines.append("")
     if "cpu" in result:
         from snapcompile.bench.machine import describe_cpu
         lines.append(f"CPU: {describe_cpu(result['cpu'])}.")
         lines.append("")
-    lines.append(f"Measured in the same run: copy bandwidth {bw:.1f} GB/s, float32 matmul "
-                 f"{result['matmul_flops_per_s'] / 1e9:.0f} GFLOP/s; weights {result['weight_bytes'] / 2**20:.0f} MiB "
-                 "read per step. Roofline bound = max(bytes / bandwidth, FLOPs / matmul rate), which one binds in "
-                 "parentheses. tok/s: median [min-max] over repeats.")
+    lines.append(f"Measured in the same run: read bandwidth {read:.1f} GB/s (copy {bw:.1f} GB/s), float32 matmul "
+                 f"{result['matmul_flops_per_s'] / 1e9:.0f} GFLOP/s; float32 weights "
+                 f"{result['weight_bytes'] / 2**20:.0f} MiB. Roofline bound = max(bytes read / read bandwidth, "
+                 "FLOPs / float32 matmul rate), which one binds in parentheses. tok/s: median [min-max] over "
+                 "repeats.")
     return "\n".join(lines) + "\n"
 
 
@@ -49,7 +52,7 @@ def _formats_table(result: dict) -> list[str]:
     """Decode tok/s of every weight format and peer side by side (when more than fp32 ran)."""
     points = result["points"]
     names = [n for n in points[0]["systems"] if n != "eager"]
-    if names == ["snapstream", "dense"]:
+    if names == list(reference_systems(result["config"]["weight_formats"])):
         return []
     head = "| context x slots | " + " | ".join(f"{n} tok/s" for n in names) + " | % of roofline bound |"
     lines = ["", head, "|" + "---|" * (head.count("|") - 1)]
@@ -82,7 +85,8 @@ def plots(result: dict, stem: Path) -> list[Path]:
     import matplotlib.pyplot as plt
     points = result["points"]
     slot_counts = sorted({p["slots"] for p in points})
-    systems = [s for s in ("snapstream", "dense", "eager") if any(s in p["systems"] for p in points)]
+    systems = [s for s in (*reference_systems(result["config"]["weight_formats"]), "eager")
+               if any(s in p["systems"] for p in points)]
     fig, axes = plt.subplots(1, len(slot_counts), figsize=(4 * len(slot_counts), 3.2), squeeze=False)
     for ax, slots in zip(axes[0], slot_counts):
         for name in systems:

@@ -29,6 +29,12 @@ def system_name(policy: str, weights: str) -> str:
     return policy if weights == "fp32" else f"{policy}-{weights}"
 
 
+def reference_systems(weight_formats) -> tuple[str, str]:
+    """The snapstream and dense systems the main table and every ratio use: those of the first
+    --weights format (fp32 unless --weights starts with another)."""
+    return system_name("snapstream", weight_formats[0]), system_name("dense", weight_formats[0])
+
+
 @dataclass(frozen=True)
 class BenchConfig:
     source: str
@@ -51,8 +57,8 @@ class BenchConfig:
         if self.repeats < 1 or self.new_tokens < 2:
             raise SnapcompileError("--repeats must be >= 1 and --new-tokens >= 2")
         PolicyConfig(budget=self.budget)     # validates the budget
-        if "fp32" not in self.weight_formats:
-            raise SnapcompileError("--weights must include fp32 (the reference every ratio is taken against)")
+        if not self.weight_formats:
+            raise SnapcompileError("--weights needs at least one format")
         for weight_format in self.weight_formats:
             ExportConfig(weight_format=weight_format)     # validates the format
         from snapcompile.bench.peers import PEER_PRECISIONS
@@ -83,7 +89,7 @@ def _open(folder: Path):
 def run_bench(config: BenchConfig, cache_dir: Path, progress: Callable[[int], None] | None = None,
               log: Callable[[str], None] = print) -> dict:
     cpu = machine.cpu_description()
-    bandwidth = machine.memory_bandwidth()
+    bandwidth = machine.memory_read_bandwidth()
     flops = machine.matmul_flops()
     artifacts = ArtifactCache(config.source, cache_dir, log)
     compressed = PolicyConfig(budget=config.budget)
@@ -101,8 +107,9 @@ def run_bench(config: BenchConfig, cache_dir: Path, progress: Callable[[int], No
     for point in points:
         point["prefill"] = prefill[point["context"]]
         _add_roofline(point, config, artifacts.loaded.spec, weight_bytes, step_bytes, bandwidth, flops)
-        _add_ratios(point)
-    return {"config": asdict(config), "cpu": cpu, "bandwidth_bytes_per_s": bandwidth, "matmul_flops_per_s": flops,
+        _add_ratios(point, config.weight_formats)
+    return {"config": asdict(config), "cpu": cpu, "read_bandwidth_bytes_per_s": bandwidth,
+            "bandwidth_bytes_per_s": machine.memory_bandwidth(), "matmul_flops_per_s": flops,
             "weight_bytes": weight_bytes, "step_weight_bytes": step_bytes,
             "kv_bytes_per_token": artifacts.loaded.spec.kv_bytes_per_token, "points": points,
             "fits": _fits(config, artifacts.loaded.spec, weight_bytes)}
@@ -226,7 +233,8 @@ def _add_roofline(point: dict, config: BenchConfig, spec, weight_bytes: int, ste
                   flops: float) -> None:
     """Per decode step: bytes it must move (weights once + the KV rows it reads) and FLOPs it
     must do (2 per weight per sequence, plus the attention products); the roofline bound is the
-    larger of bytes / bandwidth and FLOPs / matmul throughput; fraction_of_bound = bound / measured."""
+    larger of bytes / read bandwidth (a step reads its weights and KV rows; it writes almost
+    nothing) and FLOPs / float32 matmul throughput; fraction_of_bound = bound / measured."""
     rows = {"snapstream": min(config.budget, point["context"] + config.new_tokens),
             "dense": point["context"] + config.new_tokens + 1, "eager": point["context"] + config.new_tokens // 2}
     slots = point["slots"]
@@ -244,21 +252,22 @@ def _add_roofline(point: dict, config: BenchConfig, spec, weight_bytes: int, ste
         figures["fraction_of_bound"] = figures["bound_ms"] / figures["step_ms"]["median"]
 
 
-def _add_ratios(point: dict) -> None:
+def _add_ratios(point: dict, weight_formats) -> None:
     s = point["systems"]
-    snap = s["snapstream"]["tokens_per_s"]["median"]
-    point["ratios"] = {"snapstream_vs_dense": snap / s["dense"]["tokens_per_s"]["median"]}
+    ref_snap, ref_dense = reference_systems(weight_formats)
+    snap = s[ref_snap]["tokens_per_s"]["median"]
+    point["ratios"] = {"snapstream_vs_dense": snap / s[ref_dense]["tokens_per_s"]["median"]}
     point["ratios"]["snapstream_vs_eager"] = (snap / s["eager"]["tokens_per_s"]["median"]) if "eager" in s else None
-    if "dense" in point.get("prefill", {}) and "snapstream" in point.get("prefill", {}):
+    if ref_dense in point.get("prefill", {}) and ref_snap in point.get("prefill", {}):
         p = point["prefill"]
-        seconds = {name: p[name]["seconds"]["median"] for name in ("snapstream", "dense")}
-        point["ratios"]["prefill_snapstream_vs_dense"] = seconds["snapstream"] / seconds["dense"]
-    for name in s:
-        if name.startswith("snapstream-"):
-            point["ratios"][f"{name}_vs_snapstream"] = s[name]["tokens_per_s"]["median"] / snap
-            for peer in (p for p in s if p.startswith("ortgenai")):
-                ours, theirs = s[name]["tokens_per_s"]["median"], s[peer]["tokens_per_s"]["median"]
-                point["ratios"][f"{name}_vs_{peer}"] = ours / theirs
+        seconds = {name: p[name]["seconds"]["median"] for name in (ref_snap, ref_dense)}
+        point["ratios"]["prefill_snapstream_vs_dense"] = seconds[ref_snap] / seconds[ref_dense]
+    for name in (n for n in s if n.startswith("snapstream")):
+        if name != ref_snap:
+            point["ratios"][f"{name}_vs_{ref_snap}"] = s[name]["tokens_per_s"]["median"] / snap
+        for peer in (p for p in s if p.startswith("ortgenai")):
+            ours, theirs = s[name]["tokens_per_s"]["median"], s[peer]["tokens_per_s"]["median"]
+            point["ratios"][f"{name}_vs_{peer}"] = ours / theirs
 
 
 def _fits(config: BenchConfig, spec, weight_bytes: int) -> list[dict]:

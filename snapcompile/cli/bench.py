@@ -27,8 +27,9 @@ from snapcompile.config import PolicyConfig
 @click.option("--memory-limit-gib", default=16.0, show_default=True,
               help="Memory for the 'largest slot count that fits' figure.")
 @click.option("--weights", default="fp32", show_default=True, callback=csv_option(str),
-              help="Weight formats of the snapstream and dense artifacts, comma-separated (fp32 first; e.g. "
-                   "fp32,fp16,int8,int4). Quantized systems are named snapstream-int4 etc.")
+              help="Weight formats of the snapstream and dense artifacts, comma-separated (e.g. fp32,int4, or int4 "
+                   "alone); the first is the one the main table and every ratio use. Systems of other formats "
+                   "than fp32 are named snapstream-int4 etc.")
 @click.option("--peers", default="", callback=csv_option(str),
               help="Also measure ONNX Runtime GenAI builds of the same model at these precisions "
                    "(fp32,int4), each point in a subprocess (pip install \"snapcompile[peers]\").")
