@@ -40,6 +40,12 @@ def is_decode_graph(name: str) -> bool:
     return name == "decode" or bucket_rows(name, "decode") is not None
 
 
+def decode_graph_size(sizes: list[int], highest_slot: int) -> int:
+    """The slots of the decode graph a step runs on whose highest active slot is `highest_slot`:
+    the smallest of `sizes` (ExportConfig.decode_sizes) above it."""
+    return min((k for k in sizes if k > highest_slot), default=max(sizes))
+
+
 def bucket_rows(name: str, kind: str = "prefill") -> int | None:
     """The cache rows of a bucket graph "<kind>_<rows>" (the slots of a "decode_<slots>"); None
     for any other graph."""

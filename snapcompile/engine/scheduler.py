@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections import deque
 
+from snapcompile.artifact.naming import decode_graph_size
 from snapcompile.engine.request import Sequence, Status
 from snapcompile.engine.slots import SlotPool
 
@@ -50,7 +51,7 @@ class Scheduler:
 
     def graph_size(self, highest_slot: int) -> int:
         """Slots of the decode graph a step whose highest active slot is `highest_slot` runs on."""
-        return next((k for k in self.decode_sizes if k > highest_slot), self.decode_sizes[-1])
+        return decode_graph_size(self.decode_sizes, highest_slot)
 
     def compact(self) -> list[tuple[Sequence, int]]:
         """Move the highest decoding sequence into the lowest free slot while that makes the step's

@@ -1,10 +1,11 @@
 """The slot backend: the only runtime code that touches tensors.
 
 It owns the N static cache slots ([N, Hkv, rows_per_slot, D] per layer, allocated once and bound to
-the decode graph once by address) and a prefill scratch cache for one sequence. A prompt is
-prefilled on the smallest bucket graph whose cache holds it (or the full graph), so short prompts
-do not pay attention over max_context rows. A decode step
-moves only the new tokens' K/V into the slots; nothing copies a whole cache. Where the tensors
+every decode graph once by address: a graph of k slots sees the first k) and a prefill scratch
+cache for one sequence. Each prefill chunk runs on the smallest bucket graph that holds the rows
+filled before it (or the full graph), so no chunk pays attention over more rows than it needs.
+A decode step runs on the smallest decode graph holding its active slots and moves only the new
+tokens' K/V into the slots; nothing copies a whole cache. Where the tensors
 live and how a graph runs is the Device's business (ONNX Runtime on host memory, TensorRT on
 CUDA memory); small per-step inputs are prepared in numpy and uploaded.
 """
@@ -18,7 +19,7 @@ from typing import Protocol
 import numpy as np
 
 from snapcompile.artifact.manifest import Manifest, read_manifest
-from snapcompile.artifact.naming import bucket_rows, is_decode_graph
+from snapcompile.artifact.naming import bucket_rows, decode_graph_size, is_decode_graph
 from snapcompile.errors import PromptError, SnapcompileError
 from snapcompile.runtime.layout import DecodeStep, SlotLayout
 from snapcompile.runtime.memory import check_fits, gib
@@ -212,8 +213,7 @@ class SlotBackend:
     def decode_size(self, slots) -> int:
         """Slots of the decode graph a step of these active slots runs on: the smallest graph
         that holds the highest of them."""
-        highest = max(slots) + 1
-        return next(k for k in self.decode_sizes if k >= highest)
+        return decode_graph_size(self.decode_sizes, max(slots))
 
     # ---------------------------------------------------------------- prefill
     def max_prompt_len(self) -> int:
