@@ -103,7 +103,8 @@ def test_bench_cli_and_bad_input(tmp_path):
                                    str(tmp_path / "c"), "-o", str(out)])
     assert ok.exit_code == 0, ok.output
     payload = json.loads(out.read_text())
-    assert "eager" not in payload["points"][0]["systems"]
+    assert "eager" not in payload["points"][0]["systems"] and payload["resumed_points"] == 0
+    assert not (tmp_path / "b.json.partial.jsonl").exists(), "the points are in the results file now"
     assert (tmp_path / "b-decode.png").is_file() and (tmp_path / "b-memory.png").is_file()
     bad = CliRunner().invoke(main, ["bench", "tiny-llama", "--contexts", "10", "-o", str(out)])
     assert bad.exit_code == 2 and "--contexts" in bad.output
@@ -146,3 +147,30 @@ def test_weight_formats_and_onnx_runtime_genai_peers(tiny_hf_dir, tmp_path):
         BenchConfig("tiny-llama", peers=("int2",))
     with pytest.raises(SnapcompileError, match="--peers needs a model loaded from a Hugging Face folder"):
         run_bench(BenchConfig("tiny-llama", contexts=(128,), slots=(1,), budget=64, peers=("int4",)), tmp_path)
+
+
+def test_a_killed_bench_resumes_from_its_finished_points(tmp_path):
+    from snapcompile.bench.store import PointStore, partial_path
+    config = BenchConfig("tiny-llama", contexts=(128, 256), slots=(2,), budget=64, new_tokens=4, repeats=1,
+                         eager=False)
+    output = tmp_path / "bench.json"
+
+    class Killed(Exception):
+        pass
+
+    def kill_after_first(advance):
+        raise Killed
+    with pytest.raises(Killed):
+        run_bench(config, tmp_path / "cache", progress=kill_after_first, log=lambda m: None,
+                  store=PointStore(output, config))
+    with open(partial_path(output), "a") as handle:
+        handle.write('{"kind": "point", "slo')            # the line being written when it was killed
+    result = run_bench(config, tmp_path / "cache", log=lambda m: None, store=PointStore(output, config))
+    assert result["resumed_points"] == 1 and [p["context"] for p in result["points"]] == [128, 256]
+    first = PointStore(output, config).points[(2, 128)]["point"]
+    assert result["points"][0]["systems"]["snapstream"]["step_ms"] == first["systems"]["snapstream"]["step_ms"]
+    assert all("prefill" in point and "ratios" in point for point in result["points"])
+    other = BenchConfig("tiny-llama", contexts=(128, 256), slots=(2,), budget=96, new_tokens=4, repeats=1,
+                        eager=False)
+    with pytest.raises(SnapcompileError, match="another bench configuration"):
+        PointStore(output, other)

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from snapcompile.artifact.cache import ArtifactCache
 from snapcompile.bench import machine, measure
+from snapcompile.bench.store import PointStore
 from snapcompile.config import ExportConfig, PolicyConfig
 from snapcompile.errors import SnapcompileError
 
@@ -87,7 +88,10 @@ def _open(folder: Path):
 
 
 def run_bench(config: BenchConfig, cache_dir: Path, progress: Callable[[int], None] | None = None,
-              log: Callable[[str], None] = print) -> dict:
+              log: Callable[[str], None] = print, store: PointStore | None = None) -> dict:
+    """Measure every point of `config`; `store` (bench/store.py) keeps each finished point, and
+    the points it already holds, from a killed run of the same configuration, are not measured again."""
+    store = store or PointStore(None, config)
     cpu = machine.cpu_description()
     bandwidth = machine.memory_read_bandwidth()
     flops = machine.matmul_flops()
@@ -103,7 +107,7 @@ def run_bench(config: BenchConfig, cache_dir: Path, progress: Callable[[int], No
     step_bytes = {}
     with _attention(model, "sdpa"):        # the eager baseline runs as `generate` would
         points, prefill = _measure_points(config, artifacts, compressed, model, weight_bytes, peers, step_bytes,
-                                          progress, log)
+                                          store, progress, log)
     for point in points:
         point["prefill"] = prefill[point["context"]]
         _add_roofline(point, config, artifacts.loaded.spec, weight_bytes, step_bytes, bandwidth, flops)
@@ -112,7 +116,7 @@ def run_bench(config: BenchConfig, cache_dir: Path, progress: Callable[[int], No
             "bandwidth_bytes_per_s": machine.memory_bandwidth(), "matmul_flops_per_s": flops,
             "weight_bytes": weight_bytes, "step_weight_bytes": step_bytes,
             "kv_bytes_per_token": artifacts.loaded.spec.kv_bytes_per_token, "points": points,
-            "fits": _fits(config, artifacts.loaded.spec, weight_bytes)}
+            "fits": _fits(config, artifacts.loaded.spec, weight_bytes), "resumed_points": store.resumed}
 
 
 def _build_peers(config: BenchConfig, artifacts: ArtifactCache, cache_dir: Path, log) -> dict:
@@ -134,35 +138,55 @@ def _step_weight_bytes(backend, model_bytes: int) -> int:
 
 
 def _measure_points(config: BenchConfig, artifacts: ArtifactCache, compressed: PolicyConfig, model,
-                    model_bytes: int, peers: dict, step_bytes: dict, progress, log) -> tuple[list[dict], dict]:
+                    model_bytes: int, peers: dict, step_bytes: dict, store: PointStore, progress,
+                    log) -> tuple[list[dict], dict]:
     """Decode timings at every (slots, context) point and prefill timings per context;
-    step_bytes gets each artifact system's weight bytes per step (model_bytes: the fp32 model's)."""
-    points, prefill = [], {}
+    step_bytes gets each artifact system's weight bytes per step (model_bytes: the fp32 model's).
+    Points the store holds are taken from it."""
+    points, prefill = [], dict(store.prefill)
     dense = PolicyConfig(policy="dense")
     for slots in config.slots:
-        snaps = {system_name("snapstream", w): _open(artifacts.get(config.export(max(config.contexts), slots, w),
-                                                                   compressed)) for w in config.weight_formats}
+        snaps = None
         for context in config.contexts:
-            systems = dict(snaps)
-            for w in config.weight_formats:
-                systems[system_name("dense", w)] = _open(artifacts.get(config.export(context, slots, w), dense))
-            step_bytes.update({name: _step_weight_bytes(b, model_bytes) for name, b in systems.items()})
-            systems.update(peers)
-            eager_kv = measure.eager_kv_bytes(model, context + config.new_tokens, slots)
-            if config.eager and eager_kv <= config.eager_kv_limit_gib * 2**30:
-                systems["eager"] = model
-            elif config.eager:
-                log(f"eager skipped at context {context}, {slots} slots: {eager_kv / 2**30:.1f} GiB of KV "
-                    f"> --eager-kv-limit-gib {config.eager_kv_limit_gib:g}")
-            points.append(_measure_point(config, systems, context, slots))
-            measured = [n for n in systems if not n.startswith("ortgenai")]   # peers prefill whole batches
-            if context not in prefill or len(prefill[context]) < len(measured):
-                prefill[context] = _measure_prefill(config, systems, context)
-            del systems
+            done = store.points.get((slots, context))
+            if done is not None:
+                points.append(done["point"])
+                step_bytes.update(done["step_bytes"])
+            else:
+                if snaps is None:
+                    snaps = {system_name("snapstream", w): _open(artifacts.get(
+                        config.export(max(config.contexts), slots, w), compressed)) for w in config.weight_formats}
+                points.append(_measure_context(config, artifacts, dict(snaps), dense, model, model_bytes, peers,
+                                               step_bytes, prefill, store, context, slots, log))
             if progress:
                 progress(1)
         del snaps
     return points, prefill
+
+
+def _measure_context(config: BenchConfig, artifacts: ArtifactCache, systems: dict, dense: PolicyConfig, model,
+                     model_bytes: int, peers: dict, step_bytes: dict, prefill: dict, store: PointStore,
+                     context: int, slots: int, log) -> dict:
+    """One point (and the context's prefill timings, while no point measured them for every
+    system), recorded in the store once both are done."""
+    for w in config.weight_formats:
+        systems[system_name("dense", w)] = _open(artifacts.get(config.export(context, slots, w), dense))
+    own_bytes = {name: _step_weight_bytes(b, model_bytes) for name, b in systems.items()}
+    step_bytes.update(own_bytes)
+    systems.update(peers)
+    eager_kv = measure.eager_kv_bytes(model, context + config.new_tokens, slots)
+    if config.eager and eager_kv <= config.eager_kv_limit_gib * 2**30:
+        systems["eager"] = model
+    elif config.eager:
+        log(f"eager skipped at context {context}, {slots} slots: {eager_kv / 2**30:.1f} GiB of KV "
+            f"> --eager-kv-limit-gib {config.eager_kv_limit_gib:g}")
+    point = _measure_point(config, systems, context, slots)
+    measured = [n for n in systems if not n.startswith("ortgenai")]   # peers prefill whole batches
+    if context not in prefill or len(prefill[context]) < len(measured):
+        prefill[context] = _measure_prefill(config, systems, context)
+        store.add_prefill(context, prefill[context])
+    store.add_point(point, own_bytes)
+    return point
 
 
 @contextlib.contextmanager

@@ -41,12 +41,15 @@ def bench(model, contexts, slots, budget, new_tokens, repeats, prefill_repeats, 
 
     MODEL is a built-in name, a Hugging Face folder or a GGUF file (artifacts are built and cached).
     Every point (context x slots) measures the three systems in turn in this process, repeated.
+    A killed run resumes: finished points are kept in OUTPUT.partial.jsonl until OUTPUT is written,
+    and the same command measures only the others (the JSON counts them as resumed_points).
     """
     from tqdm import tqdm
 
     from snapcompile.artifact.atomic import check_output_file
     from snapcompile.bench import report
     from snapcompile.bench.runner import BenchConfig, run_bench
+    from snapcompile.bench.store import PointStore, partial_path
     from snapcompile.models.loader import cache_root
     config = BenchConfig(model, contexts, slots, budget, new_tokens, repeats, eager=not no_eager,
                          memory_limit_gib=memory_limit_gib, eager_kv_limit_gib=eager_kv_limit_gib,
@@ -55,7 +58,8 @@ def bench(model, contexts, slots, budget, new_tokens, repeats, prefill_repeats, 
     started = time.perf_counter()
     with tqdm(total=len(contexts) * len(slots), desc="bench", unit="point", file=sys.stderr, disable=as_json) as bar:
         result = run_bench(config, cache_dir or cache_root() / "bench", progress=bar.update,
-                           log=lambda msg: tqdm.write(msg, file=sys.stderr))
+                           log=lambda msg: tqdm.write(msg, file=sys.stderr), store=PointStore(output, config))
     result["seconds"] = time.perf_counter() - started
     write_report(output, result, report.markdown(result), lambda stem: report.plots(result, stem), result,
                  as_json, f"{result['seconds']:.0f} s")
+    partial_path(output).unlink(missing_ok=True)      # its points are in OUTPUT now
