@@ -18,6 +18,7 @@ def test_convert_inspect_run_validate(tmp_path):
     assert run.exit_code == 0, run.output
     payload = json.loads(run.output.strip().splitlines()[-1])
     assert payload["summary"]["requests"] == 2 and len(payload["results"]) == 2
+    assert payload["summary"]["kernels"] == "ONNX Runtime MLAS float32 GEMM" and "cores" in payload["summary"]["cpu"]
     assert all(r["output_tokens"] >= 1 for r in payload["results"])
     valid = invoke("validate", out, "--prompt", "abc " * 80, "--prompt", "x", "--steps", 8, "--json")
     assert valid.exit_code == 0, valid.output

@@ -182,6 +182,8 @@ def test_cli_convert_inspect_run_validate_int4(tmp_path):
     assert "weights        int4 (blocks of 64, LM head 8-bit; GGUF blocks kept 0" in text
     run = invoke("run", out, "--prompt", "hello " * 40, "--max-new-tokens", 4, "--json")
     assert run.exit_code == 0, run.output
+    kernels = json.loads(run.output.strip().splitlines()[-1])["summary"]["kernels"]
+    assert kernels == "ONNX Runtime MatMulNBits, int4 weights, int8 (accuracy level 4) activations"
     for matmul, passed in (("fp32", True), ("int8", None)):
         valid = invoke("validate", out, "--prompt", "abc " * 60, "--steps", 6, "--json", "--matmul", matmul)
         summary = json.loads(next(line for line in valid.output.splitlines() if line.startswith("{")))

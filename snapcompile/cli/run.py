@@ -8,6 +8,7 @@ from pathlib import Path
 
 import click
 
+from snapcompile.bench.machine import cpu_description, describe_cpu
 from snapcompile.config import DEFAULT_TIE_GAP, DEFAULT_TOLERANCE, FP16_TIE_GAP, FP16_TOLERANCE
 from snapcompile.errors import ParityError, SnapcompileError, check_text
 from snapcompile.runtime import BACKENDS, PROVIDERS
@@ -162,7 +163,8 @@ def _summary(engine, results, elapsed: float) -> dict:
             "ttft_p50_s": _percentile(ttfts, 50), "ttft_p95_s": _percentile(ttfts, 95),
             "step_p50_ms": _ms(_percentile(steps, 50)), "step_p95_ms": _ms(_percentile(steps, 95)),
             "decode_steps": engine.decode_steps, "kv_bytes": engine.kv_bytes_allocated(),
-            "slots": engine.scheduler.pool.num_slots, "policy": engine.backend.manifest.policy.policy}
+            "slots": engine.scheduler.pool.num_slots, "policy": engine.backend.manifest.policy.policy,
+            "kernels": engine.backend.device.kernels(engine.backend.manifest), "cpu": describe_cpu(cpu_description())}
 
 
 def _ms(seconds: float | None) -> float | None:
@@ -181,7 +183,8 @@ def _format_summary(s: dict) -> str:
             f"{fmt(s['tokens_per_s'])} generated tok/s"
             f" | TTFT p50 {fmt(s['ttft_p50_s'], ' s')} p95 {fmt(s['ttft_p95_s'], ' s')}"
             f" | step p50 {fmt(s['step_p50_ms'], ' ms')} p95 {fmt(s['step_p95_ms'], ' ms')}"
-            f" | KV {s['kv_bytes'] / 2**20:.1f} MiB ({s['slots']} slots, {s['policy']}){answers}")
+            f" | KV {s['kv_bytes'] / 2**20:.1f} MiB ({s['slots']} slots, {s['policy']}){answers}"
+            f"\n{s['kernels']} on {s['cpu']}")
 
 
 @click.command()

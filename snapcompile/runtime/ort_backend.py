@@ -133,6 +133,15 @@ class OrtDevice:
                         custom_ops=manifest.lowering == "plugin" and not prefill, initializers=shared,
                         quantized_matmul=matmul)
 
+    def kernels(self, manifest: Manifest) -> str:
+        """What multiplies the linear layers, for run summaries (MLAS picks its AVX2 / AVX-512 /
+        VNNI code path itself at run time from the CPU's features)."""
+        if manifest.export.quantized:
+            activations = "float32 (accuracy level 1)" if self.exact_matmul else "int8 (accuracy level 4)"
+            return f"ONNX Runtime MatMulNBits, {manifest.export.weight_format} weights, {activations} activations"
+        multiply = "float16 MatMul" if manifest.export.weight_format == "fp16" else "MLAS float32 GEMM"
+        return f"ONNX Runtime {multiply}"
+
     def upload(self, target: np.ndarray, host: np.ndarray) -> None:
         target[...] = host
 

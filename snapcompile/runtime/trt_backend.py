@@ -149,6 +149,10 @@ class TrtDevice:
     def graph(self, name: str, manifest: Manifest) -> TrtGraph:
         return TrtGraph(self.trt, self.runtime, self.folder / self.engine_files[name])
 
+    def kernels(self, manifest: Manifest) -> str:
+        """What multiplies the linear layers, for run summaries."""
+        return f"TensorRT engines ({manifest.export.weight_format} weights; kernels chosen by TensorRT at build)"
+
     def upload(self, target, host: np.ndarray) -> None:
         target.copy_(self.torch.from_numpy(host))
 
