@@ -19,7 +19,13 @@ from typing import Protocol
 import numpy as np
 
 from snapcompile.artifact.manifest import Manifest, read_manifest
-from snapcompile.artifact.naming import bucket_rows, decode_graph_size, is_decode_graph
+from snapcompile.artifact.naming import (
+    bucket_rows,
+    decode_graph_size,
+    expected_graphs,
+    is_decode_graph,
+    is_prefill_graph,
+)
 from snapcompile.errors import PromptError, SnapcompileError
 from snapcompile.runtime.layout import DecodeStep, SlotLayout
 from snapcompile.runtime.memory import check_fits, gib
@@ -61,16 +67,26 @@ def chunk_starts(prompt_len: int, chunk: int) -> list[int]:
     return starts
 
 
+def packed_weight_copies(manifest: Manifest) -> int:
+    """Graphs whose ONNX Runtime CPU session keeps a pre-packed copy of the weights: every decode
+    graph, and every prefill graph of a quantized artifact (float prefill sessions share the
+    memory-mapped weights.bin; `OrtDevice.graph`)."""
+    names = expected_graphs(manifest.export, manifest.policy)
+    prefill = sum(map(is_prefill_graph, names)) if manifest.export.quantized else 0
+    return sum(map(is_decode_graph, names)) + prefill
+
+
 def memory_needed(manifest: Manifest, weight_bytes: int | None = None) -> dict[str, int]:
     """Bytes the backend allocates for an artifact, by purpose (an estimate that leaves out the
     runtime's own work space): the slot caches, the one-prompt prefill caches, the weights
-    (weight_bytes, or the artifact's weights.bin)."""
+    (weight_bytes, or the artifact's weights.bin) and the sessions' pre-packed copies of them."""
     m, per_token = manifest, manifest.spec.kv_bytes_per_token
     prefill_rows = m.export.max_context if m.policy.compressed else 0
     prefill_rows += max(m.export.prefill_buckets(), default=0)
+    weights = m.files.get("weights.bin", {}).get("bytes", 0) if weight_bytes is None else weight_bytes
     return {"slot_caches": m.export.slots * m.rows_per_slot * per_token,
-            "prefill_caches": prefill_rows * per_token,
-            "weights": m.files.get("weights.bin", {}).get("bytes", 0) if weight_bytes is None else weight_bytes}
+            "prefill_caches": prefill_rows * per_token, "weights": weights,
+            "packed_weights": packed_weight_copies(m) * weights}
 
 
 def check_memory(manifest: Manifest, available: int | None = None, weight_bytes: int | None = None) -> None:
@@ -78,9 +94,10 @@ def check_memory(manifest: Manifest, available: int | None = None, weight_bytes:
     (run and serve check the artifact they open; export checks the shapes it is asked for)."""
     needed = memory_needed(manifest, weight_bytes)
     what = (f"the artifact ({gib(needed['slot_caches'])} of KV cache for {manifest.export.slots} slots x "
-            f"{manifest.rows_per_slot} rows, {gib(needed['weights'])} of weights)")
-    check_fits(sum(needed.values()), what, "convert with fewer --slots or a smaller --budget / --max-context",
-               available)
+            f"{manifest.rows_per_slot} rows, {gib(needed['weights'] + needed['packed_weights'])} of weights with "
+            "the sessions' packed copies)")
+    check_fits(sum(needed.values()), what, "convert with fewer --slots (or --no-slot-buckets) or a smaller "
+               "--budget / --max-context", available)
 
 
 class SlotBackend:
