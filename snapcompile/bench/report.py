@@ -49,7 +49,7 @@ def markdown(result: dict) -> str:
 
 
 def _formats_table(result: dict) -> list[str]:
-    """Decode tok/s of every weight format and peer side by side (when more than fp32 ran)."""
+    """Decode tok/s of every weight format and peer side by side (when more than the reference ran)."""
     points = result["points"]
     names = [n for n in points[0]["systems"] if n != "eager"]
     if names == list(reference_systems(result["config"]["weight_formats"])):
