@@ -47,12 +47,7 @@ def memory_bandwidth(megabytes: int = 512, repeats: int = 5) -> float:
     import torch
     source = torch.ones(megabytes * 2**20 // 4, dtype=torch.float32)
     target = torch.empty_like(source)
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        target.copy_(source)
-        best = min(best, time.perf_counter() - start)
-    return 2 * source.numel() * 4 / best
+    return 2 * source.numel() * 4 / _best_seconds(lambda: target.copy_(source), repeats)
 
 
 def memory_read_bandwidth(megabytes: int = 512, repeats: int = 5) -> float:
@@ -61,12 +56,7 @@ def memory_read_bandwidth(megabytes: int = 512, repeats: int = 5) -> float:
     and KV rows and writes almost nothing, so this, not the copy figure, bounds it."""
     import torch
     source = torch.ones(megabytes * 2**20 // 4, dtype=torch.float32)
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        source.sum()
-        best = min(best, time.perf_counter() - start)
-    return source.numel() * 4 / best
+    return source.numel() * 4 / _best_seconds(source.sum, repeats)
 
 
 def matmul_flops(size: int = 1536, repeats: int = 5) -> float:
@@ -74,12 +64,17 @@ def matmul_flops(size: int = 1536, repeats: int = 5) -> float:
     import torch
     a = torch.randn(size, size)
     b = torch.randn(size, size)
+    return 2 * size ** 3 / _best_seconds(lambda: torch.mm(a, b), repeats)
+
+
+def _best_seconds(work, repeats: int) -> float:
+    """The fastest of `repeats` timed calls of work() (perf_counter seconds)."""
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
-        torch.mm(a, b)
+        work()
         best = min(best, time.perf_counter() - start)
-    return 2 * size ** 3 / best
+    return best
 
 
 ISA_FEATURES = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_bf16", "amx_int8")

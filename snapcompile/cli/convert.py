@@ -124,7 +124,8 @@ def peak_memory() -> str:
     """The summary's memory figure: the weights go to weights.bin as each graph is built, so this is
     the libraries, the loaded model and one copy of its weights in graph layout, whatever --slots
     and --max-context are (SmolLM2: 1.6 GiB)."""
-    from snapcompile.runtime.memory import gib, peak_rss_bytes
+    from snapcompile.bench.machine import peak_rss_bytes
+    from snapcompile.runtime.memory import gib
     return f"peak RSS {gib(peak_rss_bytes())}"
 
 

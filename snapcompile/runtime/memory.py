@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import os
-import resource
 
 from snapcompile.errors import SnapcompileError
 
@@ -17,11 +16,6 @@ def available_host_memory() -> int:
     except OSError:
         pass
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
-def peak_rss_bytes() -> int:
-    """The most resident memory this process has held so far (getrusage; Linux reports KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def gib(n: int) -> str:
