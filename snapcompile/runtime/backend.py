@@ -174,8 +174,8 @@ class SlotBackend:
                 g.bind(f"past_value.{i}", self.bucket_v[rows][i])
 
     def prefill_rows(self, prompt_len: int) -> int:
-        """Cache rows the prefill of a prompt attends over: the smallest bucket that holds it,
-        else max_context (the full prefill graph)."""
+        """The smallest bucket that holds `prompt_len` cache rows, else max_context (the full
+        prefill graph): the cache a whole prompt of that length is selected from."""
         fitting = [rows for rows in self.bucket_graphs if rows >= prompt_len]
         return min(fitting) if fitting else self.manifest.export.max_context
 
@@ -246,11 +246,10 @@ class SlotBackend:
             raise PromptError("too_long", len(token_ids), self.max_prompt_len())
 
     def chunk_rows(self, start: int) -> int:
-        """Cache rows the chunk starting at `start` attends over: the smallest bucket that holds
-        the `start` rows already filled, else max_context. So a prompt's chunks follow the causal
-        triangle in bucket steps instead of all paying the whole prompt's bucket."""
-        fitting = [rows for rows in self.bucket_graphs if rows >= start]
-        return min(fitting) if fitting else self.manifest.export.max_context
+        """Cache rows the chunk starting at `start` attends over: those of the smallest bucket that
+        holds the `start` rows already filled (`prefill_rows`, the same rule). So a prompt's chunks
+        follow the causal triangle in bucket steps instead of all paying the whole prompt's bucket."""
+        return self.prefill_rows(start)
 
     def prefill_chunks(self, slot: int, token_ids: list[int]):
         """Generator form of `prefill`: yields the tokens of each chunk once it ran (so an
