@@ -23,6 +23,7 @@ from snapcompile.artifact.naming import (
     bucket_rows,
     decode_graph_size,
     expected_graphs,
+    graph_name,
     is_decode_graph,
     is_prefill_graph,
 )
@@ -117,9 +118,9 @@ class SlotBackend:
         self.prefill_graph = device.graph("prefill", m)
         self.bucket_graphs = {bucket_rows(name): device.graph(name, m)           # rows -> graph
                               for name in m.graphs if bucket_rows(name) is not None}
-        self.decode_graphs = {m.export.slots if name == "decode" else bucket_rows(name, "decode"): device.graph(name, m)
-                              for name in m.graphs if is_decode_graph(name)}              # slots -> graph
-        self.decode_sizes = sorted(self.decode_graphs)
+        self.decode_sizes = m.export.decode_sizes()
+        self.decode_graphs = {k: device.graph(graph_name("decode", k, self.slots), m)       # slots -> graph
+                              for k in self.decode_sizes}
         self.select_graph = device.graph("select", m) if "select" in m.graphs else None
         self.select_buckets = {bucket_rows(name, "select"): device.graph(name, m)  # rows -> graph
                                for name in m.graphs if bucket_rows(name, "select") is not None}
