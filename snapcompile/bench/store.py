@@ -8,10 +8,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from snapcompile.errors import SnapcompileError, parse_json
-
-
-def partial_path(results_path: Path) -> Path:
-    return Path(str(results_path) + ".partial.jsonl")
+from snapcompile.evaluation.store import partial_path
 
 
 class PointStore:
