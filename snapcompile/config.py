@@ -195,3 +195,4 @@ class ServerLimits:
     keep_alive_s: float = 5.0            # idle time of a kept-alive connection
     max_connections: int = 512           # open connections (and tasks); beyond: 503 from uvicorn
     render_timeout_s: float = 10.0       # to render a chat template (a file of the artifact); 400 beyond
+    max_prompts: int = 32                # prompts in one /v1/completions request (each one engine request)

@@ -55,6 +55,28 @@ def test_completions_equal_run_streamed_or_not(client, run_rows):
         assert chunks[-1].usage.completion_tokens == expected["output_tokens"] and chunks[-1].choices == []
 
 
+def test_completions_take_prompt_lists_and_token_ids_as_openai_defines_them(client, run_rows, artifact):
+    """A list of prompts (text or token ids) is one choice each, in order, each equal to the prompt
+    alone; usage is the sum; echo puts the prompt's text before each choice's."""
+    from snapcompile import Engine
+    encode = Engine.from_artifact(artifact).encode
+    ids = [encode(prompt) for prompt in PROMPTS[:3]]
+    for prompt in (PROMPTS[:3], ids, ids[0]):
+        reply = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0)
+        expected = run_rows[:len(reply.choices)]
+        assert [c.index for c in reply.choices] == list(range(len(expected)))
+        assert [c.text for c in reply.choices] == [row["text"] for row in expected]
+        assert reply.usage.prompt_tokens == sum(row["prompt_tokens"] for row in expected)
+        assert reply.usage.completion_tokens == sum(row["output_tokens"] for row in expected)
+    chunks = list(client.completions.create(model="tiny", prompt=PROMPTS[:3], max_tokens=12, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    for index, row in enumerate(run_rows[:3]):
+        assert "".join(c.choices[0].text for c in chunks if c.choices and c.choices[0].index == index) == row["text"]
+    assert chunks[-1].usage.completion_tokens == sum(row["output_tokens"] for row in run_rows[:3])
+    echoed = client.completions.create(model="tiny", prompt=PROMPTS[:2], max_tokens=12, temperature=0, echo=True)
+    assert [c.text for c in echoed.choices] == [p + row["text"] for p, row in zip(PROMPTS[:2], run_rows)]
+
+
 def test_chat_equals_the_engine_with_the_chat_template(client, artifact):
     from snapcompile import Engine, Request
     engine = Engine.from_artifact(artifact)
@@ -138,7 +160,15 @@ def test_chat_errors_have_openai_shape(server, kwargs, status, fragment):
     (json.dumps({"model": "tiny", "prompt": ""}).encode(), "the prompt is empty"),
     (json.dumps({"model": "tiny", "prompt": "x" * 513}).encode(), "513 tokens; this model's context allows"),
     (json.dumps({"model": "tiny"}).encode(), "prompt: Field required"),
-    (json.dumps({"model": "tiny", "prompt": ["a", "b"]}).encode(), "a list of prompts is not supported"),
+    (json.dumps({"model": "tiny", "prompt": []}).encode(), "the prompt list is empty"),
+    (json.dumps({"model": "tiny", "prompt": ["a"] * 33}).encode(), "33 prompts in one request; this server"),
+    (json.dumps({"model": "tiny", "prompt": [5, 320]}).encode(), "prompt token ids must lie in [0, 320)"),
+    (json.dumps({"model": "tiny", "prompt": [[5], [-1]]}).encode(), "prompt token ids must lie in [0, 320)"),
+    (json.dumps({"model": "tiny", "prompt": [[]]}).encode(), "the prompt is empty"),
+    (json.dumps({"model": "tiny", "prompt": [True]}).encode(), "prompt"),
+    (json.dumps({"model": "tiny", "prompt": ["a", [5]]}).encode(), "prompt"),
+    (json.dumps({"model": "tiny", "prompt": [5] * 513}).encode(), "513 tokens; this model's context allows"),
+    (json.dumps({"model": "tiny", "prompt": "x", "echo": True, "logprobs": 1}).encode(), "echo with logprobs"),
     (b"[" * 1000 + b"]" * 1000, "nests deeper than 64 levels"),
     (b"[" * 100 + b"]" * 100, "nests deeper than 64 levels"),
     (b'{"model": "tiny", "prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}", "not valid JSON"),

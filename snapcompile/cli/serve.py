@@ -51,13 +51,17 @@ LOOPBACK = ("localhost",)
 @click.option("--render-timeout", type=click.FloatRange(min=0, min_open=True),
               default=config_default(ServerLimits, "render_timeout_s"), show_default=True,
               help="Seconds the artifact's chat template may take to render one request (400 beyond).")
+@click.option("--max-prompts-per-request", type=click.IntRange(min=1),
+              default=config_default(ServerLimits, "max_prompts"), show_default=True,
+              help="Prompts one /v1/completions request may carry (a list of prompts; 400 beyond). Each is "
+                   "an engine request of its own, answered as one choice.")
 @click.option("--prefill-tokens-per-step", type=click.IntRange(min=1), default=None,
               help="Prompt tokens prefilled between two decode steps, in whole chunks (default: one chunk). "
                    "Fewer bound the inter-token latency of running requests; more shorten the time to a new "
                    "request's first token. A smaller --chunk at convert time makes the step finer.")
 def serve(artifact, host, port, slots, max_waiting, api_key, served_model_name, backend, drain_timeout, log_level,
           max_body_bytes, body_timeout, head_timeout, keep_alive, max_connections, render_timeout,
-          prefill_tokens_per_step):
+          max_prompts_per_request, prefill_tokens_per_step):
     """Serve ARTIFACT over an OpenAI-compatible HTTP API.
 
     POST /v1/chat/completions and /v1/completions (streamed or not), GET /v1/models, /health
@@ -78,7 +82,8 @@ def serve(artifact, host, port, slots, max_waiting, api_key, served_model_name, 
         click.echo(f"warning: serving on {host} without --api-key: anyone who reaches this address can use it",
                    err=True)
     limits = ServerLimits(max_body_bytes=max_body_bytes, body_timeout_s=body_timeout, head_timeout_s=head_timeout,
-                          keep_alive_s=keep_alive, max_connections=max_connections, render_timeout_s=render_timeout)
+                          keep_alive_s=keep_alive, max_connections=max_connections, render_timeout_s=render_timeout,
+                          max_prompts=max_prompts_per_request)
     settings = ServerSettings(Path(artifact), served_model_name or Path(artifact).resolve().name, api_key,
                               max_waiting, slots, backend, limits, prefill_tokens_per_step)
     run_server(settings, host, port, drain_timeout, log_level)

@@ -75,7 +75,7 @@ def load_engine(state: ServerState) -> None:
     export = engine.backend.manifest.export
     state.engine_loop = engine_loop
     state.serving = OpenAIServing(engine_loop, engine.tokenizer, settings.model_name, export.max_context,
-                                  settings.limits.render_timeout_s)
+                                  settings.limits.render_timeout_s, settings.limits.max_prompts)
 
 
 def create_app(state: ServerState) -> FastAPI:
@@ -129,7 +129,7 @@ async def _complete(state: ServerState, request: Request, kind: str, model):
     _authenticate(request, state.settings.api_key)
     serving = _ready(state)
     call = await serving.accept(kind, parse(model, await read_json_body(request, state.settings.limits)))
-    _admit(state)
+    _admit(state, len(call.requests))
     if call.params.stream:
         return StreamingResponse(serving.stream(call), media_type="text/event-stream")
     return JSONResponse(await serving.complete(call, request.is_disconnected))
@@ -154,9 +154,14 @@ def _ready(state: ServerState) -> OpenAIServing:
     return state.serving
 
 
-def _admit(state: ServerState) -> None:
+def _admit(state: ServerState, prompts: int) -> None:
+    """429 when the `prompts` new engine requests would pass --max-waiting (400 when they alone do)."""
     limit = state.settings.max_waiting
-    if limit is not None and state.engine_loop.waiting >= limit:
+    if limit is None:
+        return
+    if 0 < limit < prompts:
+        raise ApiError(400, f"{prompts} prompts in one request: more than --max-waiting ({limit})", param="prompt")
+    if state.engine_loop.waiting + prompts > limit:
         raise ApiError(429, f"{limit} requests are already waiting for a slot; retry later",
                        headers={"Retry-After": str(RETRY_AFTER_S)})
 

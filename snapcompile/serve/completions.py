@@ -17,27 +17,29 @@ from snapcompile.engine.request import Request, SamplingParams
 from snapcompile.errors import PromptError, SnapcompileError
 from snapcompile.prompts import RENDER_TIMEOUT_S, encode_messages, encode_text, max_prompt_chars
 from snapcompile.serve.engine_loop import EngineLoop, Update
-from snapcompile.serve.protocol import ApiError, ChatRequest, CompletionRequest, new_id, now, usage
+from snapcompile.serve.protocol import ApiError, ChatRequest, CompletionRequest, PromptItem, new_id, now, usage
 
 DISCONNECT_POLL_S = 0.1     # how often a non-streamed request checks that its client is still there
 
 
 @dataclass(frozen=True)
 class Call:
-    """One accepted request: what it asked for and how to answer it."""
+    """One accepted request: what it asked for and how to answer it. A completion may carry several
+    prompts: one engine request each, answered as choice `index` in their order."""
 
     kind: str                    # "chat" | "completion"
     params: ChatRequest | CompletionRequest
-    request: Request
+    requests: tuple[Request, ...]
     response_id: str
     model: str
+    echoes: tuple[str, ...] = ()     # per choice, the prompt's text (completions with echo)
 
 
 class OpenAIServing:
     def __init__(self, engine_loop: EngineLoop, tokenizer, model_name: str, max_context: int,
-                 render_timeout_s: float = RENDER_TIMEOUT_S):
+                 render_timeout_s: float = RENDER_TIMEOUT_S, max_prompts: int = 32):
         self.engine_loop, self.tokenizer, self.model_name = engine_loop, tokenizer, model_name
-        self.max_context, self.render_timeout_s = max_context, render_timeout_s
+        self.max_context, self.render_timeout_s, self.max_prompts = max_context, render_timeout_s, max_prompts
         self.max_prompt_chars = max_prompt_chars(tokenizer, engine_loop.engine.backend.max_prompt_len())
         self._per_thread = threading.local()
 
@@ -59,25 +61,37 @@ class OpenAIServing:
             raise ApiError(404, f"the model {params.model!r} does not exist; this server serves {self.model_name!r}",
                            param="model", code="model_not_found")
         param = "messages" if kind == "chat" else "prompt"
-        render = self._chat_prompt if kind == "chat" else self._raw_prompt
         try:
-            prompt = await asyncio.to_thread(render, params)
+            if kind == "chat":
+                prompts = [await asyncio.to_thread(self._chat_prompt, params)]
+            else:
+                prompts = [await asyncio.to_thread(self._raw_prompt, item) for item in params.prompts(self.max_prompts)]
         except SnapcompileError as err:
             raise ApiError(400, str(err), param=param) from None
-        self._check_prompt(prompt, param=param)
-        logprobs, top = params.logprob_counts()
+        for prompt in prompts:
+            self._check_prompt(prompt, param=param)
         try:
-            sampling = SamplingParams(temperature=params.temperature, top_p=params.top_p, seed=params.seed)
-            request = Request(prompt, max_new_tokens=params.max_new_tokens(max(1, self.max_context - len(prompt))),
-                              stop=tuple(params.stop), sampling=sampling, request_id=new_id("req"),
-                              top_logprobs=top, logprobs=logprobs, ignore_eos=params.ignore_eos)
+            requests = tuple(self._engine_request(params, prompt) for prompt in prompts)
         except SnapcompileError as err:
             raise ApiError(400, str(err)) from None
+        echo = kind == "completion" and params.echo
+        echoes = tuple(self.tokenizer.decode(prompt) for prompt in prompts) if echo else ()
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
-        return Call(kind, params, request, new_id(prefix), self.model_name)
+        return Call(kind, params, requests, new_id(prefix), self.model_name, echoes)
+
+    def _engine_request(self, params: ChatRequest | CompletionRequest, prompt: list[int]) -> Request:
+        logprobs, top = params.logprob_counts()
+        sampling = SamplingParams(temperature=params.temperature, top_p=params.top_p, seed=params.seed)
+        return Request(prompt, max_new_tokens=params.max_new_tokens(max(1, self.max_context - len(prompt))),
+                       stop=tuple(params.stop), sampling=sampling, request_id=new_id("req"),
+                       top_logprobs=top, logprobs=logprobs, ignore_eos=params.ignore_eos)
 
     def _check_prompt(self, prompt: list[int], param: str) -> None:
-        """Engine.check_prompt in OpenAI's words (400; context_length_exceeded for a long one)."""
+        """Engine.check_prompt in OpenAI's words (400; context_length_exceeded for a long one), and
+        token ids (given by the client) within the vocabulary."""
+        vocab = self.engine_loop.engine.backend.manifest.spec.vocab_size
+        if any(not 0 <= token < vocab for token in prompt):
+            raise ApiError(400, f"prompt token ids must lie in [0, {vocab})", param=param)
         try:
             self.engine_loop.engine.check_prompt(prompt)
         except PromptError as err:
@@ -98,104 +112,123 @@ class OpenAIServing:
         self._check_size(sum(len(m["content"]) + len(m["role"]) for m in messages), "messages")
         return encode_messages(self._thread_tokenizer(), messages, self.render_timeout_s)
 
-    def _raw_prompt(self, params: CompletionRequest) -> list[int]:
-        text = params.prompt_text()
-        self._check_size(len(text), "prompt")
-        return encode_text(self._thread_tokenizer(), text)
+    def _raw_prompt(self, prompt: PromptItem) -> list[int]:
+        """A completion prompt's token ids: given as they are, or those of its text."""
+        if not isinstance(prompt, str):
+            return prompt
+        self._check_size(len(prompt), "prompt")
+        return encode_text(self._thread_tokenizer(), prompt)
 
     # ------------------------------------------------------------------ responses
-    def _submit(self, request: Request) -> asyncio.Queue:
-        """Submit to the engine thread; the updates arrive on the returned queue of this event loop."""
+    def _submit(self, requests: tuple[Request, ...]) -> asyncio.Queue:
+        """Submit to the engine thread; (choice index, update) pairs arrive on the returned queue
+        of this event loop."""
         updates: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
-        self.engine_loop.submit(request, lambda update: loop.call_soon_threadsafe(updates.put_nowait, update))
+        for index, request in enumerate(requests):
+            def deliver(update, index=index):
+                loop.call_soon_threadsafe(updates.put_nowait, (index, update))
+            self.engine_loop.submit(request, deliver)
         return updates
+
+    def _abort(self, call: Call, results: list) -> None:
+        for request, result in zip(call.requests, results):
+            if result is None:
+                self.engine_loop.abort(request.request_id)
 
     async def complete(self, call: Call, disconnected) -> dict:
         """Run `call` to its end and return the response body; abort it if the client leaves."""
-        updates = self._submit(call.request)
-        tokens: list[TokenEvent] = []
+        updates = self._submit(call.requests)
+        tokens: list[list[TokenEvent]] = [[] for _ in call.requests]
+        results: list[Result | None] = [None] * len(call.requests)
         loop = asyncio.get_running_loop()
         checked = loop.time()
         try:
-            while True:
+            while None in results:
                 try:
-                    update: Update = await asyncio.wait_for(updates.get(), DISCONNECT_POLL_S)
+                    index, update = await asyncio.wait_for(updates.get(), DISCONNECT_POLL_S)
                 except asyncio.TimeoutError:
                     update = None
                 if loop.time() - checked >= DISCONNECT_POLL_S:     # tokens may arrive faster than the poll
                     checked = loop.time()
                     if await disconnected():
-                        self.engine_loop.abort(call.request.request_id)
+                        self._abort(call, results)
                         raise ApiError(499, "the client closed the connection") from None
                 if update is None:
                     continue
                 if update.event.token_id is not None:
-                    tokens.append(update.event)
+                    tokens[index].append(update.event)
                 if update.result is not None:
-                    return self._final_body(call, update.result, tokens)
+                    results[index] = update.result
+                    if update.result.failed:
+                        self._abort(call, results)
+                        raise _generation_error(update.result)
+            return self._final_body(call, results, tokens)
         except asyncio.CancelledError:
-            self.engine_loop.abort(call.request.request_id)
+            self._abort(call, results)
             raise
 
     async def stream(self, call: Call) -> AsyncIterator[str]:
         """Server-sent events in OpenAI's chunk format, ending with `data: [DONE]`; the request is
         aborted when the client goes away (the generator is closed or cancelled)."""
-        updates = self._submit(call.request)
-        finished = False
+        updates = self._submit(call.requests)
+        results: list[Result | None] = [None] * len(call.requests)
         try:
             if call.kind == "chat":
-                yield _sse(self._chunk(call, {"role": "assistant", "content": ""}, None))
-            while not finished:
-                update: Update = await updates.get()
-                finished = update.result is not None
-                if finished and update.result.failed:
+                yield _sse(self._chunk(call, 0, {"role": "assistant", "content": ""}, None))
+            for index, echo in enumerate(call.echoes):
+                yield _sse(self._chunk(call, index, echo, None))
+            while None in results:
+                index, update = await updates.get()
+                results[index] = update.result
+                if update.result is not None and update.result.failed:
                     yield _sse(_generation_error(update.result).body())
                     break
-                chunk = self._event_chunk(call, update)
+                chunk = self._event_chunk(call, index, update)
                 if chunk is not None:
                     yield _sse(chunk)
-                if finished and call.params.include_usage:
-                    yield _sse(self._usage_chunk(call, update.result))
+            else:
+                if call.params.include_usage:
+                    yield _sse(self._usage_chunk(call, results))
             yield "data: [DONE]\n\n"
         finally:
-            if not finished:
-                self.engine_loop.abort(call.request.request_id)
+            self._abort(call, results)
 
-    def _final_body(self, call: Call, result: Result, tokens: list[TokenEvent]) -> dict:
-        if result.failed:
-            raise _generation_error(result)
-        reason = result.outcome
-        logprobs = self._logprobs(call, tokens)
-        if call.kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": result.text},
-                      "logprobs": logprobs, "finish_reason": reason}
-        else:
-            choice = {"index": 0, "text": result.text, "logprobs": logprobs, "finish_reason": reason}
+    def _final_body(self, call: Call, results: list[Result], tokens: list[list[TokenEvent]]) -> dict:
+        choices = []
+        for index, (result, events) in enumerate(zip(results, tokens)):
+            logprobs = self._logprobs(call, events)
+            if call.kind == "chat":
+                choices.append({"index": index, "message": {"role": "assistant", "content": result.text},
+                                "logprobs": logprobs, "finish_reason": result.outcome})
+            else:
+                text = (call.echoes[index] if call.echoes else "") + result.text
+                choices.append({"index": index, "text": text, "logprobs": logprobs, "finish_reason": result.outcome})
         return {"id": call.response_id, "object": _object(call, chunk=False), "created": now(), "model": call.model,
-                "choices": [choice], "usage": usage(result.prompt_tokens, len(result.output_ids))}
+                "choices": choices, "usage": _usage(results)}
 
-    def _event_chunk(self, call: Call, update: Update) -> dict | None:
+    def _event_chunk(self, call: Call, index: int, update: Update) -> dict | None:
         event = update.event
         reason = update.result.outcome if update.result is not None else None
         tokens = [event] if event.token_id is not None else []
-        if not event.text and reason is None and not (tokens and call.request.logprobs):
+        if not event.text and reason is None and not (tokens and call.requests[index].logprobs):
             return None
         delta = {"content": event.text} if event.text else {}
-        return self._chunk(call, delta if call.kind == "chat" else event.text, reason, self._logprobs(call, tokens))
+        return self._chunk(call, index, delta if call.kind == "chat" else event.text, reason,
+                           self._logprobs(call, tokens))
 
-    def _chunk(self, call: Call, delta, reason: str | None, logprobs=None) -> dict:
-        choice = {"index": 0, "logprobs": logprobs, "finish_reason": reason}
+    def _chunk(self, call: Call, index: int, delta, reason: str | None, logprobs=None) -> dict:
+        choice = {"index": index, "logprobs": logprobs, "finish_reason": reason}
         choice.update({"delta": delta} if call.kind == "chat" else {"text": delta})
         return {"id": call.response_id, "object": _object(call, chunk=True), "created": now(), "model": call.model,
                 "choices": [choice]}
 
-    def _usage_chunk(self, call: Call, result: Result) -> dict:
+    def _usage_chunk(self, call: Call, results: list[Result]) -> dict:
         return {"id": call.response_id, "object": _object(call, chunk=True), "created": now(), "model": call.model,
-                "choices": [], "usage": usage(result.prompt_tokens, len(result.output_ids))}
+                "choices": [], "usage": _usage(results)}
 
     def _logprobs(self, call: Call, tokens: list[TokenEvent]) -> dict | None:
-        if not call.request.logprobs:
+        if not call.requests[0].logprobs:
             return None
         if call.kind == "chat":
             return {"content": [self._chat_logprob(event) for event in tokens]}
@@ -214,6 +247,11 @@ class OpenAIServing:
 
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
+
+
+def _usage(results: list[Result]) -> dict:
+    """The usage block of a response: the sums over its choices."""
+    return usage(sum(r.prompt_tokens for r in results), sum(len(r.output_ids) for r in results))
 
 
 def _object(call: Call, chunk: bool) -> str:

@@ -84,8 +84,6 @@ class _Sampling(BaseModel):
             raise ApiError(400, "response_format other than text is not supported", param="response_format")
         if getattr(self, "best_of", None) not in (None, 1):
             raise ApiError(400, "best_of is not supported", param="best_of")
-        if getattr(self, "echo", False):
-            raise ApiError(400, "echo is not supported", param="echo")
 
     @property
     def include_usage(self) -> bool:
@@ -128,22 +126,42 @@ class ChatRequest(_Sampling):
         return self.logprobs, (self.top_logprobs or 0) if self.logprobs else 0
 
 
+PromptItem = str | list[int]       # one prompt: text, or token ids
+
+
 class CompletionRequest(_Sampling):
-    prompt: str | list[str]
+    """/v1/completions. `prompt` takes OpenAI's four forms: a string, a list of strings, a list of
+    token ids, or a list of token-id lists; each prompt is one choice of the response (`index` in
+    the order given)."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=5)
+    echo: bool = False
 
-    def prompt_text(self) -> str:
-        if isinstance(self.prompt, list):
-            if len(self.prompt) != 1:
-                raise ApiError(400, "a list of prompts is not supported; send one prompt per request", param="prompt")
-            return self.prompt[0]
-        return self.prompt
+    def prompts(self, max_prompts: int) -> list[PromptItem]:
+        """The prompts, one per choice; at most `max_prompts` of them (a 400 beyond)."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            items = [prompt]
+        elif prompt and all(isinstance(token, int) for token in prompt):
+            items = [prompt]
+        else:
+            items = list(prompt)
+        if not items:
+            raise ApiError(400, "the prompt list is empty", param="prompt")
+        if len(items) > max_prompts:
+            raise ApiError(400, f"{len(items)} prompts in one request; this server takes at most {max_prompts} "
+                                "(--max-prompts-per-request)", param="prompt")
+        return items
 
     def max_new_tokens(self, default: int) -> int:
         return self.max_tokens or default
 
     def logprob_counts(self) -> tuple[bool, int]:
+        if self.echo and self.logprobs is not None:
+            raise ApiError(400, "echo with logprobs is not supported: the prompt's log probabilities are not "
+                                "computed (prefill returns the last position's logits only)", param="echo")
         return self.logprobs is not None, self.logprobs or 0
 
 
