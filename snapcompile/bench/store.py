@@ -7,8 +7,7 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
-from snapcompile.errors import SnapcompileError, parse_json
-from snapcompile.evaluation.store import partial_path
+from snapcompile.evaluation.store import append_partial, partial_path, read_partial
 
 
 class PointStore:
@@ -25,19 +24,7 @@ class PointStore:
         self.resumed = len(self.points)                    # points taken from the killed run
 
     def _load(self) -> None:
-        lines = [line for line in self.path.read_text(encoding="utf-8").splitlines() if line.strip()]
-        if not lines or parse_json(lines[0], str(self.path)) != json.loads(self.config_json):
-            raise SnapcompileError(f"{self.path} holds points of another bench configuration: delete it or "
-                                   "change -o")
-        for number, line in enumerate(lines[1:], 2):
-            try:
-                record = parse_json(line, f"{self.path} line {number}")
-            except SnapcompileError:
-                if number != len(lines):
-                    raise
-                # the line a killed run was writing: drop it, so that new points follow whole lines
-                self.path.write_text("\n".join(lines[:-1]) + "\n", encoding="utf-8")
-                break
+        for record in read_partial(self.path, self.config_json, "bench"):
             if record.get("kind") == "point":
                 self.points[(record["slots"], record["context"])] = record
             elif record.get("kind") == "prefill":
@@ -54,10 +41,5 @@ class PointStore:
         self._append({"kind": "prefill", "context": context, "prefill": prefill})
 
     def _append(self, record: dict) -> None:
-        if self.path is None:
-            return
-        if not self.path.is_file():
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self.path.write_text(self.config_json + "\n", encoding="utf-8")
-        with open(self.path, "a", encoding="utf-8") as handle:
-            handle.write(json.dumps(record) + "\n")
+        if self.path is not None:
+            append_partial(self.path, self.config_json, record)

@@ -67,11 +67,12 @@ def _add_commands() -> None:
     from snapcompile.cli.convert import compress, convert, export
     from snapcompile.cli.eval import eval_command
     from snapcompile.cli.inspect import inspect
+    from snapcompile.cli.ruler import eval_ruler
     from snapcompile.cli.run import run, validate
     from snapcompile.cli.serve import bench_serve, serve
     from snapcompile.cli.triton import triton_repo, triton_serve
     for command in (export, convert, compress, inspect, build, run, validate, serve, bench_serve, triton_repo,
-                    triton_serve, eval_command, bench):
+                    triton_serve, eval_command, eval_ruler, bench):
         main.add_command(command)
 
 

@@ -17,6 +17,38 @@ def partial_path(results_path: Path) -> Path:
     return Path(str(results_path) + ".partial.jsonl")
 
 
+def read_partial(path: Path, config_json: str, what: str) -> list[dict]:
+    """The records of a partial file whose first line is `config_json` (another configuration is
+    refused: its records are not this run's). A truncated last line (a killed run was writing it)
+    is dropped from the file, so that new records follow whole lines."""
+    from snapcompile.errors import parse_json
+    path = Path(path)
+    if not path.is_file():
+        return []
+    lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    if not lines or parse_json(lines[0], str(path)) != json.loads(config_json):
+        raise SnapcompileError(f"{path} holds results of another {what} configuration: delete it or change -o")
+    records = []
+    for number, line in enumerate(lines[1:], 2):
+        try:
+            records.append(parse_json(line, f"{path} line {number}"))
+        except SnapcompileError:
+            if number != len(lines):
+                raise
+            path.write_text("\n".join(lines[:-1]) + "\n", encoding="utf-8")
+    return records
+
+
+def append_partial(path: Path, config_json: str, record: dict) -> None:
+    """Append `record` as one JSON line (the file starts with `config_json`)."""
+    path = Path(path)
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(config_json + "\n", encoding="utf-8")
+    with open(path, "a", encoding="utf-8") as handle:
+        handle.write(json.dumps(record) + "\n")
+
+
 class ResultStore:
     """Finished case records: those of the results file of an earlier run, and those of an
     interrupted run, appended one JSON line each to the partial file (the resume point).
@@ -65,11 +97,7 @@ class ResultStore:
 
     def add(self, record: dict) -> None:
         self.records[record["id"]] = record
-        if not self.path.is_file():
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self.path.write_text(self.config_json + "\n")
-        with open(self.path, "a") as handle:
-            handle.write(json.dumps(record) + "\n")
+        append_partial(self.path, self.config_json, record)
 
 
 _SAME_RESULTS = ("source", "task", "seed", "slots", "chunk", "scope", "weight_format")

@@ -1,0 +1,110 @@
+"""RULER's synthetic tasks through lm-evaluation-harness, against a running `snapcompile serve`.
+
+lm-eval makes the RULER data itself (its own task files, sized with the artifact's tokenizer),
+sends each prompt as token ids to the server's /v1/completions (`local-completions`, greedy) and
+scores the answers with RULER's string match: nothing here writes, sends or scores a sample. Only
+the tasks whose data needs no download are run (the essay, SQuAD and HotpotQA ones need one).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+
+from snapcompile.artifact.atomic import write_text_atomic
+
+RULER_TASKS = ("niah_single_1", "niah_multikey_2", "niah_multikey_3", "ruler_vt", "ruler_cwe", "ruler_fwe")
+MAX_ANSWER_TOKENS = 128          # the longest max_gen_toks of these tasks (the NIAH ones)
+PREDICTION_CHARS = 400           # of each answer kept in the records
+OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+
+
+def offline_nltk(folder: Path) -> Path:
+    """An nltk data folder under `folder` with an empty `tokenizers/punkt_tab`, put first on nltk's
+    path. lm-eval's NIAH module looks `punkt_tab` up when it is imported and downloads it when it is
+    missing; the tasks run here never split sentences (only the essay haystacks do), so the folder
+    satisfies the look-up without the network, and a sentence split would fail loudly (the English
+    tables are absent) rather than split differently."""
+    root = Path(folder) / "nltk_data"
+    (root / "tokenizers" / "punkt_tab").mkdir(parents=True, exist_ok=True)
+    os.environ["NLTK_DATA"] = str(root)
+    import nltk
+    if str(root) not in nltk.data.path:
+        nltk.data.path.insert(0, str(root))
+    return root
+
+
+def go_offline() -> None:
+    """No Hugging Face hub or dataset downloads from here on (the RULER data is made locally)."""
+    os.environ.update(OFFLINE_ENV)
+
+
+def tokenizer_folder(artifact: Path, folder: Path) -> Path:
+    """A folder holding only the artifact's tokenizer files (sizes checked; `auto_map` refused), for
+    lm-eval, which loads tokenizers with trust_remote_code on: with no Python file in the folder and
+    the hub offline, nothing can be imported from it."""
+    from snapcompile.artifact.files import check_files
+    from snapcompile.artifact.manifest import read_manifest
+    from snapcompile.models.tokenizer import refuse_remote_code
+    manifest = read_manifest(artifact)
+    names = manifest.support_files()
+    check_files(artifact, manifest, names)
+    target = Path(folder) / "tokenizer"
+    shutil.rmtree(target, ignore_errors=True)
+    target.mkdir(parents=True)
+    for name in names:
+        shutil.copyfile(Path(artifact) / name, target / name)
+    refuse_remote_code(target)
+    return target
+
+
+def build_tasks(names: tuple[str, ...], tokenizer: Path, length: int) -> list:
+    """lm-eval Task objects of `names`, their data made at `length` tokens (RULER's max_seq_length:
+    prompt and answer together) with `tokenizer`. Made once per length and reused for every
+    artifact, so that every artifact answers the same samples."""
+    from lm_eval.tasks import TaskManager
+    logging.getLogger("lm_eval").setLevel(logging.WARNING)
+    manager = TaskManager(metadata={"tokenizer": str(tokenizer), "max_seq_lengths": [length]})
+    tasks = manager.load(list(names))["tasks"]
+    return [tasks[name] for name in names]
+
+
+def evaluate_served(tasks: list, url: str, model: str, tokenizer: Path, length: int, max_length: int,
+                    limit: int, concurrency: int, cache: Path, samples_path: Path) -> list[dict]:
+    """Run `tasks` (from build_tasks at `length`) on the first `limit` samples each through
+    lm-eval's local-completions against the server at `url`; returns one record per sample:
+    task, doc_id, score (RULER's string match, in [0, 1]), prediction, target, input_sha.
+    `cache`: lm-eval's request cache (a sqlite file), so a killed run resends only what it lacks.
+    `samples_path`: lm-eval's own per-sample log (prompts, requests, answers), one JSON line each."""
+    from lm_eval import simple_evaluate
+    model_args = {"model": model, "base_url": f"{url}/v1/completions", "tokenizer": str(tokenizer),
+                  "tokenizer_backend": "huggingface", "tokenized_requests": True, "max_length": max_length,
+                  "num_concurrent": concurrency, "max_retries": 1, "timeout": 3600}
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    output = simple_evaluate(model="local-completions", model_args=model_args, tasks=tasks, limit=limit,
+                             log_samples=True, use_cache=str(cache), bootstrap_iters=0, verbosity="WARNING")
+    samples = [(task, sample) for task, entries in sorted(output["samples"].items()) for sample in entries]
+    write_text_atomic(samples_path, "".join(json.dumps(_log_entry(task, sample, length), default=str) + "\n"
+                                            for task, sample in samples))
+    return [_record(task, sample, length) for task, sample in samples]
+
+
+def _log_entry(task: str, sample: dict, length: int) -> dict:
+    """What lm-eval sent and got for one sample: the prompt (text lm-eval tokenized), the generation
+    arguments, the raw answer and the score."""
+    (context, gen_kwargs), = sample["arguments"]
+    return {"task": task, "doc_id": sample["doc_id"], "context": context, "gen_kwargs": gen_kwargs,
+            "answer": sample["resps"][0][0], "score": float(sample[str(length)]), "target": sample["doc"]["outputs"]}
+
+
+def _record(task: str, sample: dict, length: int) -> dict:
+    doc = sample["doc"]
+    prompt = doc["input"] + doc.get("gen_prefix", "")
+    answer = sample["filtered_resps"][0] if sample.get("filtered_resps") else ""
+    answer = answer[0] if isinstance(answer, list) else answer
+    return {"task": task, "doc_id": sample["doc_id"], "score": float(sample[str(length)]),
+            "prediction": str(answer)[:PREDICTION_CHARS], "target": list(doc["outputs"]),
+            "input_sha": hashlib.sha256(prompt.encode()).hexdigest()[:16]}

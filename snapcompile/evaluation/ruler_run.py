@@ -1,0 +1,174 @@
+"""`eval-ruler`'s grid: RULER through lm-eval on served artifacts, per weight format, policy cell
+and length, resumable.
+
+A cell is "dense" or "POLICY/RATIO": at length L it runs the POLICY artifact with budget L // RATIO.
+Every artifact is served once (`snapcompile serve`, a child process) for all the lengths it runs;
+the tasks' data is made once per length and shared by every artifact. A finished (weights, cell,
+length) unit goes to OUTPUT.partial.jsonl at once; a unit killed midway resends only the requests
+that lm-eval's request cache lacks.
+"""
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from snapcompile.config import POLICIES, WEIGHT_FORMATS, ExportConfig
+from snapcompile.errors import SnapcompileError
+from snapcompile.evaluation import ruler
+from snapcompile.evaluation.config import policy_for
+from snapcompile.evaluation.store import append_partial, read_partial
+
+DEFAULT_CELLS = ("dense", "snapstream/4", "snapstream/8", "streamingllm/4")
+CONTEXT_MARGIN = 64        # positions beyond the longest length: lm-eval's gen_prefix rides on RULER's sizing
+
+
+@dataclass(frozen=True)
+class RulerConfig:
+    source: str                               # model name/path, or a dense artifact folder
+    tasks: tuple[str, ...] = ruler.RULER_TASKS
+    lengths: tuple[int, ...] = (2048, 4096)   # RULER's max_seq_length: prompt + answer tokens
+    cells: tuple[str, ...] = DEFAULT_CELLS
+    weights: tuple[str, ...] = ("fp32",)
+    limit: int = 5                            # samples per task and length
+    slots: int = 4                            # of every artifact; lm-eval sends this many requests at once
+    chunk: int = 256
+
+    def __post_init__(self):
+        unknown = set(self.tasks) - set(ruler.RULER_TASKS)
+        if unknown or not self.tasks:
+            raise SnapcompileError(f"unknown RULER tasks: {', '.join(sorted(unknown)) or '(none given)'}; these "
+                                   f"run offline: {', '.join(ruler.RULER_TASKS)}")
+        for cell in self.cells:
+            parse_cell(cell)
+        if not self.cells:
+            raise SnapcompileError("give at least one cell (--cells)")
+        bad = set(self.weights) - set(WEIGHT_FORMATS)
+        if bad or not self.weights:
+            raise SnapcompileError(f"--weights must be among {', '.join(WEIGHT_FORMATS)}")
+        if not self.lengths or min(self.lengths) < 512:
+            raise SnapcompileError("--lengths must be token counts >= 512 (RULER's haystacks need room)")
+        if self.limit < 1:
+            raise SnapcompileError("--limit must be >= 1")
+
+    def export(self, weights: str) -> ExportConfig:
+        return ExportConfig(slots=self.slots, max_context=max(self.lengths) + CONTEXT_MARGIN, chunk=self.chunk,
+                            weight_format=weights)
+
+    def units(self) -> list[tuple[str, str, int]]:
+        """(weights, cell, length) for every run, dense first."""
+        return [(w, c, n) for w in self.weights for c in sorted(self.cells, key=lambda c: c != "dense")
+                for n in self.lengths]
+
+
+def parse_cell(cell: str) -> tuple[str, int | None]:
+    """'dense' -> ('dense', None); 'snapstream/4' -> ('snapstream', 4)."""
+    match = re.fullmatch(r"(\w+)(?:/(\d+))?", cell)
+    policy, ratio = (match.group(1), match.group(2)) if match else (None, None)
+    if policy not in POLICIES or (policy == "dense") != (ratio is None) or (ratio is not None and int(ratio) < 2):
+        compressed = ", ".join(p for p in POLICIES if p != "dense")
+        raise SnapcompileError(f"cell {cell!r}: give 'dense' or POLICY/RATIO with POLICY among {compressed} and "
+                               "RATIO >= 2 (budget = length // RATIO)")
+    return policy, int(ratio) if ratio else None
+
+
+def budget_of(cell: str, length: int) -> int | None:
+    _, ratio = parse_cell(cell)
+    return None if ratio is None else length // ratio
+
+
+def unit_id(weights: str, cell: str, length: int) -> str:
+    return f"{weights}|{cell}|{length}"
+
+
+class UnitStore:
+    """Finished units of an interrupted run of the same configuration (OUTPUT.partial.jsonl), and
+    those of OUTPUT itself when it holds this configuration's results."""
+
+    def __init__(self, results_path: Path, config: RulerConfig):
+        from snapcompile.evaluation.store import partial_path
+        self.path = partial_path(results_path)
+        self.config_json = json.dumps(asdict(config), sort_keys=True)
+        self.units: dict[str, dict] = {}
+        if Path(results_path).is_file():
+            self._load_results(Path(results_path), config)
+        for record in read_partial(self.path, self.config_json, "RULER"):
+            self.units[record["id"]] = record
+
+    def _load_results(self, path: Path, config: RulerConfig) -> None:
+        try:
+            payload = json.loads(path.read_text(encoding="utf-8"))
+            stored, units = payload["config"], payload["units"]
+        except (ValueError, TypeError, KeyError):
+            raise SnapcompileError(f"{path} exists and is not a results file of `snapcompile eval-ruler`; "
+                                   "choose another -o") from None
+        if stored == json.loads(self.config_json):
+            self.units.update((unit["id"], unit) for unit in units)
+
+    def add(self, unit: dict) -> None:
+        self.units[unit["id"]] = unit
+        append_partial(self.path, self.config_json, unit)
+
+
+def run_ruler(config: RulerConfig, results_path: Path, cache_dir: Path, work_dir: Path,
+              progress: Callable[[int], None] | None = None, log: Callable[[str], None] = print) -> list[dict]:
+    """Run every unit not yet in the store; returns all units in config.units() order."""
+    from snapcompile.artifact.cache import ArtifactCache
+    store = UnitStore(results_path, config)
+    pending = [u for u in config.units() if unit_id(*u) not in store.units]
+    if progress:
+        progress(len(config.units()) - len(pending))
+    if pending:
+        ruler.go_offline()
+        ruler.offline_nltk(work_dir)
+        cache = ArtifactCache(config.source, cache_dir, log)
+        folders = _artifacts(config, pending, cache)
+        tasks = _TaskData(config, folders, work_dir)
+        for folder, units in folders.items():
+            _serve_and_run(config, folder, units, tasks, store, work_dir, progress, log)
+    return [store.units[unit_id(*u)] for u in config.units()]
+
+
+def _artifacts(config: RulerConfig, pending, cache) -> dict[Path, list[tuple[str, str, int]]]:
+    """The artifact of each pending unit (built or reused), grouped so each is served once."""
+    folders: dict[Path, list] = {}
+    for weights, cell, length in pending:
+        policy, _ = parse_cell(cell)
+        folder = cache.get(config.export(weights), policy_for(policy, budget_of(cell, length)))
+        folders.setdefault(folder, []).append((weights, cell, length))
+    return folders
+
+
+class _TaskData:
+    """lm-eval tasks per length, made on first use with the tokenizer of the first artifact (all the
+    artifacts of one source share it)."""
+
+    def __init__(self, config: RulerConfig, folders: dict, work_dir: Path):
+        self.config, self.tasks = config, {}
+        self.tokenizer = ruler.tokenizer_folder(next(iter(folders)), work_dir)
+
+    def at(self, length: int) -> list:
+        if length not in self.tasks:
+            self.tasks[length] = ruler.build_tasks(self.config.tasks, self.tokenizer, length)
+        return self.tasks[length]
+
+
+def _serve_and_run(config, folder: Path, units, tasks: _TaskData, store: UnitStore, work_dir: Path,
+                   progress, log) -> None:
+    from snapcompile.serve.process import ServerProcess
+    name = folder.name
+    log(f"serving {folder} for {', '.join(unit_id(*u) for u in units)}")
+    server_log = work_dir / f"serve-{name}.log"
+    with ServerProcess(folder, "--slots", str(config.slots), model="ruler", log=server_log) as server:
+        for weights, cell, length in units:
+            samples = ruler.evaluate_served(
+                tasks.at(length), server.url, "ruler", tasks.tokenizer, length, config.export(weights).max_context,
+                config.limit, config.slots, work_dir / "lm-eval-cache" / f"{name}-{length}",
+                work_dir / "samples" / f"{name}-{length}.jsonl")
+            policy, ratio = parse_cell(cell)
+            store.add({"id": unit_id(weights, cell, length), "weights": weights, "cell": cell, "policy": policy,
+                       "ratio": ratio, "budget": budget_of(cell, length), "length": length, "samples": samples})
+            if progress:
+                progress(1)

@@ -1,0 +1,171 @@
+"""eval-ruler: RULER through lm-evaluation-harness against a real `serve` (tiny model with SmolLM2's
+tokenizer: RULER sizes its prompts with a real tokenizer), its grid, store and report."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from click.testing import CliRunner
+
+from snapcompile.cli import main
+from snapcompile.errors import SnapcompileError
+from snapcompile.evaluation import ruler_report
+from snapcompile.evaluation.ruler_run import RulerConfig, budget_of, parse_cell
+from tests.cli_helpers import rerecord_checksums
+
+TASK_ANSWER_TOKENS = {"niah_single_1": 128, "niah_multikey_2": 128, "niah_multikey_3": 128, "ruler_vt": 30,
+                      "ruler_cwe": 120, "ruler_fwe": 50}
+
+
+def test_cells_and_config_are_checked():
+    assert parse_cell("dense") == ("dense", None) and parse_cell("snapstream/8") == ("snapstream", 8)
+    assert budget_of("streamingllm/4", 4096) == 1024 and budget_of("dense", 4096) is None
+    for cell in ("dense/4", "snapstream", "snapstream/1", "magic/4", "snapstream/x"):
+        with pytest.raises(SnapcompileError, match="cell"):
+            parse_cell(cell)
+    with pytest.raises(SnapcompileError, match="unknown RULER tasks: qa_squad"):
+        RulerConfig("m", tasks=("qa_squad",))
+    with pytest.raises(SnapcompileError, match="--lengths"):
+        RulerConfig("m", lengths=(256,))
+    with pytest.raises(SnapcompileError, match="--weights"):
+        RulerConfig("m", weights=("fp8",))
+    units = RulerConfig("m", cells=("snapstream/4", "dense"), lengths=(1024, 2048), weights=("fp32", "int4")).units()
+    assert units[:2] == [("fp32", "dense", 1024), ("fp32", "dense", 2048)] and len(units) == 8
+    assert RulerConfig("m", lengths=(1024, 4096)).export("int4").max_context == 4096 + 64
+
+
+def _unit(cell, scores, predictions=None, weights="fp32", length=1024):
+    policy, ratio = parse_cell(cell)
+    samples = [{"task": task, "doc_id": doc, "score": score, "prediction": (predictions or {}).get((task, doc), "p"),
+                "target": ["t"], "input_sha": f"{task}{doc}"} for (task, doc), score in scores.items()]
+    return {"id": f"{weights}|{cell}|{length}", "weights": weights, "cell": cell, "policy": policy, "ratio": ratio,
+            "budget": budget_of(cell, length), "length": length, "samples": samples}
+
+
+def test_report_retention_kept_solved_and_lost_samples():
+    dense = _unit("dense", {("a", 0): 1.0, ("a", 1): 1.0, ("b", 0): 0.5, ("b", 1): 0.0})
+    snap = _unit("snapstream/4", {("a", 0): 1.0, ("a", 1): 0.0, ("b", 0): 0.5, ("b", 1): 1.0},
+                 {("a", 1): "wrong"})
+    rows = {(r["task"], r["cell"]): r for r in ruler_report.summarize([dense, snap])}
+    assert rows[("a", "snapstream/4")]["score"] == 0.5 and rows[("a", "snapstream/4")]["retention"] == 0.5
+    assert rows[("a", "snapstream/4")]["kept_solved"] == 0.5
+    assert rows[("b", "snapstream/4")]["retention"] == 3.0 and rows[("b", "snapstream/4")]["kept_solved"] is None
+    assert rows[("mean", "snapstream/4")]["score"] == 0.625 and rows[("mean", "dense")]["score"] == 0.625
+    assert rows[("mean", "snapstream/4")]["kept_solved"] == 0.5 and rows[("mean", "dense")]["n"] == 4
+    lost = ruler_report.lost_samples([dense, snap])
+    assert [(x["task"], x["doc_id"], x["prediction"]) for x in lost] == [("a", 1, "wrong")]
+    table = ruler_report.markdown(list(rows.values()), ("dense", "snapstream/4"))
+    assert "| fp32 | 1024 | a | 1.00 | 0.50 (50%; 50%) |" in table
+    assert "wrong" in ruler_report.lost_markdown(lost)
+
+
+def test_offline_nltk_satisfies_the_lookup_and_a_sentence_split_fails_loudly(tmp_path):
+    import nltk
+
+    from snapcompile.evaluation.ruler import offline_nltk
+    root = offline_nltk(tmp_path)
+    try:
+        assert nltk.data.find("tokenizers/punkt_tab").startswith(str(root))
+        with pytest.raises(LookupError):
+            nltk.sent_tokenize("One sentence. Another one.")
+    finally:
+        nltk.data.path.remove(str(root))
+
+
+def test_tokenizer_folder_holds_the_tokenizer_only_and_refuses_remote_code(artifact, tmp_path):
+    """lm-eval loads tokenizers with trust_remote_code on: the folder it gets has no Python file and
+    no config asking for one."""
+    from snapcompile.evaluation.ruler import tokenizer_folder
+    (artifact / "evil.py").write_text("raise SystemExit('ran')\n")
+    folder = tokenizer_folder(artifact, tmp_path)
+    assert sorted(p.name for p in folder.iterdir()) == sorted(_support_files(artifact))
+    config = artifact / "tokenizer_config.json"
+    raw = json.loads(config.read_text())
+    raw["auto_map"] = {"AutoTokenizer": ["evil.Tokenizer", None]}
+    config.write_text(json.dumps(raw))
+    with pytest.raises(SnapcompileError, match="tokenizer_config.json"):      # its size no longer matches
+        tokenizer_folder(artifact, tmp_path)
+    rerecord_checksums(artifact)
+    with pytest.raises(SnapcompileError, match="never executes code"):
+        tokenizer_folder(artifact, tmp_path)
+
+
+def _support_files(artifact):
+    from snapcompile.artifact.manifest import read_manifest
+    return read_manifest(artifact).support_files()
+
+
+def test_eval_ruler_errors_are_one_line(tmp_path):
+    for args, fragment in ((["--cells", "dense,snapstream"], "cell 'snapstream'"),
+                           (["--tasks", "qa_hotpot"], "unknown RULER tasks: qa_hotpot"),
+                           (["--lengths", "100"], "--lengths must be")):
+        result = CliRunner().invoke(main, ["eval-ruler", "tiny-llama", *args, "-o", str(tmp_path / "r.json")])
+        assert result.exit_code != 0 and fragment in result.output and "Traceback" not in result.output
+
+
+@pytest.fixture(scope="module")
+def tiny_smol_tokenizer_model(tmp_path_factory):
+    """A tiny random Llama with SmolLM2's tokenizer (and vocabulary), as a Hugging Face folder."""
+    import torch
+    from safetensors.torch import save_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from snapcompile.models.loader import _smollm2_folder
+    source = _smollm2_folder()
+    folder = tmp_path_factory.mktemp("tinysmol") / "model"
+    folder.mkdir()
+    smol = json.loads((source / "config.json").read_text())
+    fields = {k: v for k, v in smol.items() if not k.startswith(("_", "transformers"))}
+    fields.update(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16)
+    config = AutoConfig.for_model(**fields)
+    torch.manual_seed(0)
+    save_model(AutoModelForCausalLM.from_config(config), str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps({**config.to_dict(), "architectures": ["LlamaForCausalLM"]}))
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copyfile(source / name, folder / name)
+    return folder
+
+
+@pytest.mark.slow
+def test_eval_ruler_runs_lm_eval_against_serve_and_resumes(tiny_smol_tokenizer_model, tmp_path):
+    """Every task's samples through lm-eval and a real server, the same prompts for every cell, the
+    answers those of the artifact itself; a second run reuses the results file."""
+    out, cache = tmp_path / "ruler.json", tmp_path / "cache"
+    args = ["eval-ruler", str(tiny_smol_tokenizer_model), "--lengths", "1024", "--cells", "dense,snapstream/4",
+            "--limit", "2", "--slots", "2", "--cache-dir", str(cache), "-o", str(out), "--json"]
+    result = CliRunner().invoke(main, args, catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    payload = json.loads(out.read_text())
+    dense, snap = payload["units"]
+    assert (dense["cell"], snap["cell"], snap["budget"]) == ("dense", "snapstream/4", 256)
+    for unit in (dense, snap):
+        assert sorted((s["task"], s["doc_id"]) for s in unit["samples"]) == sorted(
+            (task, doc) for task in TASK_ANSWER_TOKENS for doc in (0, 1))
+        assert all(0.0 <= s["score"] <= 1.0 for s in unit["samples"])
+    assert [s["input_sha"] for s in dense["samples"]] == [s["input_sha"] for s in snap["samples"]]
+    assert (out.with_suffix(".md")).is_file() and (tmp_path / "ruler-fp32.png").is_file()
+    assert not (tmp_path / "ruler.json.partial.jsonl").exists()
+    _check_answers_are_the_artifacts(cache)
+
+    again = CliRunner().invoke(main, args, catch_exceptions=False)
+    assert again.exit_code == 0 and json.loads(out.read_text())["units"] == payload["units"]
+    assert json.loads(again.output.strip().splitlines()[-1])["seconds_this_run"] < 5
+
+
+def _check_answers_are_the_artifacts(cache):
+    """Each answer lm-eval recorded is the artifact's own greedy continuation of the prompt lm-eval sent."""
+    from snapcompile import Engine, Request
+    from snapcompile.prompts import encode_text
+    for log in sorted((cache / "ruler-work" / "samples").glob("*.jsonl")):
+        folder = cache / log.stem.rsplit("-", 1)[0]
+        engine = Engine.from_artifact(folder)
+        entries = [json.loads(line) for line in log.read_text().splitlines()]
+        firsts = {entry["task"]: entry for entry in entries if entry["doc_id"] == 0}
+        assert set(firsts) == set(TASK_ANSWER_TOKENS)
+        assert all(entry["gen_kwargs"]["max_gen_toks"] == TASK_ANSWER_TOKENS[task] for task, entry in firsts.items())
+        requests = [Request(encode_text(engine.tokenizer, entry["context"]), max_new_tokens=TASK_ANSWER_TOKENS[task])
+                    for task, entry in sorted(firsts.items())]
+        for (task, entry), result in zip(sorted(firsts.items()), engine.generate(requests)):
+            assert entry["answer"] == result.text, (log.name, task)
