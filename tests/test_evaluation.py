@@ -135,7 +135,31 @@ def test_eval_cli_writes_json_markdown_and_plots(tmp_path):
     assert sorted(reused) == sorted(r["id"] for r in payload["records"]), "a wider run starts from OUTPUT's cases"
 
 
+def test_long_generation_fidelity_measures_past_the_wrap(tmp_path):
+    """--generate past the budget: agreement after the first B tokens, the first divergence of each
+    policy's own greedy continuation (never before its teacher-forced agreement allows), recall."""
+    out = tmp_path / "long.json"
+    args = ["eval", "tiny-llama", "--task", "fidelity", "--policies", "snapstream,streamingllm", "--budgets", "64",
+            "--lengths", "128", "--samples", "2", "--generate", "160", "--cache-dir", str(tmp_path / "c"),
+            "-o", str(out)]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    payload = json.loads(out.read_text())
+    for record in payload["records"]:
+        assert record["generated"] == 160 and 0.0 <= record["recall"] <= 1.0
+        assert record["first_divergence"] <= round(record["agreement"] * 160), "identical until the first miss"
+        if record["policy"] == "dense":
+            assert record["first_divergence"] == 160 and record["recall"] == record["dense_recall"]
+            assert record["agreement_past_budget"] is None
+        else:
+            assert 0.0 <= record["agreement_past_budget"] <= 1.0 and record["budget"] == 64
+    assert "160 generated tokens: agreement past B / first divergence / recall" in (tmp_path / "long.md").read_text()
+    snap = [r for r in payload["summary"] if r["policy"] == "snapstream"][0]
+    assert snap["generated"] == 160 and snap["first_divergence"] is not None
+
+
 @pytest.mark.parametrize("args, message", [
+    (["--task", "fidelity", "--generate", "20"], "--generate"),
     (["--task", "passkey", "--lengths", "10"], "--lengths"),
     (["--policies", "dense,h2o"], "unknown policies"),
     (["--depths", "1.5"], "--depths"),

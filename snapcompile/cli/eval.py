@@ -12,6 +12,7 @@ from snapcompile.cli.options import config_default, csv_option, report_options
 from snapcompile.cli.reports import write_report
 from snapcompile.config import POLICIES, SCOPES, WEIGHT_FORMATS, ExportConfig
 from snapcompile.errors import SnapcompileError
+from snapcompile.evaluation.config import EvalConfig
 from snapcompile.evaluation.tasks import TASKS
 
 DEFAULT_BUDGETS = (256, 512, 1024, 2048)
@@ -40,10 +41,14 @@ DEFAULT_BUDGETS = (256, 512, 1024, 2048)
 @click.option("--weights", type=click.Choice(WEIGHT_FORMATS), default=config_default(ExportConfig, "weight_format"),
               show_default=True, help="Weights of every artifact evaluated: fp32, fp16, int8 or int4 (fidelity "
               "compares them with the fp32 dense model).")
+@click.option("--generate", default=config_default(EvalConfig, "generate"), show_default=True,
+              type=click.IntRange(min=48), help="fidelity: greedy tokens generated per case. Past the budget the "
+              "ring wraps: the report adds the agreement after the first B tokens, where each policy's own "
+              "continuation first leaves dense's, and a recall probe on the model's own early text.")
 @report_options("results.json", "eval", "Results JSON; the Markdown table and plots are written beside it. "
                 "An existing results file of the same model, task and seed is resumed and widened.")
 def eval_command(model_or_dir, task, policies, budgets, ratios, lengths, depths, samples, seed, scope, slots, weights,
-                 cache_dir, output, as_json):
+                 generate, cache_dir, output, as_json):
     """Accuracy of dense, StreamingLLM and SnapStream artifacts on generated tasks.
 
     Builds (or reuses) the artifacts, runs every case through the engine, and writes OUTPUT
@@ -55,7 +60,6 @@ def eval_command(model_or_dir, task, policies, budgets, ratios, lengths, depths,
 
     from snapcompile.artifact.atomic import check_output_file
     from snapcompile.evaluation import report
-    from snapcompile.evaluation.config import EvalConfig
     from snapcompile.evaluation.runner import run_eval
     from snapcompile.evaluation.store import partial_path
     from snapcompile.models.loader import cache_root
@@ -67,7 +71,7 @@ def eval_command(model_or_dir, task, policies, budgets, ratios, lengths, depths,
     if budgets is None:
         budgets = () if ratios else DEFAULT_BUDGETS
     config = EvalConfig(model_or_dir, task, policies, budgets, lengths, depths, samples, seed, slots=slots,
-                        scope=scope, ratios=ratios, weight_format=weights)
+                        scope=scope, ratios=ratios, weight_format=weights, generate=generate)
     started = time.perf_counter()
     with tqdm(desc=f"eval {task}", unit="case", file=sys.stderr, disable=as_json) as bar:
         def progress(advance, total=None):

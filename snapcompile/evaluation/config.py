@@ -8,7 +8,8 @@ from snapcompile.errors import SnapcompileError
 from snapcompile.evaluation.tasks import TASKS, Case
 
 ANSWER_TOKENS = 16          # generated per retrieval case
-FIDELITY_TOKENS = 64        # greedy tokens compared per fidelity case
+FIDELITY_TOKENS = 64        # greedy tokens compared per fidelity case (the default of --generate)
+RECALL_CUE, RECALL_TOKENS = 16, 32   # the recall probe: the generation's first 16 tokens quoted, the next 32 scored
 TOP_LOGPROBS = 2            # per answer token: enough for the margin between the two likeliest
 
 
@@ -27,6 +28,7 @@ class EvalConfig:
     scope: str = "head"              # SnapStream selection scope (head | layer)
     ratios: tuple[int, ...] = ()     # compression ratios: budget = length // ratio, per length
     weight_format: str = "fp32"      # --weights of every artifact (fidelity's reference stays fp32 dense)
+    generate: int = FIDELITY_TOKENS  # fidelity: greedy tokens generated and compared per case
 
     def __post_init__(self):
         if self.task not in TASKS:
@@ -35,6 +37,8 @@ class EvalConfig:
             raise SnapcompileError("--lengths must be token counts >= 64")
         if any(not 0.0 <= d <= 1.0 for d in self.depths):
             raise SnapcompileError("--depths must lie in [0, 1]")
+        if self.generate < RECALL_CUE + RECALL_TOKENS:
+            raise SnapcompileError(f"--generate must be >= {RECALL_CUE + RECALL_TOKENS} tokens")
         if self.samples < 1:
             raise SnapcompileError("--samples must be >= 1")
         if any(r < 2 for r in self.ratios):
@@ -44,7 +48,7 @@ class EvalConfig:
 
     @property
     def max_context(self) -> int:
-        extra = FIDELITY_TOKENS if self.task == "fidelity" else ANSWER_TOKENS
+        extra = self.generate + RECALL_CUE + RECALL_TOKENS if self.task == "fidelity" else ANSWER_TOKENS
         return max(self.lengths) + extra + 8
 
     @property

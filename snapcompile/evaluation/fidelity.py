@@ -1,27 +1,38 @@
 """Fidelity cases: dense greedy continuations, teacher-forced through each policy's backend to
-compare next-token distributions (agreement of the argmax, KL from dense)."""
+compare next-token distributions (agreement of the argmax, KL from dense), and each policy's own
+greedy continuation (where it first leaves dense's).
+
+Long generations (`--generate` past the budget, so the ring buffer wraps) add two measures: the
+agreement on the tokens generated after the first B (by then every ring row was overwritten), and
+a recall probe on text the model itself generated: after the generation, its first RECALL_CUE
+tokens are quoted again, and the next RECALL_TOKENS predictions are scored against what followed
+them the first time (dense can look the quote up in its cache; a ring that evicted it cannot).
+"""
 from __future__ import annotations
 
 import numpy as np
 
 from snapcompile.artifact.cache import ArtifactCache
-from snapcompile.evaluation.config import FIDELITY_TOKENS, EvalConfig, policy_for
+from snapcompile.evaluation.config import RECALL_CUE, RECALL_TOKENS, EvalConfig, policy_for
 from snapcompile.evaluation.metrics import kl_divergence
 from snapcompile.evaluation.store import ResultStore
 from snapcompile.evaluation.tasks import Case
 
 
 def run_fidelity(config: EvalConfig, cases: list[Case], pending: dict, cache: ArtifactCache, store: ResultStore,
-                  tokenizer, progress) -> None:
+                 tokenizer, progress) -> None:
     """pending: (policy, budget) -> the cases still to run for it."""
     from snapcompile.prompts import encode
     from snapcompile.runtime.ort_backend import OrtBackend
     if not any(pending.values()):
         return
+    steps = config.generate
     dense_backend = OrtBackend(cache.dense(config.reference_export))
     prompts = {c.key: encode(tokenizer, c.prompt, chat=False) for c in cases}
-    dense = {c.key: _teacher_forced(dense_backend, prompts[c.key], None) for c in cases
-             if any(c in todo for todo in pending.values())}
+    wanted = [c for c in cases if any(c in todo for todo in pending.values())]
+    dense_tokens = {c.key: _teacher_forced(dense_backend, prompts[c.key], None, steps)[0] for c in wanted}
+    dense = {key: (tokens, *_forced_with_quote(dense_backend, prompts[key], tokens))
+             for key, tokens in dense_tokens.items()}
     del dense_backend
     for (policy, budget), todo in pending.items():
         if not todo:
@@ -30,24 +41,53 @@ def run_fidelity(config: EvalConfig, cases: list[Case], pending: dict, cache: Ar
         quantized_dense = policy == "dense" and config.weight_format != "fp32"
         backend = OrtBackend(cache.get(config.export, policy_config)) if policy != "dense" or quantized_dense else None
         for case in todo:
-            tokens, reference = dense[case.key]
-            logits = reference if backend is None else _teacher_forced(backend, prompts[case.key], tokens)[1]
+            tokens, reference, dense_recall = dense[case.key]
+            if backend is None:
+                logits, recall, own = reference, dense_recall, tokens
+            else:
+                logits, recall = _forced_with_quote(backend, prompts[case.key], tokens)
+                own = _teacher_forced(backend, prompts[case.key], None, steps)[0]
             store.add({"id": store.record_id(case, policy, budget), "policy": policy, "budget": budget,
-                       **case.to_dict(), "prompt_tokens": len(prompts[case.key]),
-                       "agreement": float(np.mean(np.argmax(logits, -1) == tokens)),
-                       "kl": float(np.mean(kl_divergence(reference, logits)))})
+                       **case.to_dict(), "prompt_tokens": len(prompts[case.key]), "generated": steps,
+                       **_measures(logits, reference, tokens, own, budget),
+                       "recall": recall, "dense_recall": dense_recall})
             if progress:
                 progress(1, None)
 
 
-def _teacher_forced(backend, prompt: list[int], tokens: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
-    """Greedy continuation (tokens None) or teacher-forced logits; returns (tokens, logits [S, V])."""
+def _measures(logits: np.ndarray, reference: np.ndarray, tokens: np.ndarray, own: np.ndarray,
+              budget: int | None) -> dict:
+    """agreement / kl over every generated token; agreement_past_budget over those after the first
+    `budget` (None when there are none); first_divergence: the index of the first token of the
+    policy's own greedy continuation that differs from dense's (len(tokens) when none does)."""
+    agree = np.argmax(logits, -1) == tokens
+    differs = np.flatnonzero(own != tokens)
+    past = agree[budget:] if budget is not None and budget < len(tokens) else None
+    return {"agreement": float(np.mean(agree)), "kl": float(np.mean(kl_divergence(reference, logits))),
+            "agreement_past_budget": float(np.mean(past)) if past is not None else None,
+            "first_divergence": int(differs[0]) if differs.size else len(tokens)}
+
+
+def _teacher_forced(backend, prompt: list[int], tokens: np.ndarray | None, steps: int,
+                    ) -> tuple[np.ndarray, np.ndarray]:
+    """`steps` greedy tokens (tokens None) or teacher-forced logits; returns (tokens, logits [S, V])."""
     result = backend.prefill(0, prompt)
     logits, chosen = [result.logits], []
-    for g in range(FIDELITY_TOKENS):
+    for g in range(steps):
         token = int(np.argmax(logits[-1])) if tokens is None else int(tokens[g])
         chosen.append(token)
-        if g == FIDELITY_TOKENS - 1:
+        if g == steps - 1:
             break
         logits.append(backend.decode({0: token}, {0: result.layout.step(g)})[0].copy())
     return np.array(chosen), np.stack(logits)
+
+
+def _forced_with_quote(backend, prompt: list[int], tokens: np.ndarray) -> tuple[np.ndarray, float]:
+    """`tokens` (the generation) teacher-forced, then its first RECALL_CUE + RECALL_TOKENS tokens
+    once more: returns the logits over the generation [len(tokens), V] and the recall probe, the
+    share of the quote's last RECALL_TOKENS tokens predicted (argmax) from the tokens before them."""
+    quoted = tokens[:RECALL_CUE + RECALL_TOKENS]
+    steps = len(tokens)
+    logits = _teacher_forced(backend, prompt, np.concatenate([tokens, quoted]), steps + len(quoted))[1]
+    recall = np.argmax(logits[steps + RECALL_CUE:], -1) == quoted[RECALL_CUE:]
+    return logits[:steps], float(np.mean(recall))

@@ -7,6 +7,13 @@ from pathlib import Path
 from snapcompile.artifact.atomic import save_figure_atomic
 
 SURE_MARGIN = 0.1   # dense answered "surely" when every answer token beat the runner-up by this much
+LONG_GENERATION = ("agreement", "kl", "agreement_past_budget", "first_divergence", "recall", "dense_recall")
+
+
+def _mean_of(group: list[dict], name: str) -> float | None:
+    """The mean of a fidelity measure over the records that have it (None if none has)."""
+    values = [r[name] for r in group if r.get(name) is not None]
+    return sum(values) / len(values) if values else None
 
 
 def _label(row: dict) -> str:
@@ -35,8 +42,8 @@ def summarize(records: list[dict], task: str, ratios=()) -> list[dict]:
         ratio = next((q for q in ratios if budget is not None and length // q == budget), None)
         row = {"policy": policy, "budget": budget, "length": length, "ratio": ratio, "cases": len(group)}
         if task == "fidelity":
-            row["agreement"] = sum(r["agreement"] for r in group) / len(group)
-            row["kl"] = sum(r["kl"] for r in group) / len(group)
+            row.update({name: _mean_of(group, name) for name in LONG_GENERATION})
+            row["generated"] = max(r.get("generated") or 0 for r in group)
         else:
             row["accuracy"] = sum(r["correct"] for r in group) / len(group)
         rows.append(row)
@@ -107,7 +114,7 @@ def markdown(rows: list[dict], task: str) -> str:
                 out.append(f"{100 * r['accuracy']:.0f}% ({r['cases']})" + _budget_note(r))
         lines.append(f"| {label} | " + " | ".join(out) + " |")
     if task == "fidelity":
-        return "\n".join(lines) + "\n"
+        return "\n".join(lines) + "\n" + _long_generation_table(rows, labels, lengths, cells)
     lines += ["", f"| {task}: retained vs dense / kept of dense-correct / kept of dense-sure (sure cases) "
               f"| {header} |", "|---|" + "---|" * len(lengths)]
     for label in labels[1:] if labels and labels[0] == "dense" else labels:
@@ -122,6 +129,29 @@ def markdown(rows: list[dict], task: str) -> str:
         lines.append(f"\nDense-sure: dense answered correctly and every answer token beat the runner-up by >= "
                      f"{SURE_MARGIN} in probability.")
     return "\n".join(lines) + "\n"
+
+
+def _long_generation_table(rows, labels, lengths, cells) -> str:
+    """Agreement after the first B generated tokens, first divergence of the policy's own greedy
+    continuation, and the recall probe (dense's in brackets); empty for records that predate them."""
+    if not any(r.get("first_divergence") is not None for r in rows):
+        return ""
+    generated = max(r.get("generated") or 0 for r in rows)
+    lines = [f"\n| fidelity, {generated} generated tokens: agreement past B / first divergence / recall (dense) | "
+             + " | ".join(f"{n} tokens" for n in lengths) + " |", "|---|" + "---|" * len(lengths)]
+    for label in labels:
+        out = []
+        for length in lengths:
+            r = cells.get((label, length))
+            out.append("—" if r is None or r["first_divergence"] is None else
+                       f"{_fixed(r['agreement_past_budget'])} / {r['first_divergence']:.0f} / "
+                       f"{_fixed(r['recall'])} ({_fixed(r['dense_recall'])})")
+        lines.append(f"| {label} | " + " | ".join(out) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _fixed(value) -> str:
+    return "—" if value is None else f"{value:.3f}"
 
 
 def lost_markdown(lost: list[dict]) -> str:

@@ -100,7 +100,7 @@ class ResultStore:
         append_partial(self.path, self.config_json, record)
 
 
-_SAME_RESULTS = ("source", "task", "seed", "slots", "chunk", "scope", "weight_format")
+_SAME_RESULTS = ("source", "task", "seed", "slots", "chunk", "scope", "weight_format", "generate")
 
 
 def _same_results(stored: dict, config: EvalConfig) -> bool:
