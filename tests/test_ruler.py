@@ -60,6 +60,20 @@ def test_report_retention_kept_solved_and_lost_samples():
     assert "wrong" in ruler_report.lost_markdown(lost)
 
 
+def test_unit_store_resumes_a_killed_run_and_refuses_another_configuration(tmp_path):
+    from snapcompile.evaluation.ruler_run import UnitStore
+    out, config = tmp_path / "ruler.json", RulerConfig("m", lengths=(1024,))
+    store = UnitStore(out, config)
+    store.add(_unit("dense", {("a", 0): 1.0}))
+    store.add(_unit("snapstream/4", {("a", 0): 0.0}))
+    partial = tmp_path / "ruler.json.partial.jsonl"
+    partial.write_text(partial.read_text() + '{"id": "fp32|snapstream/8|10')       # the line a kill cut short
+    assert sorted(UnitStore(out, config).units) == ["fp32|dense|1024", "fp32|snapstream/4|1024"]
+    assert partial.read_text().endswith("}\n"), "the cut line is dropped"
+    with pytest.raises(SnapcompileError, match="another RULER configuration"):
+        UnitStore(out, RulerConfig("m", lengths=(2048,)))
+
+
 def test_offline_nltk_satisfies_the_lookup_and_a_sentence_split_fails_loudly(tmp_path):
     import nltk
 
@@ -152,6 +166,8 @@ def test_eval_ruler_runs_lm_eval_against_serve_and_resumes(tiny_smol_tokenizer_m
     again = CliRunner().invoke(main, args, catch_exceptions=False)
     assert again.exit_code == 0 and json.loads(out.read_text())["units"] == payload["units"]
     assert json.loads(again.output.strip().splitlines()[-1])["seconds_this_run"] < 5
+    other = CliRunner().invoke(main, [*args, "--limit", "3"])
+    assert other.exit_code != 0 and "holds RULER results of another configuration" in other.output
 
 
 def _check_answers_are_the_artifacts(cache):

@@ -12,10 +12,10 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 
-from snapcompile.config import POLICIES, WEIGHT_FORMATS, ExportConfig
+from snapcompile.config import POLICIES, SCOPES, WEIGHT_FORMATS, ExportConfig
 from snapcompile.errors import SnapcompileError
 from snapcompile.evaluation import ruler
 from snapcompile.evaluation.config import policy_for
@@ -35,6 +35,7 @@ class RulerConfig:
     limit: int = 5                            # samples per task and length
     slots: int = 4                            # of every artifact; lm-eval sends this many requests at once
     chunk: int = 256
+    scope: str = "head"                       # SnapStream's selection scope (head | layer)
 
     def __post_init__(self):
         unknown = set(self.tasks) - set(ruler.RULER_TASKS)
@@ -52,6 +53,8 @@ class RulerConfig:
             raise SnapcompileError("--lengths must be token counts >= 512 (RULER's haystacks need room)")
         if self.limit < 1:
             raise SnapcompileError("--limit must be >= 1")
+        if self.scope not in SCOPES:
+            raise SnapcompileError(f"--scope must be one of {', '.join(SCOPES)}")
 
     def export(self, weights: str) -> ExportConfig:
         return ExportConfig(slots=self.slots, max_context=max(self.lengths) + CONTEXT_MARGIN, chunk=self.chunk,
@@ -85,7 +88,7 @@ def unit_id(weights: str, cell: str, length: int) -> str:
 
 class UnitStore:
     """Finished units of an interrupted run of the same configuration (OUTPUT.partial.jsonl), and
-    those of OUTPUT itself when it holds this configuration's results."""
+    those of OUTPUT itself (another configuration's results are refused, not overwritten)."""
 
     def __init__(self, results_path: Path, config: RulerConfig):
         from snapcompile.evaluation.store import partial_path
@@ -104,8 +107,10 @@ class UnitStore:
         except (ValueError, TypeError, KeyError):
             raise SnapcompileError(f"{path} exists and is not a results file of `snapcompile eval-ruler`; "
                                    "choose another -o") from None
-        if stored == json.loads(self.config_json):
-            self.units.update((unit["id"], unit) for unit in units)
+        defaults = json.loads(json.dumps({f.name: f.default for f in fields(RulerConfig) if f.default is not MISSING}))
+        if {**defaults, **stored} != json.loads(self.config_json):      # fields it predates count as their defaults
+            raise SnapcompileError(f"{path} holds RULER results of another configuration: delete it or change -o")
+        self.units.update((unit["id"], unit) for unit in units)
 
     def add(self, unit: dict) -> None:
         self.units[unit["id"]] = unit
@@ -136,7 +141,7 @@ def _artifacts(config: RulerConfig, pending, cache) -> dict[Path, list[tuple[str
     folders: dict[Path, list] = {}
     for weights, cell, length in pending:
         policy, _ = parse_cell(cell)
-        folder = cache.get(config.export(weights), policy_for(policy, budget_of(cell, length)))
+        folder = cache.get(config.export(weights), policy_for(policy, budget_of(cell, length), config.scope))
         folders.setdefault(folder, []).append((weights, cell, length))
     return folders
 
