@@ -12,14 +12,14 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable
-from dataclasses import MISSING, asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from snapcompile.config import POLICIES, SCOPES, WEIGHT_FORMATS, ExportConfig
 from snapcompile.errors import SnapcompileError
 from snapcompile.evaluation import ruler
 from snapcompile.evaluation.config import policy_for
-from snapcompile.evaluation.store import append_partial, read_partial
+from snapcompile.evaluation.store import append_partial, config_defaults, read_partial, read_results
 
 DEFAULT_CELLS = ("dense", "snapstream/4", "snapstream/8", "streamingllm/4")
 CONTEXT_MARGIN = 64        # positions beyond the longest length: lm-eval's gen_prefix rides on RULER's sizing
@@ -101,14 +101,8 @@ class UnitStore:
             self.units[record["id"]] = record
 
     def _load_results(self, path: Path, config: RulerConfig) -> None:
-        try:
-            payload = json.loads(path.read_text(encoding="utf-8"))
-            stored, units = payload["config"], payload["units"]
-        except (ValueError, TypeError, KeyError):
-            raise SnapcompileError(f"{path} exists and is not a results file of `snapcompile eval-ruler`; "
-                                   "choose another -o") from None
-        defaults = json.loads(json.dumps({f.name: f.default for f in fields(RulerConfig) if f.default is not MISSING}))
-        if {**defaults, **stored} != json.loads(self.config_json):      # fields it predates count as their defaults
+        stored, units = read_results(path, "units", "eval-ruler")
+        if {**config_defaults(RulerConfig), **stored} != json.loads(self.config_json):
             raise SnapcompileError(f"{path} holds RULER results of another configuration: delete it or change -o")
         self.units.update((unit["id"], unit) for unit in units)
 

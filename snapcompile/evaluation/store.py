@@ -17,6 +17,22 @@ def partial_path(results_path: Path) -> Path:
     return Path(str(results_path) + ".partial.jsonl")
 
 
+def read_results(path: Path, items: str, command: str) -> tuple[dict, list]:
+    """The configuration and the `items` list stored in a results file that `command` wrote."""
+    try:
+        payload = json.loads(Path(path).read_text(encoding="utf-8"))
+        return payload["config"], payload[items]
+    except (ValueError, TypeError, KeyError):
+        raise SnapcompileError(f"{path} exists and is not a results file of `snapcompile {command}`; "
+                               "choose another -o") from None
+
+
+def config_defaults(config_class) -> dict:
+    """A configuration dataclass's defaults, as they read back from JSON (what a stored
+    configuration that predates a field counts it as)."""
+    return json.loads(json.dumps({f.name: f.default for f in fields(config_class) if f.default is not MISSING}))
+
+
 def read_partial(path: Path, config_json: str, what: str) -> list[dict]:
     """The records of a partial file whose first line is `config_json` (another configuration is
     refused: its records are not this run's). A truncated last line (a killed run was writing it)
@@ -73,12 +89,7 @@ class ResultStore:
     def _load_results(self, path: Path, config: EvalConfig) -> None:
         if not path.is_file():
             return
-        try:
-            payload = json.loads(path.read_text(encoding="utf-8"))
-            stored, records = payload["config"], payload["records"]
-        except (ValueError, TypeError, KeyError):
-            raise SnapcompileError(f"{path} exists and is not a results file of `snapcompile eval`; "
-                                   "choose another -o") from None
+        stored, records = read_results(path, "records", "eval")
         self._check_config(stored, config, path)
         self.records.update((record["id"], record) for record in records)
 
@@ -108,6 +119,6 @@ def _same_results(stored: dict, config: EvalConfig) -> bool:
     `_SAME_RESULTS` (those it predates count as their defaults) and the same artifact shape (its
     longest length)."""
     current = json.loads(json.dumps(asdict(config)))
-    defaults = json.loads(json.dumps({f.name: f.default for f in fields(EvalConfig) if f.default is not MISSING}))
+    defaults = config_defaults(EvalConfig)
     same = all(stored.get(k, defaults.get(k)) == current[k] for k in _SAME_RESULTS)
     return same and max(stored.get("lengths") or [0]) == max(config.lengths)
