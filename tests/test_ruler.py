@@ -163,9 +163,11 @@ def test_eval_ruler_runs_lm_eval_against_serve_and_resumes(tiny_smol_tokenizer_m
     assert not (tmp_path / "ruler.json.partial.jsonl").exists()
     _check_answers_are_the_artifacts(cache)
 
+    assert json.loads(result.stdout)["summary"] == payload["summary"], "--json: stdout is one JSON line"
+    assert "Requesting API" in (cache / "ruler-work" / "lm-eval.log").read_text()
     again = CliRunner().invoke(main, args, catch_exceptions=False)
     assert again.exit_code == 0 and json.loads(out.read_text())["units"] == payload["units"]
-    assert json.loads(again.output.strip().splitlines()[-1])["seconds_this_run"] < 5
+    assert json.loads(again.stdout)["seconds_this_run"] < 5
     other = CliRunner().invoke(main, [*args, "--limit", "3"])
     assert other.exit_code != 0 and "holds RULER results of another configuration" in other.output
 

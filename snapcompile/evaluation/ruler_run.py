@@ -5,10 +5,12 @@ A cell is "dense" or "POLICY/RATIO": at length L it runs the POLICY artifact wit
 Every artifact is served once (`snapcompile serve`, a child process) for all the lengths it runs;
 the tasks' data is made once per length and shared by every artifact. A finished (weights, cell,
 length) unit goes to OUTPUT.partial.jsonl at once; a unit killed midway resends only the requests
-that lm-eval's request cache lacks.
+that lm-eval's request cache lacks. lm-eval's own output goes to the work folder's lm-eval.log, each
+server's to serve-<artifact>.log.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 from collections.abc import Callable
@@ -145,13 +147,22 @@ class _TaskData:
     artifacts of one source share it)."""
 
     def __init__(self, config: RulerConfig, folders: dict, work_dir: Path):
-        self.config, self.tasks = config, {}
+        self.config, self.tasks, self.log = config, {}, work_dir / "lm-eval.log"
         self.tokenizer = ruler.tokenizer_folder(next(iter(folders)), work_dir)
 
     def at(self, length: int) -> list:
         if length not in self.tasks:
-            self.tasks[length] = ruler.build_tasks(self.config.tasks, self.tokenizer, length)
+            with lm_eval_output(self.log):
+                self.tasks[length] = ruler.build_tasks(self.config.tasks, self.tokenizer, length)
         return self.tasks[length]
+
+
+@contextlib.contextmanager
+def lm_eval_output(path: Path):
+    """lm-eval's prints and progress bars go to `path` (appended), not to this command's stdout
+    (which `--json` keeps for one JSON line) or its progress bar."""
+    with open(path, "a", encoding="utf-8") as log, contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+        yield
 
 
 def _serve_and_run(config, folder: Path, units, tasks: _TaskData, store: UnitStore, work_dir: Path,
@@ -162,10 +173,12 @@ def _serve_and_run(config, folder: Path, units, tasks: _TaskData, store: UnitSto
     server_log = work_dir / f"serve-{name}.log"
     with ServerProcess(folder, "--slots", str(config.slots), model="ruler", log=server_log) as server:
         for weights, cell, length in units:
-            samples = ruler.evaluate_served(
-                tasks.at(length), server.url, "ruler", tasks.tokenizer, length, config.export(weights).max_context,
-                config.limit, config.slots, work_dir / "lm-eval-cache" / f"{name}-{length}",
-                work_dir / "samples" / f"{name}-{length}.jsonl")
+            lm_eval_tasks = tasks.at(length)
+            with lm_eval_output(tasks.log):
+                samples = ruler.evaluate_served(
+                    lm_eval_tasks, server.url, "ruler", tasks.tokenizer, length, config.export(weights).max_context,
+                    config.limit, config.slots, work_dir / "lm-eval-cache" / f"{name}-{length}",
+                    work_dir / "samples" / f"{name}-{length}.jsonl")
             policy, ratio = parse_cell(cell)
             store.add({"id": unit_id(weights, cell, length), "weights": weights, "cell": cell, "policy": policy,
                        "ratio": ratio, "budget": budget_of(cell, length), "length": length, "samples": samples})
