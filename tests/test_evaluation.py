@@ -153,7 +153,8 @@ def test_long_generation_fidelity_measures_past_the_wrap(tmp_path):
             assert record["agreement_past_budget"] is None
         else:
             assert 0.0 <= record["agreement_past_budget"] <= 1.0 and record["budget"] == 64
-    assert "160 generated tokens: agreement past B / first divergence / recall" in (tmp_path / "long.md").read_text()
+    table = (tmp_path / "long.md").read_text()
+    assert "160 generated tokens: agreement past B / first divergence (median) / recall" in table
     snap = [r for r in payload["summary"] if r["policy"] == "snapstream"][0]
     assert snap["generated"] == 160 and snap["first_divergence"] is not None
 

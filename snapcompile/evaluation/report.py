@@ -1,6 +1,7 @@
 """Turns evaluation records into a summary, a Markdown table and PNG plots."""
 from __future__ import annotations
 
+import statistics
 from collections import defaultdict
 from pathlib import Path
 
@@ -8,6 +9,11 @@ from snapcompile.artifact.atomic import save_figure_atomic
 
 SURE_MARGIN = 0.1   # dense answered "surely" when every answer token beat the runner-up by this much
 LONG_GENERATION = ("agreement", "kl", "agreement_past_budget", "first_divergence", "recall", "dense_recall")
+
+
+def _median_of(group: list[dict], name: str) -> float | None:
+    values = [r[name] for r in group if r.get(name) is not None]
+    return float(statistics.median(values)) if values else None
 
 
 def _mean_of(group: list[dict], name: str) -> float | None:
@@ -43,6 +49,7 @@ def summarize(records: list[dict], task: str, ratios=()) -> list[dict]:
         row = {"policy": policy, "budget": budget, "length": length, "ratio": ratio, "cases": len(group)}
         if task == "fidelity":
             row.update({name: _mean_of(group, name) for name in LONG_GENERATION})
+            row["first_divergence"] = _median_of(group, "first_divergence")
             row["generated"] = max(r.get("generated") or 0 for r in group)
         else:
             row["accuracy"] = sum(r["correct"] for r in group) / len(group)
@@ -137,7 +144,8 @@ def _long_generation_table(rows, labels, lengths, cells) -> str:
     if not any(r.get("first_divergence") is not None for r in rows):
         return ""
     generated = max(r.get("generated") or 0 for r in rows)
-    lines = [f"\n| fidelity, {generated} generated tokens: agreement past B / first divergence / recall (dense) | "
+    lines = [f"\n| fidelity, {generated} generated tokens: agreement past B / first divergence (median) / recall "
+             "(dense) | "
              + " | ".join(f"{n} tokens" for n in lengths) + " |", "|---|" + "---|" * len(lengths)]
     for label in labels:
         out = []
