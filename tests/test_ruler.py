@@ -74,6 +74,22 @@ def test_unit_store_resumes_a_killed_run_and_refuses_another_configuration(tmp_p
         UnitStore(out, RulerConfig("m", lengths=(2048,)))
 
 
+def test_an_lm_eval_failure_is_one_error_line_naming_the_logs(tmp_path):
+    from snapcompile.evaluation import ruler_run
+    from snapcompile.serve.process import free_port
+
+    class Gone:
+        url, log_path = f"http://127.0.0.1:{free_port()}", tmp_path / "serve.log"
+
+    class NoTasks:
+        tokenizer, log = tmp_path, tmp_path / "lm-eval.log"
+
+        def at(self, length):
+            return []
+    with pytest.raises(SnapcompileError, match=r"lm-eval failed at 1024 tokens on art: .*lm-eval.log"):
+        ruler_run._run_unit(RulerConfig("m", lengths=(1024,)), Gone(), NoTasks(), "art", "fp32", 1024, tmp_path)
+
+
 def test_offline_nltk_satisfies_the_lookup_and_a_sentence_split_fails_loudly(tmp_path):
     import nltk
 

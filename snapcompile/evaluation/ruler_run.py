@@ -18,13 +18,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from snapcompile.config import POLICIES, SCOPES, WEIGHT_FORMATS, ExportConfig
-from snapcompile.errors import SnapcompileError
+from snapcompile.errors import SnapcompileError, first_line
 from snapcompile.evaluation import ruler
 from snapcompile.evaluation.config import policy_for
 from snapcompile.evaluation.store import append_partial, config_defaults, read_partial, read_results
 
 DEFAULT_CELLS = ("dense", "snapstream/4", "snapstream/8", "streamingllm/4")
 CONTEXT_MARGIN = 64        # positions beyond the longest length: lm-eval's gen_prefix rides on RULER's sizing
+SERVER_START_S = 600       # for a server to load its graphs (int4 sessions pre-pack their weights)
 
 
 @dataclass(frozen=True)
@@ -167,20 +168,34 @@ def lm_eval_output(path: Path):
 
 def _serve_and_run(config, folder: Path, units, tasks: _TaskData, store: UnitStore, work_dir: Path,
                    progress, log) -> None:
+    """Serve `folder` once and run its `units` against it."""
     from snapcompile.serve.process import ServerProcess
-    name = folder.name
     log(f"serving {folder} for {', '.join(unit_id(*u) for u in units)}")
-    server_log = work_dir / f"serve-{name}.log"
-    with ServerProcess(folder, "--slots", str(config.slots), model="ruler", log=server_log) as server:
+    server_log = work_dir / f"serve-{folder.name}.log"
+    server = ServerProcess(folder, "--slots", str(config.slots), model="ruler", log=server_log)
+    try:
+        server.wait_ready(SERVER_START_S)
         for weights, cell, length in units:
-            lm_eval_tasks = tasks.at(length)
-            with lm_eval_output(tasks.log):
-                samples = ruler.evaluate_served(
-                    lm_eval_tasks, server.url, "ruler", tasks.tokenizer, length, config.export(weights).max_context,
-                    config.limit, config.slots, work_dir / "lm-eval-cache" / f"{name}-{length}",
-                    work_dir / "samples" / f"{name}-{length}.jsonl")
+            samples = _run_unit(config, server, tasks, folder.name, weights, length, work_dir)
             policy, ratio = parse_cell(cell)
             store.add({"id": unit_id(weights, cell, length), "weights": weights, "cell": cell, "policy": policy,
                        "ratio": ratio, "budget": budget_of(cell, length), "length": length, "samples": samples})
             if progress:
                 progress(1)
+    finally:
+        server.stop()
+
+
+def _run_unit(config, server, tasks: _TaskData, name: str, weights: str, length: int, work_dir: Path) -> list[dict]:
+    """lm-eval at `length` against `server`; its failures (a request that failed, the server gone)
+    become one error line naming the logs."""
+    lm_eval_tasks = tasks.at(length)
+    try:
+        with lm_eval_output(tasks.log):
+            return ruler.evaluate_served(lm_eval_tasks, server.url, "ruler", tasks.tokenizer, length,
+                                         config.export(weights).max_context, config.limit, config.slots,
+                                         work_dir / "lm-eval-cache" / f"{name}-{length}",
+                                         work_dir / "samples" / f"{name}-{length}.jsonl")
+    except Exception as err:
+        raise SnapcompileError(f"lm-eval failed at {length} tokens on {name}: {first_line(err)} (lm-eval's "
+                               f"output: {tasks.log}; the server's: {server.log_path})") from None
