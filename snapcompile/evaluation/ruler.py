@@ -17,7 +17,6 @@ from pathlib import Path
 from snapcompile.artifact.atomic import write_text_atomic
 
 RULER_TASKS = ("niah_single_1", "niah_multikey_2", "niah_multikey_3", "ruler_vt", "ruler_cwe", "ruler_fwe")
-MAX_ANSWER_TOKENS = 128          # the longest max_gen_toks of these tasks (the NIAH ones)
 PREDICTION_CHARS = 400           # of each answer kept in the records
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 
