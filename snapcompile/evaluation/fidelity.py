@@ -30,9 +30,7 @@ def run_fidelity(config: EvalConfig, cases: list[Case], pending: dict, cache: Ar
     dense_backend = OrtBackend(cache.dense(config.reference_export))
     prompts = {c.key: encode(tokenizer, c.prompt, chat=False) for c in cases}
     wanted = [c for c in cases if any(c in todo for todo in pending.values())]
-    dense_tokens = {c.key: _teacher_forced(dense_backend, prompts[c.key], None, steps)[0] for c in wanted}
-    dense = {key: (tokens, *_forced_with_quote(dense_backend, prompts[key], tokens))
-             for key, tokens in dense_tokens.items()}
+    dense = {c.key: _greedy_with_quote(dense_backend, prompts[c.key], steps) for c in wanted}
     del dense_backend
     for (policy, budget), todo in pending.items():
         if not todo:
@@ -46,7 +44,7 @@ def run_fidelity(config: EvalConfig, cases: list[Case], pending: dict, cache: Ar
                 logits, recall, own = reference, dense_recall, tokens
             else:
                 logits, recall = _forced_with_quote(backend, prompts[case.key], tokens)
-                own = _teacher_forced(backend, prompts[case.key], None, steps)[0]
+                own = _decode(backend, prompts[case.key], steps, _greedy)[0]
             store.add({"id": store.record_id(case, policy, budget), "policy": policy, "budget": budget,
                        **case.to_dict(), "prompt_tokens": len(prompts[case.key]), "generated": steps,
                        **_measures(logits, reference, tokens, own, budget),
@@ -68,26 +66,42 @@ def _measures(logits: np.ndarray, reference: np.ndarray, tokens: np.ndarray, own
             "first_divergence": int(differs[0]) if differs.size else len(tokens)}
 
 
-def _teacher_forced(backend, prompt: list[int], tokens: np.ndarray | None, steps: int,
-                    ) -> tuple[np.ndarray, np.ndarray]:
-    """`steps` greedy tokens (tokens None) or teacher-forced logits; returns (tokens, logits [S, V])."""
+def _decode(backend, prompt: list[int], steps: int, token_at) -> tuple[np.ndarray, np.ndarray]:
+    """Prefill, then `steps` positions; token_at(g, logits, chosen) is the token at position g given
+    the logits predicting it and the tokens chosen before. Returns (tokens [S], logits [S, V])."""
     result = backend.prefill(0, prompt)
     logits, chosen = [result.logits], []
     for g in range(steps):
-        token = int(np.argmax(logits[-1])) if tokens is None else int(tokens[g])
-        chosen.append(token)
+        chosen.append(int(token_at(g, logits[-1], chosen)))
         if g == steps - 1:
             break
-        logits.append(backend.decode({0: token}, {0: result.layout.step(g)})[0].copy())
+        logits.append(backend.decode({0: chosen[-1]}, {0: result.layout.step(g)})[0].copy())
     return np.array(chosen), np.stack(logits)
+
+
+def _greedy(g: int, logits: np.ndarray, chosen: list[int]) -> int:
+    return int(np.argmax(logits))
+
+
+def _greedy_with_quote(backend, prompt: list[int], steps: int) -> tuple[np.ndarray, np.ndarray, float]:
+    """The reference in one pass: `steps` greedy tokens, then the quote of their first RECALL_CUE +
+    RECALL_TOKENS; returns (tokens [steps], logits [steps, V], recall probe)."""
+    quote = RECALL_CUE + RECALL_TOKENS
+    tokens, logits = _decode(backend, prompt, steps + quote,
+                             lambda g, last, chosen: np.argmax(last) if g < steps else chosen[g - steps])
+    return tokens[:steps], logits[:steps], _recall(logits, tokens[:quote], steps)
 
 
 def _forced_with_quote(backend, prompt: list[int], tokens: np.ndarray) -> tuple[np.ndarray, float]:
     """`tokens` (the generation) teacher-forced, then its first RECALL_CUE + RECALL_TOKENS tokens
-    once more: returns the logits over the generation [len(tokens), V] and the recall probe, the
-    share of the quote's last RECALL_TOKENS tokens predicted (argmax) from the tokens before them."""
+    once more: returns the logits over the generation [len(tokens), V] and the recall probe."""
     quoted = tokens[:RECALL_CUE + RECALL_TOKENS]
-    steps = len(tokens)
-    logits = _teacher_forced(backend, prompt, np.concatenate([tokens, quoted]), steps + len(quoted))[1]
-    recall = np.argmax(logits[steps + RECALL_CUE:], -1) == quoted[RECALL_CUE:]
-    return logits[:steps], float(np.mean(recall))
+    fed = np.concatenate([tokens, quoted])
+    logits = _decode(backend, prompt, len(fed), lambda g, last, chosen: fed[g])[1]
+    return logits[:len(tokens)], _recall(logits, quoted, len(tokens))
+
+
+def _recall(logits: np.ndarray, quoted: np.ndarray, steps: int) -> float:
+    """The share of the quote's last RECALL_TOKENS tokens predicted (argmax) from the tokens
+    before them; the quote starts at position `steps` of `logits`."""
+    return float(np.mean(np.argmax(logits[steps + RECALL_CUE:], -1) == quoted[RECALL_CUE:]))
