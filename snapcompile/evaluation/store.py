@@ -7,7 +7,7 @@ import json
 from dataclasses import MISSING, asdict, fields
 from pathlib import Path
 
-from snapcompile.errors import SnapcompileError
+from snapcompile.errors import SnapcompileError, parse_json
 from snapcompile.evaluation.config import EvalConfig
 from snapcompile.evaluation.tasks import Case
 
@@ -37,7 +37,6 @@ def read_partial(path: Path, config_json: str, what: str) -> list[dict]:
     """The records of a partial file whose first line is `config_json` (another configuration is
     refused: its records are not this run's). A truncated last line (a killed run was writing it)
     is dropped from the file, so that new records follow whole lines."""
-    from snapcompile.errors import parse_json
     path = Path(path)
     if not path.is_file():
         return []

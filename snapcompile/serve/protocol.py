@@ -142,12 +142,8 @@ class CompletionRequest(_Sampling):
     def prompts(self, max_prompts: int) -> list[PromptItem]:
         """The prompts, one per choice; at most `max_prompts` of them (a 400 beyond)."""
         prompt = self.prompt
-        if isinstance(prompt, str):
-            items = [prompt]
-        elif prompt and all(isinstance(token, int) for token in prompt):
-            items = [prompt]
-        else:
-            items = list(prompt)
+        one = isinstance(prompt, str) or (prompt and all(isinstance(token, int) for token in prompt))
+        items = [prompt] if one else list(prompt)
         if not items:
             raise ApiError(400, "the prompt list is empty", param="prompt")
         if len(items) > max_prompts:
