@@ -12,7 +12,7 @@ def summarize(units: list[dict]) -> list[dict]:
     """One row per (weights, length, task, cell) and a `mean` row over the tasks: the mean score,
     its share of dense's (`retention`), and `kept_solved`: of the samples dense answered fully,
     the share this cell answered fully too (None where dense solved none)."""
-    dense = {(u["weights"], u["length"]): _by_sample(u) for u in units if u["cell"] == "dense"}
+    dense = _dense_samples(units)
     rows = []
     for unit in units:
         reference = dense.get((unit["weights"], unit["length"]), {})
@@ -22,6 +22,11 @@ def summarize(units: list[dict]) -> list[dict]:
             keys = [k for k in samples if task in (ALL_TASKS, k[0])]
             rows.append(_row(unit, task, [samples[k] for k in keys], [reference[k] for k in keys if k in reference]))
     return rows
+
+
+def _dense_samples(units: list[dict]) -> dict[tuple[str, int], dict]:
+    """(weights, length) -> dense's samples by (task, doc_id): what every other cell is paired with."""
+    return {(u["weights"], u["length"]): _by_sample(u) for u in units if u["cell"] == "dense"}
 
 
 def _by_sample(unit: dict) -> dict[tuple[str, int], dict]:
@@ -45,7 +50,7 @@ def _mean(values) -> float:
 
 def lost_samples(units: list[dict]) -> list[dict]:
     """Each sample a compressed cell scored below dense on: both answers and the target."""
-    dense = {(u["weights"], u["length"]): _by_sample(u) for u in units if u["cell"] == "dense"}
+    dense = _dense_samples(units)
     lost = []
     for unit in units:
         reference = dense.get((unit["weights"], unit["length"]))
@@ -131,15 +136,16 @@ def plots(rows: list[dict], stem: Path) -> list[Path]:
 
 def _task_panel(ax, rows: list[dict], task: str) -> None:
     lines = defaultdict(list)
+    colors = {length: f"C{i}" for i, length in enumerate(sorted({r["length"] for r in rows}))}
     for row in rows:
         if row["cell"] == "dense":
             ax.axhline(row["score"], linestyle="--", linewidth=1, label=f"dense {row['length']}",
-                       color=f"C{sorted({r['length'] for r in rows}).index(row['length'])}")
+                       color=colors[row["length"]])
         else:
             lines[(row["policy"], row["length"])].append((row["ratio"], row["score"]))
     for (policy, length), points in sorted(lines.items()):
         points.sort()
-        color = f"C{sorted({r['length'] for r in rows}).index(length)}"
+        color = colors[length]
         ax.plot([p[0] for p in points], [p[1] for p in points], marker="o" if policy == "snapstream" else "s",
                 linestyle="-" if policy == "snapstream" else ":", color=color, label=f"{policy} {length}")
     ax.set_title(task, fontsize=9)
