@@ -33,3 +33,17 @@ def test_ring_never_overwrites_kept_prompt_and_evicts_the_oldest(prompt, rows_pe
         assert step.cache_len == min(layout.kept + g, rows_per_slot)
         rows[step.write_index] = g
     assert len(rows) == min(steps, layout.ring_size)
+
+
+@given(prompt=st.integers(1, 200), rows_per_slot=st.integers(8, 64), fed=st.integers(0, 300),
+       dense=st.booleans())
+def test_fed_rows_are_the_rows_the_steps_left(prompt, rows_per_slot, fed, dense):
+    share = None if dense else rows_per_slot - max(1, rows_per_slot // 4)
+    layout = SlotLayout.for_prompt(prompt, rows_per_slot if not dense else prompt + fed, share)
+    rows = {}                                   # row -> position of the token written there last
+    for g in range(fed):
+        step = layout.step(g)
+        rows[step.write_index] = step.position
+    listed = layout.fed_rows(fed)
+    assert dict(listed) == rows
+    assert [position for _, position in listed] == sorted(rows.values())     # oldest first

@@ -20,7 +20,8 @@ from snapcompile.models.spec import ModelSpec
 
 MANIFEST = "manifest.json"
 WEIGHTS = "weights.bin"
-FORMAT_VERSION = 3      # 2: every file's size and sha256 in the manifest; 3: export.weight_format
+FORMAT_VERSION = 4      # 2: every file's size and sha256 in the manifest; 3: export.weight_format;
+                        # 4: prefill graphs take `position` apart from `start` (resumed conversations)
 GRAPHS_REVISION = 7     # bumped whenever the artifacts change (2: prefill buckets, 3: select buckets, 4: checksums,
                         # 5: opset 21, --weights, 6: deterministic node names, 7: decode slot buckets)
 METADATA_KEY = "snapcompile.config"

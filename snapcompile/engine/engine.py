@@ -17,7 +17,8 @@ import numpy as np
 from snapcompile.engine.request import Request, Sequence
 from snapcompile.engine.sampling import sample, token_logprob, top_logprobs
 from snapcompile.engine.scheduler import Scheduler
-from snapcompile.errors import SnapcompileError, first_line
+from snapcompile.engine.sessions import SessionStore
+from snapcompile.errors import PromptError, SnapcompileError, first_line
 
 log = logging.getLogger("snapcompile.engine")
 STEP_TIMES_KEPT = 100_000      # decode step durations kept for percentiles (a server runs forever)
@@ -51,6 +52,7 @@ class Result:
     latency_s: float
     top_logprobs: list[list[tuple[int, float]]]   # per output token; empty unless the request asked
     token_logprobs: list[float] = ()              # per output token, when the request asked (logprobs)
+    cached_tokens: int = 0                        # prompt tokens resumed from a kept cache, not prefilled
 
     @property
     def failed(self) -> bool:
@@ -86,8 +88,10 @@ class Engine:
     """Serves requests on a backend (see snapcompile.runtime.ort_backend.OrtBackend)."""
 
     def __init__(self, backend, tokenizer, eos_ids: Iterable[int], prefill_tokens_per_step: int | None = None,
-                 clock=time.perf_counter, max_slots: int | None = None):
-        """max_slots: use at most this many of the backend's static slots (the others stay idle)."""
+                 clock=time.perf_counter, max_slots: int | None = None, session_cache_bytes: int = 0):
+        """max_slots: use at most this many of the backend's static slots (the others stay idle).
+        session_cache_bytes: keep finished sequences' caches up to this many bytes, so a request
+        that begins with one resumes from it (0: off)."""
         self.backend, self.tokenizer, self.eos_ids = backend, tokenizer, set(eos_ids)
         self.clock = clock
         if max_slots is not None and not 1 <= max_slots <= backend.slots:
@@ -99,18 +103,21 @@ class Engine:
         self._rngs: dict[str, np.random.Generator] = {}
         self.decode_step_seconds: deque[float] = deque(maxlen=STEP_TIMES_KEPT)   # the latest steps
         self.decode_steps = 0
+        policy = backend.manifest.policy
+        self.sessions = SessionStore(session_cache_bytes, policy.window if policy.policy == "snapstream" else 0,
+                                     backend.max_prompt_len()) if session_cache_bytes else None
 
     @classmethod
     def from_artifact(cls, folder, provider: str = "cpu", threads: int | None = None,
                       prefill_tokens_per_step: int | None = None, backend: str = "ort",
-                      max_slots: int | None = None) -> Engine:
+                      max_slots: int | None = None, session_cache_bytes: int = 0) -> Engine:
         """An engine on an artifact folder (backend "ort") or a TensorRT engine folder ("trt")."""
         from snapcompile.artifact.files import artifact_tokenizer
         from snapcompile.runtime import open_backend
         backend = open_backend(folder, backend, provider=provider, threads=threads)
         tokenizer = artifact_tokenizer(folder, backend.manifest)
         return cls(backend, tokenizer, backend.manifest.eos_token_ids, prefill_tokens_per_step,
-                   max_slots=max_slots)
+                   max_slots=max_slots, session_cache_bytes=session_cache_bytes)
 
     # ------------------------------------------------------------------ API
     def encode(self, text: str, chat: bool | None = None) -> list[int]:
@@ -121,8 +128,13 @@ class Engine:
     def check_prompt(self, prompt_ids: list[int]) -> None:
         """Raise PromptError (reason "empty" or "too_long") for a prompt this artifact cannot take.
         Reads only the artifact's shapes: safe to call from any thread. A submitted request whose
-        prompt breaks it fails alone, at its prefill."""
-        self.backend.check_prompt(prompt_ids)
+        prompt breaks it fails alone, at its prefill. With a session store on a compressed artifact a
+        prompt may be as long as the model's positions allow: past max_context it must resume from a
+        kept conversation (checked at admission)."""
+        if self.sessions is None or not self.backend.manifest.policy.compressed:
+            self.backend.check_prompt(prompt_ids)
+        elif not prompt_ids or len(prompt_ids) >= self.max_positions:
+            raise PromptError("empty" if not prompt_ids else "too_long", len(prompt_ids), self.max_positions - 1)
 
     def submit(self, request: Request) -> Sequence:
         if request.request_id in self.sequences:
@@ -156,7 +168,7 @@ class Engine:
         ttft = seq.first_token_at - seq.submitted_at if seq.first_token_at is not None else None
         return Result(request_id, len(seq.request.prompt_ids), list(seq.output_ids), seq.text,
                       seq.finish_reason, seq.error, ttft, seq.finished_at - seq.submitted_at,
-                      list(seq.top_logprobs), list(seq.token_logprobs))
+                      list(seq.top_logprobs), list(seq.token_logprobs), seq.cached_tokens)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request that has not finished (finish reason "abort"); its slot is free at once.
@@ -193,11 +205,28 @@ class Engine:
     def step(self) -> list[TokenEvent]:
         events: list[TokenEvent] = []
         for seq in self.scheduler.admit():
-            seq.prefill = self.backend.prefill_chunks(seq.slot, seq.request.prompt_ids)
+            seq.prefill = self._prefill_of(seq)
         self._advance_prefill(events)
         if self.scheduler.decoding:
             self._decode(events)
         return events
+
+    def _prefill_of(self, seq: Sequence):
+        """The prefill generator of an admitted sequence: resumed from the session store's best
+        kept cache for its prompt, or the whole prompt."""
+        ids = seq.request.prompt_ids
+        plan = self.sessions.lookup(ids) if self.sessions is not None else None
+        if plan is None:
+            return self.backend.prefill_chunks(seq.slot, ids)
+        seq.cached_tokens = plan.resume_at
+        return self.backend.resume_chunks(seq.slot, plan, ids)
+
+    def _keep(self, seq: Sequence) -> None:
+        """Put a finished sequence's cache into the session store: it stands for the prompt and
+        every output token but the last (never fed)."""
+        fed = seq.output_ids[:-1]
+        self.sessions.put(self.backend.keep(seq.slot, seq.layout, seq.kept_positions, len(fed),
+                                            list(seq.request.prompt_ids) + fed))
 
     def _advance_prefill(self, events: list[TokenEvent]) -> None:
         tokens_left = self.scheduler.prefill_tokens_per_step
@@ -205,7 +234,7 @@ class Engine:
             try:
                 tokens_left -= next(seq.prefill)
             except StopIteration as done:
-                seq.prefill, seq.layout = None, done.value.layout
+                seq.prefill, seq.layout, seq.kept_positions = None, done.value.layout, done.value.kept_positions
                 self.scheduler.prefill_done(seq)
                 events.append(self._emit(seq, done.value.logits))
             except Exception as err:   # this request cannot be served; the others go on
@@ -301,5 +330,10 @@ class Engine:
         return None
 
     def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
+        if self.sessions is not None and reason in OUTCOMES and seq.slot is not None and seq.layout is not None:
+            try:
+                self._keep(seq)
+            except Exception:        # the answer stands; only its reuse is lost
+                log.exception("request %s: its cache could not be kept", seq.request.request_id)
         seq.finish(reason, self.clock(), error)
         self.scheduler.release(seq)

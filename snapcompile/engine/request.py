@@ -107,6 +107,8 @@ class Sequence:
     first_token_at: float | None = None
     finished_at: float | None = None
     layout: object = None          # SlotLayout once prefilled
+    kept_positions: object = None  # PrefillResult.kept_positions once prefilled
+    cached_tokens: int = 0         # prompt tokens resumed from a kept cache
     prefill: object = None         # the backend's prefill generator while PREFILLING
 
     @property

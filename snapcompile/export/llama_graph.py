@@ -5,8 +5,10 @@ Graph contracts (L = max_context, C = chunk, N = slots, Hkv KV heads, D head dim
 prefill (one sequence, one chunk of C tokens, against a cache of R rows: R = L for the graph
   "prefill", R = Lb for the bucket graphs "prefill_<Lb>" that serve prompts of at most Lb tokens
   without attending over L rows):
-  inputs  input_ids [1, C] int64; start [1] int64 (position of the chunk's first token; cache
-          rows [0, start) are valid); chunk_len [1] int64 (valid tokens, the rest is padding);
+  inputs  input_ids [1, C] int64; start [1] int64 (cache rows [0, start) are valid and precede
+          the chunk); position [1] int64 (RoPE position of the chunk's first token: start for a
+          fresh prompt, more for a resumed conversation whose kept rows are fewer than its
+          positions); chunk_len [1] int64 (valid tokens, the rest is padding);
           past_key.{i}, past_value.{i} [1, Hkv, R, D] float32
   outputs logits [1, V] (of token chunk_len-1); key.{i}, value.{i} [1, Hkv, C, D] (the chunk's
           post-RoPE K/V, for the caller to write at rows [start, start+C))
@@ -114,9 +116,10 @@ class PrefillWriter(LlamaGraphWriter):
         self._attach_weights(b)
         ids = b.input("input_ids", np.int64, [1, c])
         start = b.input("start", np.int64, [1])
+        first_position = b.input("position", np.int64, [1])
         chunk_len = b.input("chunk_len", np.int64, [1])
         caches = self._cache_inputs(b, 1, L)
-        positions = b.op("Add", b.op("Unsqueeze", b.const(np.arange(c)), b.const([0])), start)  # [1, C]
+        positions = b.op("Add", b.op("Unsqueeze", b.const(np.arange(c)), b.const([0])), first_position)  # [1, C]
         cos, sin = self._rope_tables(b, positions, [1, 1, c, d // 2])
         cache_visible = b.op("Less", b.const(np.arange(L)), start)                      # [L]
         cache_mask = b.op("Reshape", additive_mask(b, cache_visible), b.const([1, 1, 1, L]))

@@ -38,6 +38,8 @@ class _LayerCache:
     def __init__(self, policy: PolicyConfig, rows_per_slot: int, forced: torch.Tensor | None, record_window: int = 0):
         self.policy, self.rows_per_slot, self.forced = policy, rows_per_slot, forced
         self.keys = self.values = None
+        self.row_positions: torch.Tensor | None = None     # [Hkv, rows_per_slot] position per row, -1 empty
+        self.resume_rows: tuple | None = None   # (keys, values, positions, resume_at) a resumed turn attends over
         self.layout: SlotLayout | None = None
         self.selection: Selection | None = None
         self.generated = 0
@@ -54,31 +56,71 @@ class _LayerCache:
         self.load(query[0, :, -self.policy.window:], key[0], value[0], scale)
         return out
 
-    def load(self, window_query, key, value, scale) -> None:
+    def load(self, window_query, key, value, scale, positions: torch.Tensor | None = None) -> None:
         """Select the kept prompt rows and lay them out: window_query [H, >=W, D] (the last
-        prompt queries), key/value [Hkv, T, D]."""
-        length = key.shape[1]
+        prompt queries), key/value [Hkv, T', D]; positions [Hkv, T'] the rows' positions,
+        ascending per head (None: 0 .. T'-1, a fresh prompt; a resumed turn's rows are its kept
+        rows and the new tokens, docs/design.md "Conversations that keep their cache")."""
+        hkv, rows, d = key.shape
+        if positions is None:
+            positions = torch.arange(rows).expand(hkv, -1)
         share = self.policy.resolved_prompt_share if self.policy.compressed else None
-        self.layout = SlotLayout.for_prompt(length, self.rows_per_slot, share)
-        kept = self._kept_positions(window_query, key, scale)                  # [Hkv, kept]
-        hkv, _, d = key.shape
+        self.layout = SlotLayout.for_rows(int(positions[0, -1]) + 1, rows, self.rows_per_slot, share)
+        kept = self._kept_rows(window_query, key, scale, positions)                # [Hkv, kept]
         self.keys = torch.zeros(hkv, self.rows_per_slot, d)
         self.values = torch.zeros(hkv, self.rows_per_slot, d)
+        self.row_positions = torch.full((hkv, self.rows_per_slot), -1, dtype=torch.int64)
         index = kept[:, :, None].expand(-1, -1, d)
         self.keys[:, : self.layout.kept] = torch.gather(key, 1, index)
         self.values[:, : self.layout.kept] = torch.gather(value, 1, index)
+        self.row_positions[:, : self.layout.kept] = torch.gather(positions, 1, kept)
 
-    def _kept_positions(self, window_query, key, scale) -> torch.Tensor:
-        hkv, length, _ = key.shape
-        if not self.layout.compressed:
-            return torch.arange(length).expand(hkv, -1)
-        if self.forced is not None:
-            self.selection = Selection(self.forced, None)
-        elif self.policy.policy == "streamingllm":
-            self.selection = streaming_select(length, hkv, self.policy)
-        else:
-            self.selection = snapkv_select(window_query[:, -self.policy.window:], key, self.policy, scale)
-        return self.selection.indices
+    def _kept_rows(self, window_query, key, scale, positions) -> torch.Tensor:
+        """[Hkv, kept] rows of `key` to keep, ascending; self.selection in positions."""
+        hkv, rows, _ = key.shape
+        if self.layout.kept == rows:
+            return torch.arange(rows).expand(hkv, -1)
+        if self.forced is not None:    # positions -> rows (each head's positions are ascending)
+            chosen = torch.searchsorted(positions.contiguous(), self.forced)
+            self.forced, self.selection = None, Selection(torch.gather(positions, 1, chosen), None)
+            return chosen
+        if self.policy.policy == "streamingllm":
+            chosen = streaming_select(rows, hkv, self.policy).indices
+            self.selection = Selection(torch.gather(positions, 1, chosen), None)
+            return chosen
+        by_row = snapkv_select(window_query[:, -self.policy.window:], key, self.policy, scale)
+        scores = torch.full((hkv, self.layout.prompt_len), float("-inf"))
+        self.selection = Selection(torch.gather(positions, 1, by_row.indices),
+                                   scores.scatter(1, positions, by_row.scores))
+        return by_row.indices
+
+    def start_resume(self, resume_at: int) -> None:
+        """Keep the rows of positions < resume_at, in position order, for the next fed tokens to
+        attend over (`resume`); raises ValueError when heads hold different counts of them."""
+        valid = self.row_positions >= 0
+        order = torch.sort(self.row_positions.masked_fill(~valid, torch.iinfo(torch.int64).max), dim=1)
+        counts = {int(c) for c in ((self.row_positions >= 0) & (self.row_positions < resume_at)).sum(dim=1)}
+        if len(counts) != 1:
+            raise ValueError(f"resuming at {resume_at} would keep different row counts per head: {sorted(counts)}")
+        rows = order.indices[:, : counts.pop()]
+        index = rows[:, :, None].expand(-1, -1, self.keys.shape[2])
+        self.resume_rows = (torch.gather(self.keys, 1, index), torch.gather(self.values, 1, index),
+                            torch.gather(self.row_positions, 1, rows), resume_at)
+
+    def resume(self, query, key, value, scale):
+        """query [1, H, C, D], key/value [1, Hkv, C, D] of a resumed turn's new tokens: they attend
+        over the kept rows and causally over themselves; the rows are then kept as a prompt."""
+        kept_k, kept_v, kept_pos, first = self.resume_rows
+        self.resume_rows = None
+        n0, new = kept_k.shape[1], key.shape[2]
+        keys, values = torch.cat([kept_k, key[0]], dim=1), torch.cat([kept_v, value[0]], dim=1)
+        visible = torch.cat([torch.ones(new, n0, dtype=torch.bool), torch.ones(new, new).tril().bool()], dim=1)
+        out = _attend(query, keys[None], values[None], scale, visible)
+        new_pos = torch.arange(first, first + new).expand(kept_pos.shape[0], -1)
+        positions = torch.cat([kept_pos, new_pos], dim=1)
+        self.load(query[0, :, -self.policy.window:], keys, values, scale, positions)
+        self.generated = 0
+        return out
 
     def decode(self, query, key, value, scale):
         """query [1, H, 1, D], key/value [1, Hkv, 1, D]: write into the ring, then attend."""
@@ -90,6 +132,7 @@ class _LayerCache:
             torch.tensor([step.write_index]), torch.tensor([step.cache_len]), scale)
         self.keys[:, step.write_index] = key[0, :, 0]
         self.values[:, step.write_index] = value[0, :, 0]
+        self.row_positions[:, step.write_index] = step.position
         return out.reshape(1, heads, 1, dim)
 
 
@@ -108,6 +151,8 @@ def _policy_attention(module, query, key, value, attention_mask, scaling=None, d
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     if cache.layout is None:
         out = cache.prefill(query, key, value, scale)
+    elif cache.resume_rows is not None:
+        out = cache.resume(query, key, value, scale)
     else:
         out = cache.decode(query, key, value, scale)
     return out.transpose(1, 2).contiguous(), None
@@ -182,6 +227,20 @@ class ReferenceSequence:
                              logits_to_keep=1)
         self.position += len(token_ids)
         return out.logits[0, -1].float()
+
+    @torch.no_grad()
+    def resume(self, token_ids: list[int], resume_at: int) -> torch.Tensor:
+        """A later turn of this conversation: `token_ids` are the whole conversation, of which
+        [0, resume_at) were fed before (resume_at <= the positions fed so far). The rows of
+        positions < resume_at stay, the rest is dropped, tokens [resume_at, T) are fed against
+        them and the cache is compressed back as a prompt of T positions. Returns the last
+        token's logits [V]."""
+        if not 0 < resume_at < len(token_ids) or resume_at > self.position:
+            raise ValueError(f"resume_at {resume_at} must be in 1..{min(self.position, len(token_ids) - 1)}")
+        for cache in self.caches:
+            cache.start_resume(resume_at)
+        self.position = resume_at
+        return self.feed(token_ids[resume_at:])
 
     def selections(self) -> list[Selection | None]:
         return [cache.selection for cache in self.caches]

@@ -15,6 +15,8 @@ import torch
 from snapcompile.config import DEFAULT_TIE_GAP, PolicyConfig
 from snapcompile.reference.oracle import ReferenceSequence
 from snapcompile.runtime import open_backend
+from snapcompile.runtime.backend import drain
+from snapcompile.runtime.kept import plan_resume
 
 
 @dataclass
@@ -26,6 +28,8 @@ class PromptReport:
     near_ties: list[dict] = field(default_factory=list)
     selection_mismatches: list[dict] = field(default_factory=list)
     dense_max_diff: float | None = None      # vs dense attention, where everything fits the budget
+    turn: int = 1                            # the conversation's turn (validate --turns); 2.. resumed
+    resumed_tokens: int = 0                  # tokens of this turn taken from the kept cache
 
 
 def oracle_model(folder, manifest):
@@ -129,6 +133,52 @@ class Validator:
                     dense_logits[i] = dense[i].feed([tokens[i]]).numpy()
         return reports
 
+    def run_turns(self, prompts: list[list[int]], steps: int, turns: int, follow_up: list[int],
+                  progress=None) -> list[PromptReport]:
+        """Conversations of `turns` turns (docs/design.md, "Conversations that keep their cache"):
+        turn 1 is the prompt; each later turn is everything so far (prompt, the `steps + 1` greedy
+        tokens of each turn) plus `follow_up`, resumed from the previous turn's kept cache on both
+        sides. Every turn is compared step by step; one report per prompt and turn."""
+        reports = []
+        window = self.manifest.policy.window if self.manifest.policy.policy == "snapstream" else 0
+        for ids in prompts:
+            total = len(ids) + turns * (steps + 1 + len(follow_up))
+            ref = self._reference(total, 0)
+            result, logits, resumed = self.backend.prefill(0, ids), ref.feed(ids), 0
+            for turn in range(1, turns + 1):
+                report = PromptReport(len(ids), result.layout.compressed, turn=turn, resumed_tokens=resumed)
+                if result.kept_positions is not None:
+                    report.near_ties, report.selection_mismatches = compare_selection(
+                        result.kept_positions, ref.selections(), self.tie_gap)
+                fed = self._follow(result.layout, ref, report, result.logits, logits.numpy(), steps)
+                reports.append(report)
+                if turn == turns:
+                    break
+                kept = self.backend.keep(0, result.layout, result.kept_positions, steps, ids + fed[:-1])
+                ids = ids + fed + follow_up
+                plan = plan_resume(kept, ids, window, self.backend.max_prompt_len())
+                if plan is None:
+                    raise ValueError(f"turn {turn + 1} of {len(ids)} tokens cannot resume from the kept cache")
+                result = drain(self.backend.resume_chunks(0, plan, ids))
+                logits, resumed = ref.resume(ids, plan.resume_at), plan.resume_at
+            if progress:
+                progress(1)
+        return reports
+
+    def _follow(self, layout, ref, report: PromptReport, ours: np.ndarray, theirs: np.ndarray,
+                steps: int) -> list[int]:
+        """`steps` decode steps of slot 0, both sides teacher-forced on the oracle's greedy tokens;
+        returns the steps + 1 greedy tokens (the last one not fed)."""
+        tokens = []
+        for g in range(steps + 1):
+            report.step_max_diff.append(float(np.abs(ours - theirs).max()))
+            report.agreements.append(int(np.argmax(ours)) == int(np.argmax(theirs)))
+            tokens.append(int(np.argmax(theirs)))
+            if g < steps:
+                ours = self.backend.decode({0: tokens[-1]}, {0: layout.step(g)})[0].copy()
+                theirs = ref.feed([tokens[-1]]).numpy()
+        return tokens
+
     def _dense_references(self, prompts, steps) -> list[ReferenceSequence | None]:
         """Dense oracles for compressed artifacts where prompt + generated fit the budget."""
         if not self.manifest.policy.compressed:
@@ -153,4 +203,7 @@ def summarize(reports: list[PromptReport], steps: int) -> dict:
         "near_ties": [dict(t, prompt=i) for i, r in enumerate(reports) for t in r.near_ties],
         "selection_mismatches": [dict(m, prompt=i) for i, r in enumerate(reports) for m in r.selection_mismatches],
         "dense_max_abs_logit_diff": max(dense) if dense else None,
+        "per_turn_max_abs_logit_diff": {turn: max(max(r.step_max_diff) for r in reports if r.turn == turn)
+                                        for turn in sorted({r.turn for r in reports})},
+        "resumed_tokens": [r.resumed_tokens for r in reports],
     }

@@ -28,6 +28,7 @@ from snapcompile.artifact.naming import (
     is_prefill_graph,
 )
 from snapcompile.errors import PromptError, SnapcompileError
+from snapcompile.runtime.kept import KeptCache, ResumePlan
 from snapcompile.runtime.layout import DecodeStep, SlotLayout
 from snapcompile.runtime.memory import check_fits, gib
 
@@ -53,7 +54,8 @@ class Device(Protocol):
 @dataclass
 class PrefillResult:
     """logits: [V] float32 for the prompt's last token. kept_positions: per layer [Hkv, kept]
-    prompt positions now in the slot (None when the whole prompt was kept)."""
+    prompt positions now in the slot, ascending (None when they are 0 .. kept-1: the whole prompt
+    was kept)."""
 
     logits: np.ndarray
     layout: SlotLayout
@@ -66,6 +68,15 @@ def chunk_starts(prompt_len: int, chunk: int) -> list[int]:
     starts = list(range(0, max(prompt_len - chunk, 0), chunk))
     starts.append(max(prompt_len - chunk, 0))
     return starts
+
+
+def drain(chunks) -> PrefillResult:
+    """Run a prefill generator (`prefill_chunks`, `resume_chunks`) to its end; its result."""
+    while True:
+        try:
+            next(chunks)
+        except StopIteration as stop:
+            return stop.value
 
 
 def packed_weight_copies(manifest: Manifest) -> int:
@@ -135,7 +146,7 @@ class SlotBackend:
     def _init_prefill(self) -> None:
         m, zeros = self.manifest, self.device.zeros
         self.p_ids = zeros((1, self.chunk), "int64")
-        self.p_start, self.p_len = zeros((1,), "int64"), zeros((1,), "int64")
+        self.p_start, self.p_pos, self.p_len = (zeros((1,), "int64") for _ in range(3))
         self.p_logits = zeros((1, m.spec.vocab_size), "float32")
         self.p_new_k = [self._kv(1, self.chunk) for _ in self._layers]
         self.p_new_v = [self._kv(1, self.chunk) for _ in self._layers]
@@ -143,7 +154,8 @@ class SlotBackend:
             self.scratch_k = [self._kv(1, m.export.max_context) for _ in self._layers]
             self.scratch_v = [self._kv(1, m.export.max_context) for _ in self._layers]
         for g in self._all_prefill_graphs():
-            for name, array in (("input_ids", self.p_ids), ("start", self.p_start), ("chunk_len", self.p_len)):
+            for name, array in (("input_ids", self.p_ids), ("start", self.p_start), ("position", self.p_pos),
+                                ("chunk_len", self.p_len)):
                 g.bind(name, array)
             g.bind("logits", self.p_logits, output=True)
             for i in self._layers:
@@ -254,27 +266,45 @@ class SlotBackend:
 
     def prefill_chunks(self, slot: int, token_ids: list[int]):
         """Generator form of `prefill`: yields the tokens of each chunk once it ran (so an
-        engine can interleave decode steps) and returns the PrefillResult.
+        engine can interleave decode steps) and returns the PrefillResult."""
+        self.check_prompt(token_ids)
+        return (yield from self._prefill(slot, token_ids, None))
 
-        Every chunk's K/V goes to the targets (the slot, or the scratch cache of a compressed
+    def resume_chunks(self, slot: int, plan: ResumePlan, token_ids: list[int]):
+        """Generator form of a resumed prefill (`runtime/kept.py`): the plan's kept rows go into the
+        prompt's cache, tokens [resume_at, T) are prefilled against them at their own positions,
+        and the cache is compressed back into the slot as a prompt of T positions (snapstream
+        re-selects with the new tokens' window). A conversation may pass max_context this way;
+        the rows prefilled against may not."""
+        rows = plan.rows + len(token_ids) - plan.resume_at
+        if rows > self.max_prompt_len() or not 0 < plan.resume_at < len(token_ids):
+            raise SnapcompileError(f"cannot resume {len(token_ids)} tokens at token {plan.resume_at} from "
+                                   f"{plan.rows} kept rows: {rows} rows, the artifact's prefill takes "
+                                   f"{self.max_prompt_len()}")
+        return (yield from self._prefill(slot, token_ids, plan))
+
+    def _prefill(self, slot: int, token_ids: list[int], plan: ResumePlan | None):
+        """Every chunk's K/V goes to the targets (the slot, or the scratch cache of a compressed
         prompt); a bucket's own cache is a copy of their first rows, filled when a chunk moves
         to that bucket (the buckets share one buffer, so one holds this prompt at a time)."""
-        self.check_prompt(token_ids)
-        length = len(token_ids)
         targets = self._prefill_targets(slot)
+        first_row, first_position = (plan.rows, plan.resume_at) if plan else (0, 0)
+        if plan:
+            self._load_kept(targets, plan)
+        new = token_ids[first_position:]
         ids = np.zeros((1, self.chunk), np.int64)
         synced = None                    # the bucket whose cache holds the rows filled so far
         began = time.perf_counter()
-        for start in chunk_starts(length, self.chunk):
-            count = min(self.chunk, length - start)
+        for offset in chunk_starts(len(new), self.chunk):
+            count, start = min(self.chunk, len(new) - offset), first_row + offset
             rows = self.chunk_rows(start)
             if rows != synced:
                 synced = self._prepare_chunk_graph(rows, targets, start)
-            ids[0, :count] = token_ids[start:start + count]
+            ids[0, :count] = new[offset:offset + count]
             ids[0, count:] = 0
             self.device.upload(self.p_ids, ids)
-            self.device.upload(self.p_start, np.array([start], np.int64))
-            self.device.upload(self.p_len, np.array([count], np.int64))
+            for array, value in ((self.p_start, start), (self.p_pos, first_position + offset), (self.p_len, count)):
+                self.device.upload(array, np.array([value], np.int64))
             (self.bucket_graphs.get(rows) or self.prefill_graph).run()
             self._write_chunk(targets, start, count)
             if synced is not None:
@@ -284,24 +314,28 @@ class SlotBackend:
                     synced = None        # the bucket has no room for these rows
             yield count
         compressed_at = time.perf_counter()
+        filled = first_row + len(new)
         share = self.manifest.policy.resolved_prompt_share if self.manifest.policy.compressed else None
-        layout = SlotLayout.for_prompt(length, self.rows_per_slot, share)
+        layout = SlotLayout.for_rows(len(token_ids), filled, self.rows_per_slot, share)
         kept = None
         if self.manifest.policy.compressed:
-            rows = self.prefill_rows(length)
+            rows = self.prefill_rows(filled)
             if rows in self.select_buckets and rows != synced:
-                self._copy_rows(targets, self._bucket_cache(rows), length)
-            kept = self._compress_into_slot(slot, layout, rows)
+                self._copy_rows(targets, self._bucket_cache(rows), filled)
+            kept = self._compress_into_slot(slot, layout, filled, rows)
+            if plan:
+                kept = _positions_of_rows(plan, len(token_ids), kept, layout.kept)
         self.last_prefill_seconds = {"chunks": compressed_at - began, "select": time.perf_counter() - compressed_at}
         return PrefillResult(self.device.download(self.p_logits)[0].copy(), layout, kept)
 
+    def _load_kept(self, targets, plan: ResumePlan) -> None:
+        """The plan's first kept rows into rows [0, plan.rows) of the prompt's cache."""
+        for i in self._layers:
+            self.device.upload(targets[0][i][0, :, :plan.rows], plan.kept.keys[i][:, :plan.rows])
+            self.device.upload(targets[1][i][0, :, :plan.rows], plan.kept.values[i][:, :plan.rows])
+
     def prefill(self, slot: int, token_ids: list[int]) -> PrefillResult:
-        gen = self.prefill_chunks(slot, token_ids)
-        while True:
-            try:
-                next(gen)
-            except StopIteration as stop:
-                return stop.value
+        return drain(self.prefill_chunks(slot, token_ids))
 
     def _prepare_chunk_graph(self, rows: int, targets, filled: int) -> int | None:
         """Make the prefill graph over `rows` cache rows see the `filled` rows of the targets:
@@ -336,33 +370,35 @@ class SlotBackend:
             return self.scratch_k, self.scratch_v
         return [k[slot:slot + 1] for k in self.keys], [v[slot:slot + 1] for v in self.values]
 
-    def _compress_into_slot(self, slot: int, layout: SlotLayout, rows: int) -> list[np.ndarray] | None:
-        """Move the kept prompt rows from the scratch cache into the slot (once per request).
-        rows: the cache rows the prompt was prefilled on; a select graph of that bucket, where the
-        artifact has one, selects from the bucket's cache instead of scoring max_context rows."""
+    def _compress_into_slot(self, slot: int, layout: SlotLayout, filled: int, rows: int) -> list[np.ndarray] | None:
+        """Move the kept prompt rows from the `filled` rows of the scratch cache into the slot (once
+        per request); returns per layer [Hkv, kept] the scratch rows kept, ascending (None: rows
+        [0, kept), all of them). rows: the cache rows the prompt was prefilled on; a select graph of
+        that bucket, where the artifact has one, selects from the bucket's cache instead of
+        scoring max_context rows."""
         kept = layout.kept
-        if not layout.compressed:
+        if kept == filled:
             for i in self._layers:
                 self.keys[i][slot, :, :kept] = self.scratch_k[i][0, :, :kept]
                 self.values[i][slot, :, :kept] = self.scratch_v[i][0, :, :kept]
             return None
         if self.select_graph is None:
-            return self._streaming_into_slot(slot, layout)
-        self.device.upload(self.sel_len, np.array([layout.prompt_len], np.int64))
+            return self._streaming_into_slot(slot, filled, kept)
+        self.device.upload(self.sel_len, np.array([filled], np.int64))
         self.select_buckets.get(rows, self.select_graph).run()
         for i in self._layers:
             self.keys[i][slot, :, :kept] = self.sel_k[i][0]
             self.values[i][slot, :, :kept] = self.sel_v[i][0]
         return [self.device.download(idx)[0].copy() for idx in self.sel_idx]
 
-    def _streaming_into_slot(self, slot: int, layout: SlotLayout) -> list[np.ndarray]:
-        positions = np.array(self.manifest.policy.streaming_positions(layout.prompt_len), np.int64)
+    def _streaming_into_slot(self, slot: int, filled: int, kept: int) -> list[np.ndarray]:
+        positions = np.array(self.manifest.policy.streaming_positions(filled), np.int64)
         rows = self.device.indices(positions)
         for i in self._layers:
-            self.keys[i][slot, :, :layout.kept] = self.scratch_k[i][0][:, rows]
-            self.values[i][slot, :, :layout.kept] = self.scratch_v[i][0][:, rows]
+            self.keys[i][slot, :, :kept] = self.scratch_k[i][0][:, rows]
+            self.values[i][slot, :, :kept] = self.scratch_v[i][0][:, rows]
         hkv = self.manifest.spec.num_kv_heads
-        return [np.broadcast_to(positions, (hkv, layout.kept)).copy() for _ in self._layers]
+        return [np.broadcast_to(positions, (hkv, kept)).copy() for _ in self._layers]
 
     # ---------------------------------------------------------------- decode
     def decode(self, tokens: dict[int, int], steps: dict[int, DecodeStep]) -> np.ndarray:
@@ -390,6 +426,28 @@ class SlotBackend:
             self.values[i][slots, :, writes] = self.d_new_v[i][slots, :, 0]
         return self.device.download(self.d_logits)
 
+    def keep(self, slot: int, layout: SlotLayout, kept_positions: list[np.ndarray] | None, fed: int,
+             token_ids: list[int]) -> KeptCache:
+        """The cache of a finished sequence in `slot` as host arrays in position order: its kept
+        prompt rows (`kept_positions`, as PrefillResult gives them) and the `fed` decode tokens the
+        slot still holds. token_ids: the prompt and the fed output tokens (len = positions covered)."""
+        hkv = self.manifest.spec.num_kv_heads
+        decoded = layout.fed_rows(fed)
+        prompt_rows = np.broadcast_to(np.arange(layout.kept), (hkv, layout.kept))
+        rows = np.concatenate([prompt_rows, np.broadcast_to(np.array([r for r, _ in decoded], np.int64),
+                                                            (hkv, len(decoded)))], axis=1)
+        decoded_positions = np.broadcast_to(np.array([p for _, p in decoded], np.int64), (hkv, len(decoded)))
+        keys, values, positions = [], [], []
+        for i in self._layers:
+            prompt = prompt_rows if kept_positions is None else kept_positions[i]
+            layer_positions = np.concatenate([prompt, decoded_positions], axis=1)
+            order = np.argsort(layer_positions, axis=1, kind="stable")
+            layer_rows = np.take_along_axis(rows, order, axis=1)[:, :, None]
+            keys.append(np.take_along_axis(self.device.download(self.keys[i][slot]), layer_rows, axis=1))
+            values.append(np.take_along_axis(self.device.download(self.values[i][slot]), layer_rows, axis=1))
+            positions.append(np.take_along_axis(layer_positions, order, axis=1))
+        return KeptCache(np.array(token_ids, np.int64), tuple(keys), tuple(values), tuple(positions))
+
     def move_slot(self, source: int, target: int, rows: int) -> None:
         """Copy the first `rows` cache rows of slot `source` into slot `target` (the engine moves a
         sequence to a lower slot so that its steps run on a smaller decode graph)."""
@@ -399,3 +457,17 @@ class SlotBackend:
     def kv_bytes_allocated(self) -> int:
         """Bytes of the slot caches (allocated once, independent of prompt lengths)."""
         return self.slots * self.manifest.kv_bytes_per_slot()
+
+
+def _positions_of_rows(plan: ResumePlan, prompt_len: int, kept_rows: list[np.ndarray] | None,
+                       kept: int) -> list[np.ndarray]:
+    """Per layer [Hkv, kept] positions of the rows a resumed prefill kept (kept_rows as
+    `_compress_into_slot` returns them): the plan's kept rows stand for their own positions, the
+    new rows for resume_at .. prompt_len-1."""
+    out = []
+    for i, positions in enumerate(plan.kept.positions):
+        hkv = positions.shape[0]
+        new = np.broadcast_to(np.arange(plan.resume_at, prompt_len), (hkv, prompt_len - plan.resume_at))
+        table = np.concatenate([positions[:, :plan.rows], new], axis=1)
+        out.append(table[:, :kept].copy() if kept_rows is None else np.take_along_axis(table, kept_rows[i], axis=1))
+    return out

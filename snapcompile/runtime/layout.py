@@ -38,9 +38,15 @@ class SlotLayout:
     @classmethod
     def for_prompt(cls, prompt_len: int, rows_per_slot: int, prompt_share: int | None) -> SlotLayout:
         """prompt_share None = dense (keep everything, no ring)."""
+        return cls.for_rows(prompt_len, prompt_len, rows_per_slot, prompt_share)
+
+    @classmethod
+    def for_rows(cls, prompt_len: int, rows: int, rows_per_slot: int, prompt_share: int | None) -> SlotLayout:
+        """A prompt of `prompt_len` positions prefilled as `rows` cache rows (fewer for a resumed
+        conversation, whose older positions were compressed before): at most the prompt share kept."""
         if prompt_share is None:
-            return cls(prompt_len, prompt_len, rows_per_slot, ring=False)
-        return cls(prompt_len, min(prompt_len, prompt_share), rows_per_slot, ring=True)
+            return cls(prompt_len, rows, rows_per_slot, ring=False)
+        return cls(prompt_len, min(rows, prompt_share), rows_per_slot, ring=True)
 
     @property
     def compressed(self) -> bool:
@@ -60,6 +66,12 @@ class SlotLayout:
             return DecodeStep(position, position, position)
         write = self.kept + generated % self.ring_size
         return DecodeStep(position, write, min(self.kept + generated, self.rows_per_slot))
+
+    def fed_rows(self, fed: int) -> list[tuple[int, int]]:
+        """(row, position) of the decode tokens whose K/V the slot holds once `fed` of them were
+        fed (steps 0 .. fed-1), oldest first: all of them without a ring, the last ring_size with one."""
+        first = max(0, fed - self.ring_size) if self.ring else 0
+        return [(self.step(g).write_index, self.prompt_len + g) for g in range(first, fed)]
 
     def can_feed(self, generated: int) -> bool:
         """Whether decode token number `generated` still fits (always true for a ring)."""

@@ -1,0 +1,73 @@
+"""The session store: finished sequences' caches kept in host memory, least recently used first
+out, bounded by bytes (`--session-cache-bytes`). A request that begins with a kept sequence's
+tokens resumes from it (`runtime/kept.py`). Entries are never changed; the engine thread is the
+only one that touches the store."""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+
+from snapcompile.runtime.kept import KeptCache, ResumePlan, plan_resume
+
+MAX_ENTRIES = 1024        # a lookup compares the prompt with every entry
+
+
+@dataclass
+class StoreCounters:
+    hits: int = 0
+    misses: int = 0
+    tokens_reused: int = 0
+    evictions: int = 0
+    refused: int = 0          # entries larger than the whole store
+
+
+class SessionStore:
+    def __init__(self, max_bytes: int, window: int, max_rows: int, max_entries: int = MAX_ENTRIES):
+        """window: tokens a resumed request prefills anew at least (the policy's observation window,
+        0 without a selection); max_rows: the rows a resumed prefill may attend over."""
+        if max_bytes < 0 or max_entries < 1:
+            raise ValueError("max_bytes must be >= 0 and max_entries >= 1")
+        self.max_bytes, self.window, self.max_rows, self.max_entries = max_bytes, window, max_rows, max_entries
+        self._entries: OrderedDict[bytes, KeptCache] = OrderedDict()   # token-id bytes -> entry, oldest first
+        self.bytes = 0
+        self.counters = StoreCounters()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def put(self, kept: KeptCache) -> None:
+        """Keep `kept` (replacing an entry of the same tokens), evicting the least recently used
+        entries until it fits; an entry larger than the whole store is not kept."""
+        if kept.nbytes > self.max_bytes:
+            self.counters.refused += 1
+            return
+        key = kept.token_ids.tobytes()
+        if key in self._entries:
+            self.bytes -= self._entries.pop(key).nbytes
+        while self._entries and (self.bytes + kept.nbytes > self.max_bytes or len(self._entries) >= self.max_entries):
+            self.bytes -= self._entries.popitem(last=False)[1].nbytes
+            self.counters.evictions += 1
+        self._entries[key] = kept
+        self.bytes += kept.nbytes
+
+    def lookup(self, token_ids: list[int]) -> ResumePlan | None:
+        """The plan that reuses the most of `token_ids` over all entries (that entry becomes the
+        most recently used), or None; counted as a hit or a miss."""
+        best = None
+        if self._entries and len(token_ids) > 1:
+            first = np.int64(token_ids[0])
+            for key, kept in self._entries.items():
+                if kept.token_ids[0] != first:
+                    continue
+                plan = plan_resume(kept, token_ids, self.window, self.max_rows)
+                if plan is not None and (best is None or plan.resume_at > best[1].resume_at):
+                    best = (key, plan)
+        if best is None:
+            self.counters.misses += 1
+            return None
+        self._entries.move_to_end(best[0])
+        self.counters.hits += 1
+        self.counters.tokens_reused += best[1].resume_at
+        return best[1]

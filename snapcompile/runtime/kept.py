@@ -1,0 +1,74 @@
+"""A finished sequence's cache kept in host memory, and the rule for resuming a request from it
+(docs/design.md, "Conversations that keep their cache"). Host arrays only, no device code.
+
+A request resumes from a kept cache at its resume point r: the kept rows of positions < r stand
+for the request's tokens [0, r) and only [r, T) is prefilled, against them. r is the length of the
+common token prefix, moved back so that the new tokens hold the whole observation window (a
+snapstream artifact re-selects with the window of the new turn) and at least one token (whose
+logits start the answer).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class KeptCache:
+    """token_ids: [F] int64, the tokens the cache stands for (prompt and fed output; the last
+    sampled token was never fed, so it is not among them). keys / values: per layer [Hkv, n, D]
+    float32; positions: per layer [Hkv, n] int64, ascending per head, all < F. Every array is
+    read-only: requests that resume from one entry at once copy it, none changes it."""
+
+    token_ids: np.ndarray
+    keys: tuple[np.ndarray, ...]
+    values: tuple[np.ndarray, ...]
+    positions: tuple[np.ndarray, ...]
+
+    def __post_init__(self):
+        for array in (self.token_ids, *self.keys, *self.values, *self.positions):
+            array.flags.writeable = False
+
+    @property
+    def rows(self) -> int:
+        """Cache rows per layer and KV head (at most the slot's budget)."""
+        return self.positions[0].shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in (self.token_ids, *self.keys, *self.values, *self.positions))
+
+
+@dataclass(frozen=True)
+class ResumePlan:
+    """Resume a request from `kept`: its tokens [resume_at, T) are prefilled against the first
+    `rows` kept rows (those of positions < resume_at, as many in every layer and head)."""
+
+    kept: KeptCache
+    resume_at: int
+    rows: int
+
+
+def common_prefix(a: np.ndarray, b: list[int]) -> int:
+    """The length of the longest common prefix of two token-id sequences."""
+    n = min(len(a), len(b))
+    differ = np.flatnonzero(a[:n] != np.asarray(b[:n], np.int64))
+    return int(differ[0]) if differ.size else n
+
+
+def plan_resume(kept: KeptCache, token_ids: list[int], window: int, max_rows: int) -> ResumePlan | None:
+    """How `token_ids` (T of them) resumes from `kept`, or None when it cannot: no common prefix
+    left once the last max(window, 1) tokens are prefilled anew, a resume point that cuts the kept
+    rows unevenly across heads (inside a per-head selection), or more than `max_rows` rows to
+    prefill against (the artifact's prefill cache)."""
+    resume_at = min(common_prefix(kept.token_ids, token_ids), len(token_ids) - max(window, 1))
+    if resume_at <= 0:
+        return None
+    counts = {int(c) for positions in kept.positions for c in (positions < resume_at).sum(axis=1)}
+    if len(counts) != 1:
+        return None
+    rows = counts.pop()
+    if rows == 0 or rows + len(token_ids) - resume_at > max_rows:
+        return None
+    return ResumePlan(kept, resume_at, rows)

@@ -1,0 +1,173 @@
+"""Conversations that keep their compressed cache: the resume rule and the store without a model,
+resumed turns through the engine against the oracle's multi-turn policy on tiny-llama."""
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from snapcompile.engine.request import Request
+from snapcompile.engine.sessions import SessionStore
+from snapcompile.errors import PromptError
+from snapcompile.reference.oracle import ReferenceSequence
+from snapcompile.runtime.kept import KeptCache, common_prefix, plan_resume
+from tests.conftest import TINY_SNAPSTREAM, random_prompts
+from tests.test_engine import _engine
+
+
+def _kept(token_ids, positions_per_head, layers=2, dim=4) -> KeptCache:
+    """A kept cache of the given tokens whose KV heads hold `positions_per_head` (lists, ascending)."""
+    positions = np.array(positions_per_head, np.int64)
+    hkv, rows = positions.shape
+    keys = tuple(np.random.default_rng(i).normal(size=(hkv, rows, dim)).astype(np.float32) for i in range(layers))
+    return KeptCache(np.array(token_ids, np.int64), keys, tuple(k + 1 for k in keys), (positions,) * layers)
+
+
+def test_common_prefix():
+    assert common_prefix(np.array([1, 2, 3]), [1, 2, 4, 5]) == 2
+    assert common_prefix(np.array([1, 2]), [1, 2, 3]) == 2
+    assert common_prefix(np.array([1, 2, 3]), [1, 2]) == 2
+    assert common_prefix(np.array([7]), [1]) == 0
+
+
+def test_resume_point_leaves_the_window_and_one_token_to_prefill():
+    kept = _kept(range(10), [list(range(10))])
+    assert plan_resume(kept, list(range(14)), window=0, max_rows=100).resume_at == 10
+    assert plan_resume(kept, list(range(14)), window=8, max_rows=100).resume_at == 6   # the window is new tokens
+    assert plan_resume(kept, list(range(10)), window=0, max_rows=100).resume_at == 9   # one token's logits
+    plan = plan_resume(kept, [0, 1, 2, 99, 98, 97], window=0, max_rows=100)            # a partial match
+    assert (plan.resume_at, plan.rows) == (3, 3)
+    assert plan_resume(kept, [5, 1, 2], window=0, max_rows=100) is None
+    assert plan_resume(kept, list(range(14)), window=0, max_rows=13) is None           # 10 + 4 rows > 13
+
+
+def test_resume_point_inside_a_per_head_selection_is_refused():
+    kept = _kept(range(20), [[0, 1, 5, 9, 18, 19], [0, 1, 6, 7, 18, 19]])   # heads kept different positions
+    assert plan_resume(kept, list(range(25)), window=4, max_rows=100).rows == 6       # at 20: all rows
+    assert plan_resume(kept, list(range(6)) + [77] * 10, window=0, max_rows=100) is None   # at 6: 3 rows vs 2
+    assert plan_resume(kept, list(range(2)) + [77] * 10, window=0, max_rows=100).rows == 2
+
+
+def test_kept_arrays_are_read_only():
+    kept = _kept([1, 2, 3], [[0, 1, 2]])
+    with pytest.raises(ValueError):
+        kept.keys[0][0, 0, 0] = 1.0
+    with pytest.raises(ValueError):
+        kept.token_ids[0] = 5
+
+
+def test_store_evicts_least_recently_used_by_bytes():
+    entries = [_kept([i, 1, 2, 3], [[0, 1, 2, 3]]) for i in range(4)]
+    size = entries[0].nbytes
+    store = SessionStore(max_bytes=3 * size, window=0, max_rows=100)
+    for kept in entries[:3]:
+        store.put(kept)
+    assert store.lookup([0, 1, 2, 3, 9]).kept is entries[0]      # entry 0 is now the most recent
+    store.put(entries[3])                                         # evicts entry 1, the least recent
+    assert len(store) == 3 and store.bytes == 3 * size <= store.max_bytes
+    assert store.lookup([1, 1, 2, 3, 9]) is None
+    assert store.counters.evictions == 1 and store.counters.hits == 1 and store.counters.misses == 1
+    assert store.counters.tokens_reused == 4
+    store.put(entries[3])                                         # the same tokens replace, not duplicate
+    assert len(store) == 3 and store.bytes == 3 * size
+    tiny = SessionStore(max_bytes=size - 1, window=0, max_rows=100)
+    tiny.put(entries[0])
+    assert len(tiny) == 0 and tiny.counters.refused == 1
+
+
+def test_store_picks_the_entry_that_reuses_most():
+    short, long = _kept([1, 2, 3], [[0, 1, 2]]), _kept([1, 2, 3, 4, 5, 6], [[0, 1, 2, 3, 4, 5]])
+    store = SessionStore(max_bytes=10**6, window=0, max_rows=100)
+    store.put(long)
+    store.put(short)
+    assert store.lookup([1, 2, 3, 4, 5, 6, 7]).kept is long
+    assert store.lookup([1, 2, 3, 9, 9]).resume_at == 3
+
+
+@given(sizes=st.lists(st.integers(1, 40), min_size=1, max_size=30), budget=st.integers(0, 4000))
+def test_store_never_holds_more_than_its_bytes(sizes, budget):
+    store = SessionStore(max_bytes=budget, window=0, max_rows=100, max_entries=8)
+    for i, rows in enumerate(sizes):
+        store.put(_kept([i] + [0] * (rows - 1), [list(range(rows))], layers=1, dim=2))
+        assert store.bytes <= budget and len(store) <= 8
+        assert store.bytes == sum(e.nbytes for e in store._entries.values())
+
+
+# ---------------------------------------------------------------- through the engine
+
+
+def _oracle_conversation(model, policy, rows, turns, steps):
+    """Greedy tokens of each turn under the oracle's multi-turn policy, with the resume points
+    the engine's store gives (the same rule)."""
+    ids, window, outputs = list(turns[0]), policy.window if policy.policy == "snapstream" else 0, []
+    ref = ReferenceSequence(model, policy, rows)
+    logits = ref.feed(ids)
+    for turn in range(len(turns)):
+        out = [int(logits.argmax())]
+        for _ in range(steps - 1):
+            logits = ref.feed([out[-1]])
+            out.append(int(logits.argmax()))
+        outputs.append(out)
+        if turn + 1 == len(turns):
+            break
+        kept_ids = ids + out[:-1]
+        ids = ids + out + list(turns[turn + 1])
+        resume_at = min(len(kept_ids), len(ids) - max(window, 1))
+        logits = ref.resume(ids, resume_at)
+    return outputs
+
+
+@pytest.mark.parametrize("folder", ["tiny_dense_dir", "tiny_snap_dir"])
+def test_resumed_turns_equal_the_oracle_multi_turn_policy(request, tiny_llama, folder):
+    folder = request.getfixturevalue(folder)
+    engine = _engine(folder, session_cache_bytes=2**26)
+    turns = random_prompts([200, 30, 12], seed=5)
+    steps = 40
+    ids, outputs, cached = [], [], []
+    for turn in turns:
+        ids = ids + (outputs[-1] if outputs else []) + turn
+        result, = engine.generate([Request(ids, max_new_tokens=steps, ignore_eos=True)])
+        outputs.append(result.output_ids)
+        cached.append(result.cached_tokens)
+    policy = engine.backend.manifest.policy
+    rows = engine.backend.rows_per_slot if policy.compressed else 512
+    assert outputs == _oracle_conversation(tiny_llama.model, policy, rows, turns, steps)
+    window = TINY_SNAPSTREAM.window if policy.compressed else 0
+    assert cached == [0, 200 + steps - 1, min(200 + 30 + 2 * steps - 1, 200 + 30 + 2 * steps + 12 - window)]
+    assert engine.sessions.counters.hits == 2 and engine.sessions.counters.misses == 1
+    if policy.compressed:
+        assert all(kept.rows <= policy.budget for kept in engine.sessions._entries.values())
+
+
+def test_one_entry_serves_concurrent_requests_unchanged(tiny_snap_dir):
+    engine = _engine(tiny_snap_dir, session_cache_bytes=2**26)
+    document, = random_prompts([300], seed=6)
+    first, = engine.generate([Request(document, max_new_tokens=4, ignore_eos=True)])
+    kept, = engine.sessions._entries.values()
+    snapshot = [k.copy() for k in kept.keys]
+    questions = random_prompts([20, 25, 30], seed=7)
+    shared = [Request(document + first.output_ids + q, max_new_tokens=8, ignore_eos=True) for q in questions]
+    together = engine.generate(shared)
+    assert [r.cached_tokens for r in together] == [300 + 3] * 3
+    assert all(np.array_equal(a, b) for a, b in zip(snapshot, kept.keys))
+    alone = [_engine(tiny_snap_dir, session_cache_bytes=2**26) for _ in questions]
+    for solo, request in zip(alone, shared):
+        solo.generate([Request(document, max_new_tokens=4, ignore_eos=True)])
+        again, = solo.generate([Request(request.prompt_ids, max_new_tokens=8, ignore_eos=True)])
+        assert again.cached_tokens == 303
+        assert again.output_ids == together[shared.index(request)].output_ids
+
+
+def test_a_conversation_may_pass_max_context_but_not_the_model_positions(tiny_snap_dir):
+    engine = _engine(tiny_snap_dir, session_cache_bytes=2**26)
+    ids, = random_prompts([480], seed=8)
+    first, = engine.generate([Request(ids, max_new_tokens=30, ignore_eos=True)])
+    longer = ids + first.output_ids + random_prompts([60], seed=9)[0]      # 570 tokens > max_context 512
+    engine.check_prompt(longer)
+    result, = engine.generate([Request(longer, max_new_tokens=4, ignore_eos=True)])
+    assert result.error is None and result.cached_tokens == 480 + 29
+    fresh = _engine(tiny_snap_dir, session_cache_bytes=2**26)
+    refused, = fresh.generate([Request(longer, max_new_tokens=4)])        # nothing to resume from
+    assert "does not fit" in refused.error
+    limit = engine.max_positions
+    with pytest.raises(PromptError, match=f"1..{limit - 1}"):
+        engine.check_prompt([1] * limit)
