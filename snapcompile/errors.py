@@ -12,10 +12,9 @@ class PromptError(SnapcompileError):
     """A prompt the artifact cannot take: `reason` "empty" or "too_long", with its `tokens` and the
     artifact's `limit` (protocols word it their own way: OpenAI's 400 context_length_exceeded, ...)."""
 
-    def __init__(self, reason: str, tokens: int, limit: int):
+    def __init__(self, reason: str, tokens: int, limit: int, bound: str = "the artifact's --max-context"):
         self.reason, self.tokens, self.limit = reason, tokens, limit
-        super().__init__(f"prompt of {tokens} tokens does not fit: the artifact's --max-context allows "
-                         f"1..{limit} prompt tokens")
+        super().__init__(f"prompt of {tokens} tokens does not fit: {bound} allows 1..{limit} prompt tokens")
 
 
 class EngineFailure(SnapcompileError):

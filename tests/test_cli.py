@@ -2,6 +2,8 @@
 import json
 import shutil
 
+import pytest
+
 from tests.cli_helpers import assert_one_line_error, invoke, rerecord_checksums
 
 
@@ -146,3 +148,17 @@ def test_validate_fits_its_built_in_prompts_to_a_small_artifact(tiny_dense_dir):
     assert result.exit_code == 0, result.output
     summary = json.loads(result.output.strip().splitlines()[-1])
     assert summary["passed"] and max(summary["prompt_tokens"]) <= 512 - 4 - 1
+
+
+@pytest.mark.parametrize("folder", ["tiny_dense_dir", "tiny_snap_dir"])
+def test_validate_turns_compares_resumed_turns(request, folder):
+    folder = request.getfixturevalue(folder)
+    result = invoke("validate", folder, "--prompt", "abc " * 60, "--steps", 20, "--turns", 3, "--json")
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.output.strip().splitlines()[-1])
+    assert summary["passed"] and summary["max_abs_logit_diff"] <= 1e-4
+    assert list(summary["per_turn_max_abs_logit_diff"]) == ["1", "2", "3"]
+    first, second, third = summary["resumed_tokens"]
+    assert first == 0 and second > summary["prompt_tokens"][0] and third > second
+    too_long = invoke("validate", folder, "--prompt", "abc " * 200, "--steps", 100, "--turns", 5)
+    assert_one_line_error(too_long, "leaves no room for 5 turn(s)")

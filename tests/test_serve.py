@@ -470,3 +470,49 @@ def test_prefill_tokens_per_step_reaches_the_engine(artifact):
         assert state.engine_loop.engine.scheduler.prefill_tokens_per_step == 128
     finally:
         state.engine_loop.stop()
+
+
+def test_a_chat_that_resends_its_history_resumes_its_cache(server, client, artifact):
+    """Each turn sends the whole conversation; the server resumes the kept cache of the turn before
+    (usage.prompt_tokens_details.cached_tokens, /metrics) and answers as an engine with the same
+    store does."""
+    from snapcompile import Engine, Request
+    from snapcompile.prompts import encode_messages
+    engine = Engine.from_artifact(artifact, session_cache_bytes=2**26)
+    hits, reused = (server.metric(f"snapcompile_session_cache_{n}_total") for n in ("hits", "reused_tokens"))
+    messages = [{"role": "user", "content": "Tell me a story about a lighthouse keeper " * 4}]
+    cached = []
+    for question in ("And then what happened to him?", "Why did the ships stop coming " * 3):
+        reply = client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0)
+        expected, = engine.generate([Request(encode_messages(engine.tokenizer, messages, 5.0), max_new_tokens=12)])
+        assert reply.choices[0].message.content == expected.text
+        assert reply.usage.prompt_tokens_details.cached_tokens == expected.cached_tokens
+        cached.append(expected.cached_tokens)
+        messages += [{"role": "assistant", "content": expected.text}, {"role": "user", "content": question}]
+    stream = client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0,
+                                            stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    expected, = engine.generate([Request(encode_messages(engine.tokenizer, messages, 5.0), max_new_tokens=12)])
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected.text
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == expected.cached_tokens
+    cached.append(expected.cached_tokens)
+    assert cached[0] == 0 and 64 <= cached[1] < cached[2], cached
+    assert server.metric("snapcompile_session_cache_hits_total") == hits + 2
+    assert server.metric("snapcompile_session_cache_reused_tokens_total") == reused + cached[1] + cached[2]
+    assert server.metric("snapcompile_session_cache_entries") >= 3
+    assert 0 < server.metric("snapcompile_session_cache_bytes")
+
+
+def test_session_cache_bytes_option(artifact, tmp_path):
+    bad = CliRunner().invoke(main, ["serve", str(artifact), "--session-cache-bytes", "lots"])
+    assert bad.exit_code == 2 and "expected 'auto', 0 or a size such as 512MiB" in bad.output
+    process = ServerProcess(artifact, "--session-cache-bytes", "0", log=tmp_path / "off.log").wait_ready()
+    try:
+        body = {"model": "tiny", "prompt": "the lazy dog " * 12, "max_tokens": 4, "temperature": 0}
+        first = httpx.post(process.url + "/v1/completions", json=body, timeout=60).json()
+        body["prompt"] += first["choices"][0]["text"] + " and the quick brown fox " * 4
+        second = httpx.post(process.url + "/v1/completions", json=body, timeout=60).json()
+        assert second["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}, second
+        assert process.metric("snapcompile_session_cache_hits_total") == 0
+    finally:
+        assert process.stop() == 0

@@ -14,12 +14,13 @@ from tests.conftest import TINY_SNAPSTREAM, random_prompts
 from tests.test_engine import _engine
 
 
-def _kept(token_ids, positions_per_head, layers=2, dim=4) -> KeptCache:
+def _kept(token_ids, positions_per_head, layers=2, dim=4, compressed_at=0) -> KeptCache:
     """A kept cache of the given tokens whose KV heads hold `positions_per_head` (lists, ascending)."""
     positions = np.array(positions_per_head, np.int64)
     hkv, rows = positions.shape
     keys = tuple(np.random.default_rng(i).normal(size=(hkv, rows, dim)).astype(np.float32) for i in range(layers))
-    return KeptCache(np.array(token_ids, np.int64), keys, tuple(k + 1 for k in keys), (positions,) * layers)
+    return KeptCache(np.array(token_ids, np.int64), keys, tuple(k + 1 for k in keys), (positions,) * layers,
+                     compressed_at)
 
 
 def test_common_prefix():
@@ -45,6 +46,14 @@ def test_resume_point_inside_a_per_head_selection_is_refused():
     assert plan_resume(kept, list(range(25)), window=4, max_rows=100).rows == 6       # at 20: all rows
     assert plan_resume(kept, list(range(6)) + [77] * 10, window=0, max_rows=100) is None   # at 6: 3 rows vs 2
     assert plan_resume(kept, list(range(2)) + [77] * 10, window=0, max_rows=100).rows == 2
+
+
+def test_no_resume_before_the_kept_rows_were_selected():
+    kept = _kept(range(30), [[0, 1, 5, 9, 18, 19, 20, 25, 29]], compressed_at=20)   # 20 prompt tokens, then decode
+    assert plan_resume(kept, list(range(26)) + [99] * 10, window=4, max_rows=100).resume_at == 26   # in the ring
+    assert plan_resume(kept, list(range(19)) + [99] * 10, window=4, max_rows=100) is None    # inside the selection
+    assert plan_resume(kept, list(range(20)), window=4, max_rows=100) is None                # the prompt sent again
+    assert plan_resume(kept, list(range(22)), window=4, max_rows=100) is None                # window reaches back
 
 
 def test_kept_arrays_are_read_only():

@@ -177,6 +177,27 @@ def test_tritonclient_streams(triton, run_texts):
     assert "".join(pieces) == run_texts[0]
 
 
+def test_a_continued_text_resumes_the_instance_kept_cache(artifact, tmp_path):
+    """One instance: a request that continues an earlier one's text resumes its kept cache
+    (the cached_tokens output) and answers as an engine with the same store does."""
+    from snapcompile import Engine, Request
+    engine = Engine.from_artifact(artifact, session_cache_bytes=2**26)
+    write_repository(artifact, tmp_path / "repo", "tiny", slots=2, threads=1)
+    server = TritonProcess(tmp_path / "repo", tmp_path / "work", tmp_path / "triton.log").wait_ready()
+    try:
+        text, cached = "the lazy dog " * 12, []
+        for more in (" and the quick brown fox " * 4, " then it rained for days " * 3):
+            reply = server.generate({"text_input": text, "max_tokens": 8, "temperature": 0}).json()
+            ids = engine.tokenizer.encode(text, add_special_tokens=False)
+            expected, = engine.generate([Request(ids, max_new_tokens=8)])
+            assert reply["text_output"] == expected.text and reply["cached_tokens"] == expected.cached_tokens
+            cached.append(reply["cached_tokens"])
+            text += reply["text_output"] + more
+        assert cached[0] == 0 and cached[1] >= 64, cached
+    finally:
+        assert server.stop() == 0
+
+
 def test_a_cancelled_request_frees_its_slot(artifact, tmp_path):
     """One instance with one slot: a long request holds it until the model's 4096 positions run
     out. The request after a cancelled long one runs at once only if the cancellation freed it."""

@@ -43,3 +43,27 @@ def report_options(default_output: str, cache_name: str, output_help: str):
 def config_default(config_class, name: str):
     """The default of a configuration dataclass's field: the one place a default is stated."""
     return config_class.__dataclass_fields__[name].default
+
+
+BYTE_UNITS = {"": 1, "k": 2**10, "kib": 2**10, "m": 2**20, "mib": 2**20, "g": 2**30, "gib": 2**30}
+SESSION_CACHE_HELP = ("Keep finished conversations' caches in host memory up to this size (bytes, or with KiB / "
+                      "MiB / GiB), so that a request beginning with one (a chat client resending its history, a "
+                      "shared document or system prompt) prefills only what is new. 'auto': an eighth of the "
+                      "memory available once the artifact is loaded; 0: off.")
+
+
+def parse_session_cache(ctx, param, value):
+    """A click callback: "auto" -> None (sized at load), "512MiB" / "2GiB" / "1000000" -> bytes."""
+    text = str(value).strip().lower().replace(" ", "")
+    if text == "auto":
+        return None
+    number = text.rstrip("kmgib")
+    unit = text[len(number):]
+    if not number.isdigit() or unit not in BYTE_UNITS or len(number) > 15:
+        raise click.BadParameter(f"expected 'auto', 0 or a size such as 512MiB or 2GiB, got {value!r}")
+    return int(number) * BYTE_UNITS[unit]
+
+
+def session_cache_option():
+    return click.option("--session-cache-bytes", "session_cache_bytes", default="auto", show_default=True,
+                        callback=parse_session_cache, help=SESSION_CACHE_HELP)

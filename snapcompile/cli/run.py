@@ -209,14 +209,21 @@ def _format_summary(s: dict) -> str:
               help="How ONNX Runtime multiplies int8/int4 weights: fp32 (dequantized blocks; the graph's exact "
                    "arithmetic, what parity is checked on) or int8 (its fast kernels, which also quantize the "
                    "activations per block; what run, serve, eval and bench use).")
+@click.option("--turns", default=1, show_default=True, type=click.IntRange(1, 16),
+              help="Conversations of this many turns: each later turn adds --follow-up to everything so far and "
+                   "resumes from the previous turn's kept cache on both sides (compared step by step).")
+@click.option("--follow-up", default=" Tell me more about that.", show_default=True,
+              help="The text (no chat template) that each later turn adds.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def validate(artifact, prompt, prompts_file, demo, steps, raw, tolerance, min_agreement, tie_gap, backend, matmul,
-             as_json):
+             turns, follow_up, as_json):
     """Compare the artifact step by step with the PyTorch oracle (same cache policy).
 
     Both run teacher-forced on the oracle's greedy tokens. Exit 1 when max |logit diff| >
     --tolerance, greedy agreement < --min-agreement, or selected positions differ beyond
-    near-ties. With no prompts given, the demo prompts are used.
+    near-ties. With no prompts given, the demo prompts are used. With --turns, each prompt is a
+    conversation whose later turns resume from the kept cache (docs/design.md, "Conversations that
+    keep their cache").
     """
     from snapcompile.artifact.files import artifact_tokenizer
     from snapcompile.artifact.manifest import read_manifest
@@ -230,18 +237,23 @@ def validate(artifact, prompt, prompts_file, demo, steps, raw, tolerance, min_ag
     tie_gap = manifest.export.tie_gap if tie_gap is None else tie_gap
     tokenizer = artifact_tokenizer(artifact, manifest)
     prompts = [encode(tokenizer, r.prompt, manifest.chat and not raw) for r in records]
-    limit = manifest.export.max_context - (0 if manifest.policy.compressed else steps + 1)
+    follow_ids = encode(tokenizer, check_text(follow_up, "--follow-up"), False) if turns > 1 else []
+    if turns > 1 and not follow_ids:
+        raise SnapcompileError("--follow-up must have at least one token")
+    later = (turns - 1) * (steps + 1 + len(follow_ids))       # what the later turns add
+    limit = manifest.export.max_context - (0 if manifest.policy.compressed else steps + 1) - later
     if demo:          # the built-in prompts are cut to fit a small artifact (their last tokens kept)
-        prompts = [p[-limit:] for p in prompts]
+        prompts = [p[-limit:] for p in prompts] if limit > 0 else prompts
     too_long = [len(p) for p in prompts if len(p) > limit]
     if too_long:
-        raise SnapcompileError(f"a prompt of {too_long[0]} tokens leaves no room for {steps} steps within "
-                               f"--max-context {manifest.export.max_context}")
+        raise SnapcompileError(f"a prompt of {too_long[0]} tokens leaves no room for {turns} turn(s) of {steps} "
+                               f"steps within --max-context {manifest.export.max_context}")
     validator = Validator(artifact, oracle_model(artifact, manifest), tie_gap=tie_gap, backend=backend,
                           exact_matmul=matmul == "fp32")
     from tqdm import tqdm
     with tqdm(total=len(prompts), desc="validate", unit="prompt", file=sys.stderr, disable=as_json) as bar:
-        reports = validator.run(prompts, steps, progress=bar.update)
+        reports = (validator.run_turns(prompts, steps, turns, follow_ids, progress=bar.update) if turns > 1
+                   else validator.run(prompts, steps, progress=bar.update))
     summary = summarize(reports, steps)
     summary.update(tolerance=tolerance, min_agreement=min_agreement, weight_format=manifest.export.weight_format,
                    matmul=matmul)
@@ -254,6 +266,9 @@ def validate(artifact, prompt, prompts_file, demo, steps, raw, tolerance, min_ag
                    f"{summary['max_abs_logit_diff']:.3g}, greedy agreement {summary['greedy_agreement']:.3f}, "
                    f"near-ties {len(summary['near_ties'])}, "
                    f"selection mismatches {len(summary['selection_mismatches'])}")
+        if turns > 1:
+            click.echo("  per turn max |logit diff|: " + ", ".join(
+                f"turn {t} {d:.3g}" for t, d in summary["per_turn_max_abs_logit_diff"].items()))
         for tie in summary["near_ties"]:
             click.echo(f"  near-tie: prompt {tie['prompt']} layer {tie['layer']} head {tie['head']} "
                        f"gap {tie['score_gap']:.2e}")

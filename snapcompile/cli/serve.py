@@ -9,7 +9,7 @@ from pathlib import Path
 
 import click
 
-from snapcompile.cli.options import config_default
+from snapcompile.cli.options import config_default, session_cache_option
 from snapcompile.config import ServerLimits
 from snapcompile.runtime import BACKENDS
 
@@ -59,9 +59,10 @@ LOOPBACK = ("localhost",)
               help="Prompt tokens prefilled between two decode steps, in whole chunks (default: one chunk). "
                    "Fewer bound the inter-token latency of running requests; more shorten the time to a new "
                    "request's first token. A smaller --chunk at convert time makes the step finer.")
+@session_cache_option()
 def serve(artifact, host, port, slots, max_waiting, api_key, served_model_name, backend, drain_timeout, log_level,
           max_body_bytes, body_timeout, head_timeout, keep_alive, max_connections, render_timeout,
-          max_prompts_per_request, prefill_tokens_per_step):
+          max_prompts_per_request, prefill_tokens_per_step, session_cache_bytes):
     """Serve ARTIFACT over an OpenAI-compatible HTTP API.
 
     POST /v1/chat/completions and /v1/completions (streamed or not), GET /v1/models, /health
@@ -85,7 +86,7 @@ def serve(artifact, host, port, slots, max_waiting, api_key, served_model_name, 
                           keep_alive_s=keep_alive, max_connections=max_connections, render_timeout_s=render_timeout,
                           max_prompts=max_prompts_per_request)
     settings = ServerSettings(Path(artifact), served_model_name or Path(artifact).resolve().name, api_key,
-                              max_waiting, slots, backend, limits, prefill_tokens_per_step)
+                              max_waiting, slots, backend, limits, prefill_tokens_per_step, session_cache_bytes)
     run_server(settings, host, port, drain_timeout, log_level)
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import click
 
+from snapcompile.cli.options import session_cache_option
 from snapcompile.runtime import BACKENDS
 
 
@@ -28,7 +29,9 @@ from snapcompile.runtime import BACKENDS
 @click.option("--link", is_flag=True, help="Link to the artifact instead of copying it into the repository.")
 @click.option("--force", is_flag=True, help="Replace the output folder if snapcompile wrote it.")
 @click.option("--json", "as_json", is_flag=True, help="Print what was written as one JSON object.")
-def triton_repo(artifact, output, model_name, instances, backend, slots, threads, link, force, as_json):
+@session_cache_option()
+def triton_repo(artifact, output, model_name, instances, backend, slots, threads, link, force, session_cache_bytes,
+                as_json):
     """Write a Triton Inference Server model repository that serves ARTIFACT.
 
     The model is a decoupled Python-backend model: inputs text_input (BYTES) and optional
@@ -39,7 +42,8 @@ def triton_repo(artifact, output, model_name, instances, backend, slots, threads
     """
     from snapcompile.triton.repository import write_repository
     name = model_name or Path(artifact).resolve().name
-    info = write_repository(artifact, output, name, instances, backend, slots, link, force, threads)
+    info = write_repository(artifact, output, name, instances, backend, slots, link, force, threads,
+                            session_cache_bytes)
     if as_json:
         click.echo(json.dumps(info))
     else:

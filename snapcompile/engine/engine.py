@@ -19,6 +19,7 @@ from snapcompile.engine.sampling import sample, token_logprob, top_logprobs
 from snapcompile.engine.scheduler import Scheduler
 from snapcompile.engine.sessions import SessionStore
 from snapcompile.errors import PromptError, SnapcompileError, first_line
+from snapcompile.runtime.memory import available_host_memory
 
 log = logging.getLogger("snapcompile.engine")
 STEP_TIMES_KEPT = 100_000      # decode step durations kept for percentiles (a server runs forever)
@@ -53,6 +54,7 @@ class Result:
     top_logprobs: list[list[tuple[int, float]]]   # per output token; empty unless the request asked
     token_logprobs: list[float] = ()              # per output token, when the request asked (logprobs)
     cached_tokens: int = 0                        # prompt tokens resumed from a kept cache, not prefilled
+    prompt_error: PromptError | None = None       # set when it failed because its prompt does not fit
 
     @property
     def failed(self) -> bool:
@@ -88,10 +90,10 @@ class Engine:
     """Serves requests on a backend (see snapcompile.runtime.ort_backend.OrtBackend)."""
 
     def __init__(self, backend, tokenizer, eos_ids: Iterable[int], prefill_tokens_per_step: int | None = None,
-                 clock=time.perf_counter, max_slots: int | None = None, session_cache_bytes: int = 0):
+                 clock=time.perf_counter, max_slots: int | None = None, session_cache_bytes: int | None = 0):
         """max_slots: use at most this many of the backend's static slots (the others stay idle).
         session_cache_bytes: keep finished sequences' caches up to this many bytes, so a request
-        that begins with one resumes from it (0: off)."""
+        that begins with one resumes from it (0: off; None: an eighth of the host memory available now)."""
         self.backend, self.tokenizer, self.eos_ids = backend, tokenizer, set(eos_ids)
         self.clock = clock
         if max_slots is not None and not 1 <= max_slots <= backend.slots:
@@ -104,13 +106,15 @@ class Engine:
         self.decode_step_seconds: deque[float] = deque(maxlen=STEP_TIMES_KEPT)   # the latest steps
         self.decode_steps = 0
         policy = backend.manifest.policy
+        if session_cache_bytes is None:
+            session_cache_bytes = available_host_memory() // 8
         self.sessions = SessionStore(session_cache_bytes, policy.window if policy.policy == "snapstream" else 0,
-                                     backend.max_prompt_len()) if session_cache_bytes else None
+                                     backend.max_prompt_len(), backend.chunk) if session_cache_bytes else None
 
     @classmethod
     def from_artifact(cls, folder, provider: str = "cpu", threads: int | None = None,
                       prefill_tokens_per_step: int | None = None, backend: str = "ort",
-                      max_slots: int | None = None, session_cache_bytes: int = 0) -> Engine:
+                      max_slots: int | None = None, session_cache_bytes: int | None = 0) -> Engine:
         """An engine on an artifact folder (backend "ort") or a TensorRT engine folder ("trt")."""
         from snapcompile.artifact.files import artifact_tokenizer
         from snapcompile.runtime import open_backend
@@ -125,16 +129,24 @@ class Engine:
         from snapcompile.prompts import encode
         return encode(self.tokenizer, text, self.backend.manifest.chat if chat is None else chat)
 
+    @property
+    def prompt_limit(self) -> int:
+        """The longest prompt `check_prompt` accepts (tokens)."""
+        if self.sessions is None or not self.backend.manifest.policy.compressed:
+            return self.backend.max_prompt_len()
+        return self.max_positions - 1
+
     def check_prompt(self, prompt_ids: list[int]) -> None:
         """Raise PromptError (reason "empty" or "too_long") for a prompt this artifact cannot take.
         Reads only the artifact's shapes: safe to call from any thread. A submitted request whose
         prompt breaks it fails alone, at its prefill. With a session store on a compressed artifact a
         prompt may be as long as the model's positions allow: past max_context it must resume from a
         kept conversation (checked at admission)."""
-        if self.sessions is None or not self.backend.manifest.policy.compressed:
+        if self.prompt_limit == self.backend.max_prompt_len():
             self.backend.check_prompt(prompt_ids)
-        elif not prompt_ids or len(prompt_ids) >= self.max_positions:
-            raise PromptError("empty" if not prompt_ids else "too_long", len(prompt_ids), self.max_positions - 1)
+        elif not prompt_ids or len(prompt_ids) > self.prompt_limit:
+            raise PromptError("empty" if not prompt_ids else "too_long", len(prompt_ids), self.prompt_limit,
+                              "the model's max_position_embeddings (positions keep growing across turns)")
 
     def submit(self, request: Request) -> Sequence:
         if request.request_id in self.sequences:
@@ -168,7 +180,7 @@ class Engine:
         ttft = seq.first_token_at - seq.submitted_at if seq.first_token_at is not None else None
         return Result(request_id, len(seq.request.prompt_ids), list(seq.output_ids), seq.text,
                       seq.finish_reason, seq.error, ttft, seq.finished_at - seq.submitted_at,
-                      list(seq.top_logprobs), list(seq.token_logprobs), seq.cached_tokens)
+                      list(seq.top_logprobs), list(seq.token_logprobs), seq.cached_tokens, seq.prompt_error)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request that has not finished (finish reason "abort"); its slot is free at once.
@@ -267,6 +279,8 @@ class Engine:
             return self._fail(seq, err)
 
     def _fail(self, seq: Sequence, err: Exception) -> TokenEvent:
+        if isinstance(err, PromptError):
+            seq.prompt_error = err
         if isinstance(err, SnapcompileError):
             message = str(err)
         else:

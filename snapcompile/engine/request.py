@@ -109,6 +109,7 @@ class Sequence:
     layout: object = None          # SlotLayout once prefilled
     kept_positions: object = None  # PrefillResult.kept_positions once prefilled
     cached_tokens: int = 0         # prompt tokens resumed from a kept cache
+    prompt_error: object = None    # the PromptError it failed with (a prompt longer than a fresh prefill takes)
     prefill: object = None         # the backend's prefill generator while PREFILLING
 
     @property

@@ -24,12 +24,15 @@ class StoreCounters:
 
 
 class SessionStore:
-    def __init__(self, max_bytes: int, window: int, max_rows: int, max_entries: int = MAX_ENTRIES):
+    def __init__(self, max_bytes: int, window: int, max_rows: int, min_tokens: int = 1,
+                 max_entries: int = MAX_ENTRIES):
         """window: tokens a resumed request prefills anew at least (the policy's observation window,
-        0 without a selection); max_rows: the rows a resumed prefill may attend over."""
+        0 without a selection); max_rows: the rows a resumed prefill may attend over; min_tokens:
+        the fewest tokens worth resuming (the engine uses one prefill chunk: less saves nothing)."""
         if max_bytes < 0 or max_entries < 1:
             raise ValueError("max_bytes must be >= 0 and max_entries >= 1")
         self.max_bytes, self.window, self.max_rows, self.max_entries = max_bytes, window, max_rows, max_entries
+        self.min_tokens = min_tokens
         self._entries: OrderedDict[bytes, KeptCache] = OrderedDict()   # token-id bytes -> entry, oldest first
         self.bytes = 0
         self.counters = StoreCounters()
@@ -61,7 +64,7 @@ class SessionStore:
             for key, kept in self._entries.items():
                 if kept.token_ids[0] != first:
                     continue
-                plan = plan_resume(kept, token_ids, self.window, self.max_rows)
+                plan = plan_resume(kept, token_ids, self.window, self.max_rows, self.min_tokens)
                 if plan is not None and (best is None or plan.resume_at > best[1].resume_at):
                     best = (key, plan)
         if best is None:

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from snapcompile.config import DEFAULT_TIE_GAP, PolicyConfig
+from snapcompile.errors import SnapcompileError
 from snapcompile.reference.oracle import ReferenceSequence
 from snapcompile.runtime import open_backend
 from snapcompile.runtime.backend import drain
@@ -158,7 +159,7 @@ class Validator:
                 ids = ids + fed + follow_up
                 plan = plan_resume(kept, ids, window, self.backend.max_prompt_len())
                 if plan is None:
-                    raise ValueError(f"turn {turn + 1} of {len(ids)} tokens cannot resume from the kept cache")
+                    raise SnapcompileError(f"turn {turn + 1} of {len(ids)} tokens cannot resume from the kept cache")
                 result = drain(self.backend.resume_chunks(0, plan, ids))
                 logits, resumed = ref.resume(ids, plan.resume_at), plan.resume_at
             if progress:

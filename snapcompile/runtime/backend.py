@@ -446,7 +446,8 @@ class SlotBackend:
             keys.append(np.take_along_axis(self.device.download(self.keys[i][slot]), layer_rows, axis=1))
             values.append(np.take_along_axis(self.device.download(self.values[i][slot]), layer_rows, axis=1))
             positions.append(np.take_along_axis(layer_positions, order, axis=1))
-        return KeptCache(np.array(token_ids, np.int64), tuple(keys), tuple(values), tuple(positions))
+        return KeptCache(np.array(token_ids, np.int64), tuple(keys), tuple(values), tuple(positions),
+                         layout.prompt_len if layout.compressed else 0)
 
     def move_slot(self, source: int, target: int, rows: int) -> None:
         """Copy the first `rows` cache rows of slot `source` into slot `target` (the engine moves a

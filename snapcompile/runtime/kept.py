@@ -5,7 +5,10 @@ A request resumes from a kept cache at its resume point r: the kept rows of posi
 for the request's tokens [0, r) and only [r, T) is prefilled, against them. r is the length of the
 common token prefix, moved back so that the new tokens hold the whole observation window (a
 snapstream artifact re-selects with the window of the new turn) and at least one token (whose
-logits start the answer).
+logits start the answer). r may not lie before the point where the kept rows were last selected
+(`compressed_at`): there the rows are the cache the sequence itself had; before it they are a
+selection made for tokens the request does not share, so such a request is prefilled whole (and a
+prompt sent again gets the same answer as the first time).
 """
 from __future__ import annotations
 
@@ -18,13 +21,16 @@ import numpy as np
 class KeptCache:
     """token_ids: [F] int64, the tokens the cache stands for (prompt and fed output; the last
     sampled token was never fed, so it is not among them). keys / values: per layer [Hkv, n, D]
-    float32; positions: per layer [Hkv, n] int64, ascending per head, all < F. Every array is
-    read-only: requests that resume from one entry at once copy it, none changes it."""
+    float32; positions: per layer [Hkv, n] int64, ascending per head, all < F. compressed_at: the
+    positions the cache held when its rows were last selected (0: never; every position < F that
+    the ring did not overwrite is a row). Every array is read-only: requests that resume from one
+    entry at once copy it, none changes it."""
 
     token_ids: np.ndarray
     keys: tuple[np.ndarray, ...]
     values: tuple[np.ndarray, ...]
     positions: tuple[np.ndarray, ...]
+    compressed_at: int = 0
 
     def __post_init__(self):
         for array in (self.token_ids, *self.keys, *self.values, *self.positions):
@@ -57,13 +63,14 @@ def common_prefix(a: np.ndarray, b: list[int]) -> int:
     return int(differ[0]) if differ.size else n
 
 
-def plan_resume(kept: KeptCache, token_ids: list[int], window: int, max_rows: int) -> ResumePlan | None:
-    """How `token_ids` (T of them) resumes from `kept`, or None when it cannot: no common prefix
-    left once the last max(window, 1) tokens are prefilled anew, a resume point that cuts the kept
-    rows unevenly across heads (inside a per-head selection), or more than `max_rows` rows to
-    prefill against (the artifact's prefill cache)."""
+def plan_resume(kept: KeptCache, token_ids: list[int], window: int, max_rows: int,
+                min_tokens: int = 1) -> ResumePlan | None:
+    """How `token_ids` (T of them) resumes from `kept`, or None when it cannot: fewer than
+    `min_tokens` common tokens left once the last max(window, 1) are prefilled anew, a resume point
+    before the kept rows' selection (`compressed_at`) or one that cuts them unevenly across heads,
+    or more than `max_rows` rows to prefill against (the artifact's prefill cache)."""
     resume_at = min(common_prefix(kept.token_ids, token_ids), len(token_ids) - max(window, 1))
-    if resume_at <= 0:
+    if resume_at < max(min_tokens, 1) or resume_at < kept.compressed_at:
         return None
     counts = {int(c) for positions in kept.positions for c in (positions < resume_at).sum(axis=1)}
     if len(counts) != 1:

@@ -36,6 +36,7 @@ class ServerSettings:
     backend: str = "ort"
     limits: ServerLimits = field(default_factory=ServerLimits)
     prefill_tokens_per_step: int | None = None   # prompt tokens between two decode steps (None: one chunk)
+    session_cache_bytes: int | None = None       # kept conversations' caches (None: sized at load; 0: off)
 
 
 @dataclass
@@ -68,13 +69,15 @@ def load_engine(state: ServerState) -> None:
     from snapcompile.engine.engine import Engine
     settings = state.settings
     engine = Engine.from_artifact(settings.artifact, backend=settings.backend, max_slots=settings.slots,
-                                  prefill_tokens_per_step=settings.prefill_tokens_per_step)
+                                  prefill_tokens_per_step=settings.prefill_tokens_per_step,
+                                  session_cache_bytes=settings.session_cache_bytes)
     state.metrics.set_totals(engine.scheduler.pool.num_slots, engine.kv_bytes_allocated())
     engine_loop = EngineLoop(engine, state.metrics)
     engine_loop.start()
     export = engine.backend.manifest.export
     state.engine_loop = engine_loop
-    state.serving = OpenAIServing(engine_loop, engine.tokenizer, settings.model_name, export.max_context,
+    state.serving = OpenAIServing(engine_loop, engine.tokenizer, settings.model_name,
+                                  max(export.max_context, engine.prompt_limit + 1),
                                   settings.limits.render_timeout_s, settings.limits.max_prompts)
 
 

@@ -40,7 +40,7 @@ class OpenAIServing:
                  render_timeout_s: float = RENDER_TIMEOUT_S, max_prompts: int = 32):
         self.engine_loop, self.tokenizer, self.model_name = engine_loop, tokenizer, model_name
         self.max_context, self.render_timeout_s, self.max_prompts = max_context, render_timeout_s, max_prompts
-        self.max_prompt_chars = max_prompt_chars(tokenizer, engine_loop.engine.backend.max_prompt_len())
+        self.max_prompt_chars = max_prompt_chars(tokenizer, engine_loop.engine.prompt_limit)
         self._per_thread = threading.local()
 
     def _thread_tokenizer(self):
@@ -95,10 +95,7 @@ class OpenAIServing:
         try:
             self.engine_loop.engine.check_prompt(prompt)
         except PromptError as err:
-            if err.reason == "empty":
-                raise ApiError(400, "the prompt is empty", param=param) from None
-            raise ApiError(400, f"the prompt has {err.tokens} tokens; this model's context allows at most "
-                                f"{err.limit} prompt tokens", param=param, code="context_length_exceeded") from None
+            raise _prompt_error(err, param) from None
 
     def _check_size(self, chars: int, param: str) -> None:
         if chars > self.max_prompt_chars:
@@ -162,7 +159,7 @@ class OpenAIServing:
                     results[index] = update.result
                     if update.result.failed:
                         self._abort(call, results)
-                        raise _generation_error(update.result)
+                        raise _generation_error(call, update.result)
             return self._final_body(call, results, tokens)
         except asyncio.CancelledError:
             self._abort(call, results)
@@ -182,7 +179,7 @@ class OpenAIServing:
                 index, update = await updates.get()
                 results[index] = update.result
                 if update.result is not None and update.result.failed:
-                    yield _sse(_generation_error(update.result).body())
+                    yield _sse(_generation_error(call, update.result).body())
                     break
                 chunk = self._event_chunk(call, index, update)
                 if chunk is not None:
@@ -251,7 +248,8 @@ class OpenAIServing:
 
 def _usage(results: list[Result]) -> dict:
     """The usage block of a response: the sums over its choices."""
-    return usage(sum(r.prompt_tokens for r in results), sum(len(r.output_ids) for r in results))
+    return usage(sum(r.prompt_tokens for r in results), sum(len(r.output_ids) for r in results),
+                 sum(r.cached_tokens for r in results))
 
 
 def _object(call: Call, chunk: bool) -> str:
@@ -260,7 +258,19 @@ def _object(call: Call, chunk: bool) -> str:
     return "text_completion"
 
 
-def _generation_error(result: Result) -> ApiError:
+def _prompt_error(err: PromptError, param: str) -> ApiError:
+    """A prompt the engine cannot take, in OpenAI's words (400; context_length_exceeded for a long one)."""
+    if err.reason == "empty":
+        return ApiError(400, "the prompt is empty", param=param)
+    return ApiError(400, f"the prompt has {err.tokens} tokens; this model's context allows at most "
+                         f"{err.limit} prompt tokens", param=param, code="context_length_exceeded")
+
+
+def _generation_error(call: Call, result: Result) -> ApiError:
+    """A request that failed in the engine: a prompt longer than a fresh prefill takes that no kept
+    conversation resumes is the client's 400; anything else is a 500."""
+    if result.prompt_error is not None:
+        return _prompt_error(result.prompt_error, "messages" if call.kind == "chat" else "prompt")
     return ApiError(500, f"the request failed while generating: {result.error or result.finish_reason}")
 
 

@@ -197,6 +197,8 @@ class EngineLoop:
         per_slot = self.engine.backend.manifest.kv_bytes_per_slot()
         self.metrics.set_load(running=in_slots, waiting=len(scheduler.waiting), slots_in_use=in_slots,
                               kv_bytes_active=in_slots * per_slot)
+        if self.engine.sessions is not None:
+            self.metrics.set_sessions(self.engine.sessions)
 
 
 def _error_result(request_id: str, message: str) -> Result:

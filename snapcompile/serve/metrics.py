@@ -3,11 +3,13 @@ per server so that several can live in one process)."""
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from snapcompile.engine.engine import Result, TokenEvent
+from snapcompile.engine.sessions import SessionStore, StoreCounters
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320, 640)
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -35,6 +37,17 @@ class Metrics:
                              buckets=LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("snapcompile_e2e_request_latency_seconds", "Submission to last token",
                              buckets=LATENCY_BUCKETS, registry=r)
+        self.session_hits = Counter("snapcompile_session_cache_hits", "Requests resumed from a kept cache",
+                                    registry=r)
+        self.session_misses = Counter("snapcompile_session_cache_misses", "Requests prefilled whole: no kept "
+                                      "cache matched", registry=r)
+        self.session_tokens = Counter("snapcompile_session_cache_reused_tokens", "Prompt tokens resumed from "
+                                      "kept caches instead of prefilled", registry=r)
+        self.session_evictions = Counter("snapcompile_session_cache_evictions", "Kept caches evicted to stay "
+                                         "within --session-cache-bytes", registry=r)
+        self.session_bytes = Gauge("snapcompile_session_cache_bytes", "Bytes of the kept caches", registry=r)
+        self.session_entries = Gauge("snapcompile_session_cache_entries", "Kept caches", registry=r)
+        self._session_seen = StoreCounters()
         self._last_token: dict[str, float] = {}
 
     def set_totals(self, slots: int, kv_bytes_allocated: int) -> None:
@@ -46,6 +59,16 @@ class Metrics:
         self.waiting.set(waiting)
         self.slots.set(slots_in_use)
         self.kv_active.set(kv_bytes_active)
+
+    def set_sessions(self, store: SessionStore) -> None:
+        """Publish the session store's figures (its counters only grow; the difference is added)."""
+        now, seen = store.counters, self._session_seen
+        for counter, name in ((self.session_hits, "hits"), (self.session_misses, "misses"),
+                              (self.session_tokens, "tokens_reused"), (self.session_evictions, "evictions")):
+            counter.inc(getattr(now, name) - getattr(seen, name))
+        self._session_seen = replace(now)
+        self.session_bytes.set(store.bytes)
+        self.session_entries.set(len(store))
 
     def on_event(self, event: TokenEvent, result: Result | None) -> None:
         now = time.perf_counter()

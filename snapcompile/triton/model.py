@@ -34,8 +34,9 @@ class TritonPythonModel:
         folder = Path(args["model_repository"]) / args["model_version"] / params["artifact"]
         slots = int(params["slots"]) if params.get("slots") else None
         threads = int(params["threads"]) if params.get("threads") else None
+        cache = params.get("session_cache_bytes", "auto")
         self.worker = TritonWorker(pb_utils, folder, params["fingerprint"], slots, params.get("backend", "ort"),
-                                   threads)
+                                   threads, None if cache == "auto" else int(cache))
 
     def execute(self, requests):
         for request in requests:

@@ -32,7 +32,8 @@ INPUTS = (("text_input", "TYPE_STRING", "[ 1 ]", False), ("max_tokens", "TYPE_IN
           ("seed", "TYPE_INT64", "[ 1 ]", True), ("stop", "TYPE_STRING", "[ -1 ]", True),
           ("stream", "TYPE_BOOL", "[ 1 ]", True), ("ignore_eos", "TYPE_BOOL", "[ 1 ]", True))
 OUTPUTS = (("text_output", "TYPE_STRING", "[ -1 ]"), ("prompt_tokens", "TYPE_INT32", "[ 1 ]"),
-           ("completion_tokens", "TYPE_INT32", "[ 1 ]"), ("finish_reason", "TYPE_STRING", "[ 1 ]"))
+           ("completion_tokens", "TYPE_INT32", "[ 1 ]"), ("finish_reason", "TYPE_STRING", "[ 1 ]"),
+           ("cached_tokens", "TYPE_INT32", "[ 1 ]"))
 
 
 def config_pbtxt(name: str, instances: int, parameters: dict[str, str]) -> str:
@@ -50,8 +51,9 @@ def config_pbtxt(name: str, instances: int, parameters: dict[str, str]) -> str:
 
 def write_repository(artifact: Path, output: Path, name: str, instances: int = 1, backend: str = "ort",
                      slots: int | None = None, link: bool = False, force: bool = False,
-                     threads: int | None = None) -> dict:
-    """Write the repository atomically; returns what was written (for the CLI and tests)."""
+                     threads: int | None = None, session_cache_bytes: int | None = None) -> dict:
+    """Write the repository atomically; returns what was written (for the CLI and tests).
+    session_cache_bytes: each instance's store of kept conversations (None: sized at load; 0: off)."""
     if not NAME_RULE.fullmatch(name) or len(name) > MAX_NAME_CHARS:
         raise SnapcompileError(f"model name {name[:40]!r}{'...' if len(name) > 40 else ''} must be 1 to "
                                f"{MAX_NAME_CHARS} letters, digits, '_', '-' or '.', starting with a letter or digit")
@@ -67,7 +69,8 @@ def write_repository(artifact: Path, output: Path, name: str, instances: int = 1
     one = sum(memory_needed(manifest).values())       # every instance loads the artifact
     check_fits(instances * one, f"{instances} instances of this artifact ({gib(one)} each)", "use fewer --instances")
     params = {"artifact": "artifact", "fingerprint": manifest.fingerprint(), "backend": backend,
-              "slots": "" if slots is None else str(slots), "threads": "" if threads is None else str(threads)}
+              "slots": "" if slots is None else str(slots), "threads": "" if threads is None else str(threads),
+              "session_cache_bytes": "auto" if session_cache_bytes is None else str(session_cache_bytes)}
     with atomic_directory(Path(output), force=force, marker=MARKER) as staging:
         version = staging / name / "1"
         version.mkdir(parents=True)
@@ -75,7 +78,8 @@ def write_repository(artifact: Path, output: Path, name: str, instances: int = 1
         shutil.copyfile(MODEL_FILE, version / "model.py")
         _place_artifact(artifact, manifest, version / "artifact", link)
         info = {"model": name, "artifact": str(artifact), "artifact_placed": "linked" if link else "copied",
-                "instances": instances, "backend": backend, "slots": slots, "threads": threads}
+                "instances": instances, "backend": backend, "slots": slots, "threads": threads,
+                "session_cache_bytes": session_cache_bytes}
         (staging / MARKER).write_text(json.dumps(info, indent=2) + "\n")
     return info
 

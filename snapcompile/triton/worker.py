@@ -40,9 +40,10 @@ class _Pending:
 
 class TritonWorker:
     def __init__(self, pb_utils, artifact: Path, fingerprint: str, slots: int | None, backend: str = "ort",
-                 threads: int | None = None):
+                 threads: int | None = None, session_cache_bytes: int | None = None):
         """pb_utils: the Python backend's `triton_python_backend_utils` module. threads: ONNX Runtime
-        intra-op threads of this instance (default: all cores; size K instances x threads to the cores)."""
+        intra-op threads of this instance (default: all cores; size K instances x threads to the cores).
+        session_cache_bytes: this instance's store of kept conversations (None: sized at load; 0: off)."""
         from snapcompile.artifact.manifest import read_manifest
         from snapcompile.engine.engine import Engine
         self.pb = pb_utils
@@ -50,8 +51,9 @@ class TritonWorker:
         if manifest.fingerprint() != fingerprint:
             raise SnapcompileError(f"{artifact} is not the artifact this repository was written for "
                                    "(its manifest's configuration differs); write the repository again")
-        self.engine = Engine.from_artifact(artifact, backend=backend, max_slots=slots, threads=threads)
-        self.max_prompt_chars = max_prompt_chars(self.engine.tokenizer, self.engine.backend.max_prompt_len())
+        self.engine = Engine.from_artifact(artifact, backend=backend, max_slots=slots, threads=threads,
+                                           session_cache_bytes=session_cache_bytes)
+        self.max_prompt_chars = max_prompt_chars(self.engine.tokenizer, self.engine.prompt_limit)
         self.loop = EngineLoop(self.engine, Metrics())
         self._pending: dict[str, _Pending] = {}
         self._lock = threading.Lock()
@@ -156,7 +158,8 @@ class TritonWorker:
         if final:
             outputs += [pb.Tensor("prompt_tokens", np.array([result.prompt_tokens], dtype=np.int32)),
                         pb.Tensor("completion_tokens", np.array([len(result.output_ids)], dtype=np.int32)),
-                        pb.Tensor("finish_reason", np.array([result.outcome.encode()], dtype=np.object_))]
+                        pb.Tensor("finish_reason", np.array([result.outcome.encode()], dtype=np.object_)),
+                        pb.Tensor("cached_tokens", np.array([result.cached_tokens], dtype=np.int32))]
         flags = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0
         pending.sender.send(pb.InferenceResponse(output_tensors=outputs), flags=flags)
 
