@@ -48,13 +48,23 @@ class PromptRecord:
     where: str
 
     @property
+    def turns(self) -> list[str]:
+        """The user's turns: the one prompt, or a conversation's "turns"."""
+        return self.fields["turns"] if "turns" in self.fields else [self.fields["prompt"]]
+
+    @property
     def prompt(self) -> str:
-        return self.fields["prompt"]
+        """The first turn."""
+        return self.turns[0]
+
+
+MAX_TURNS = 64      # turns of one conversation in a prompts file
 
 
 def read_prompts_file(path: Path) -> list[PromptRecord]:
-    """JSONL (UTF-8), one object per line with "prompt" (text) and optional "id",
-    "max_new_tokens", "stop", "temperature", "top_k", "top_p", "seed"."""
+    """JSONL (UTF-8), one object per line with "prompt" (text) or "turns" (a conversation: a list
+    of the user's texts, each sent with the answers so far) and optional "id", "max_new_tokens",
+    "stop", "temperature", "top_k", "top_p", "seed"."""
     try:
         lines = Path(path).read_text(encoding="utf-8").splitlines()
     except UnicodeDecodeError as err:
@@ -67,13 +77,27 @@ def read_prompts_file(path: Path) -> list[PromptRecord]:
             continue
         where = f"{path} line {number}"
         record = parse_json(line, where)
-        if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
-            raise SnapcompileError(f'{where}: each line must be an object with a "prompt" string')
-        check_text(record["prompt"], f"{where}: the prompt")
-        records.append(PromptRecord(record, where))
+        records.append(PromptRecord(_checked_record(record, where), where))
     if not records:
         raise SnapcompileError(f"{path} holds no prompts")
     return records
+
+
+def _checked_record(record, where: str) -> dict:
+    """A prompts-file record with one "prompt" string or 1..MAX_TURNS "turns" strings."""
+    if not isinstance(record, dict) or ("prompt" in record) == ("turns" in record):
+        raise SnapcompileError(f'{where}: each line must be an object with a "prompt" string or a "turns" list')
+    if "prompt" in record:
+        if not isinstance(record["prompt"], str):
+            raise SnapcompileError(f'{where}: "prompt" must be a string')
+        check_text(record["prompt"], f"{where}: the prompt")
+        return record
+    turns = record["turns"]
+    if not isinstance(turns, list) or not 1 <= len(turns) <= MAX_TURNS or not all(isinstance(t, str) for t in turns):
+        raise SnapcompileError(f'{where}: "turns" must be a list of 1..{MAX_TURNS} strings')
+    for number, turn in enumerate(turns, 1):
+        check_text(turn, f"{where}: turn {number}")
+    return record
 
 
 RENDER_TIMEOUT_S = 10.0     # a chat template (a file of the artifact) renders within this, or is refused

@@ -162,3 +162,30 @@ def test_validate_turns_compares_resumed_turns(request, folder):
     assert first == 0 and second > summary["prompt_tokens"][0] and third > second
     too_long = invoke("validate", folder, "--prompt", "abc " * 200, "--steps", 100, "--turns", 5)
     assert_one_line_error(too_long, "leaves no room for 5 turn(s)")
+
+
+def test_run_takes_conversations_whose_turns_resume_the_kept_cache(tiny_snap_dir, tmp_path):
+    from snapcompile import Engine, Request
+    turns = ["the lazy dog " * 12, " and the quick brown fox " * 4, " then it rained " * 4]
+    prompts = tmp_path / "conversations.jsonl"
+    prompts.write_text(json.dumps({"id": "c", "turns": turns, "max_new_tokens": 6}) + "\n"
+                       + json.dumps({"id": "solo", "prompt": "x y z", "max_new_tokens": 3}) + "\n")
+    result = invoke("run", tiny_snap_dir, "--prompts", prompts, "--raw", "--json")
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.output.strip().splitlines()[-1])
+    rows = out["results"]
+    assert [(r["id"], r["turn"]) for r in rows] == [("c/1", 1), ("c/2", 2), ("c/3", 3), ("solo", 1)]
+    engine, text = Engine.from_artifact(tiny_snap_dir, session_cache_bytes=2**26), ""
+    for turn, row in zip(turns, rows):                  # each turn: the text so far, resumed from the one before
+        text += turn
+        expected, = engine.generate([Request(engine.encode(text, chat=False), max_new_tokens=6)])
+        assert (row["text"], row["cached_tokens"]) == (expected.text, expected.cached_tokens)
+        text += expected.text
+    assert rows[0]["cached_tokens"] == 0 and rows[1]["cached_tokens"] >= 64 and rows[2]["cached_tokens"] > 64
+    assert out["summary"]["cached_tokens"] == sum(r["cached_tokens"] for r in rows)
+    off = json.loads(invoke("run", tiny_snap_dir, "--prompts", prompts, "--raw", "--json",
+                            "--session-cache-bytes", "0").output.strip().splitlines()[-1])
+    assert [r["cached_tokens"] for r in off["results"]] == [0, 0, 0, 0]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"turns": []}) + "\n")
+    assert_one_line_error(invoke("run", tiny_snap_dir, "--prompts", bad), '"turns" must be a list of 1..64 strings')

@@ -9,6 +9,7 @@ from pathlib import Path
 import click
 
 from snapcompile.bench.machine import cpu_description, describe_cpu
+from snapcompile.cli.options import session_cache_option
 from snapcompile.config import DEFAULT_TIE_GAP, DEFAULT_TOLERANCE, FP16_TIE_GAP, FP16_TOLERANCE
 from snapcompile.errors import ParityError, SnapcompileError, check_text
 from snapcompile.runtime import BACKENDS, PROVIDERS
@@ -35,8 +36,9 @@ def _percentile(values: list[float], q: float) -> float | None:
 @click.argument("artifact", type=click.Path(path_type=Path))
 @click.option("--prompt", multiple=True, help="Prompt text (repeat for several).")
 @click.option("--prompts", "prompts_file", type=click.Path(path_type=Path),
-              help='JSONL file: {"prompt": ..., optional "id", "max_new_tokens", "stop", "temperature", "top_k", '
-                   '"top_p", "seed"}.')
+              help='JSONL file: {"prompt": ...} or {"turns": [...]} (a conversation: each turn is sent with the '
+                   'turns and answers before it), optional "id", "max_new_tokens", "stop", "temperature", "top_k", '
+                   '"top_p", "seed".')
 @click.option("--demo", is_flag=True, help="Run the built-in demo prompts (two questions and a pass-key prompt).")
 @click.option("--max-new-tokens", default=64, show_default=True, type=click.IntRange(min=1))
 @click.option("--temperature", default=0.0, show_default=True, help="0 = greedy.")
@@ -57,12 +59,14 @@ def _percentile(values: list[float], q: float) -> float | None:
               help="Serve at most this many requests at once (default: all of the artifact's static slots).")
 @click.option("--prefill-tokens-per-step", type=click.IntRange(min=1), default=None,
               help="Prompt tokens prefilled between two decode steps (default: one chunk).")
+@session_cache_option()
 @click.option("-o", "--output", type=click.Path(path_type=Path),
               help="Write results as JSONL (checked before anything runs; written atomically).")
 @click.option("--force", is_flag=True, help="Replace the --output file if it exists.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (results and summary).")
 def run(artifact, prompt, prompts_file, demo, max_new_tokens, temperature, top_k, top_p, seed, stop, top_logprobs,
-        raw, ignore_eos, provider, backend, max_slots, prefill_tokens_per_step, output, force, as_json):
+        raw, ignore_eos, provider, backend, max_slots, prefill_tokens_per_step, session_cache_bytes, output, force,
+        as_json):
     """Generate for prompts with continuous batching over the artifact's static slots.
 
     Every request value (command line and prompts file) is checked before the artifact loads; a
@@ -71,6 +75,7 @@ def run(artifact, prompt, prompts_file, demo, max_new_tokens, temperature, top_k
     from tqdm import tqdm
 
     from snapcompile.artifact.atomic import check_output_file
+    from snapcompile.engine.conversation import Conversation, run_conversations
     from snapcompile.engine.engine import Engine
     if output is not None:
         output = check_output_file(output, force, inputs=(prompts_file,), read_folders=(artifact,))
@@ -82,23 +87,22 @@ def run(artifact, prompt, prompts_file, demo, max_new_tokens, temperature, top_k
                for index, record in enumerate(records)]
     _refuse_duplicate_ids(pending, records)
     engine = Engine.from_artifact(artifact, provider=provider, prefill_tokens_per_step=prefill_tokens_per_step,
-                                  backend=backend, max_slots=max_slots)
+                                  backend=backend, max_slots=max_slots, session_cache_bytes=session_cache_bytes)
     chat = engine.backend.manifest.chat and not raw
-    requests = [replace(request, prompt_ids=engine.encode(record.prompt, chat), ignore_eos=ignore_eos)
-                for request, record in zip(pending, records)]
-    records = [record.fields for record in records]
+    conversations = [Conversation(replace(request, ignore_eos=ignore_eos), record.turns)
+                     for request, record in zip(pending, records)]
     start = engine.clock()
-    with tqdm(total=len(requests), desc="requests", unit="req", file=sys.stderr,
+    with tqdm(total=sum(len(c.turns) for c in conversations), desc="requests", unit="req", file=sys.stderr,
               disable=not sys.stderr.isatty() and as_json) as bar:
-        for event in engine.stream(requests):
-            if event.finished:
-                bar.update(1)
+        run_conversations(engine, conversations, chat, on_result=lambda conversation, result: bar.update(1))
     elapsed = engine.clock() - start
-    results = [engine.result(r.request_id) for r in requests]
+    turns = [(c, k, r) for c in conversations for k, r in enumerate(c.results)]
+    results = [r for _, _, r in turns]
     summary = _summary(engine, results, elapsed)
-    rows = [{"id": r.request_id, "prompt": rec["prompt"], "text": r.text, "finish_reason": r.finish_reason,
-             "error": r.error, "prompt_tokens": r.prompt_tokens, "output_tokens": len(r.output_ids),
-             "ttft_s": r.ttft_s} for r, rec in zip(results, records)]
+    rows = [{"id": r.request_id, "turn": k + 1, "prompt": c.turns[k], "text": r.text, "finish_reason": r.finish_reason,
+             "error": r.error, "prompt_tokens": r.prompt_tokens, "cached_tokens": r.cached_tokens,
+             "output_tokens": len(r.output_ids), "ttft_s": r.ttft_s} for c, k, r in turns]
+    records = [rec.fields for c, rec in zip(conversations, records) for _ in c.results]
     if top_logprobs:
         for row, result in zip(rows, results):
             row["top_logprobs"] = [[{"id": i, "token": engine.tokenizer.decode([i]), "logprob": lp} for i, lp in top]
@@ -157,7 +161,8 @@ def _summary(engine, results, elapsed: float) -> dict:
     steps = engine.decode_step_seconds
     prompt_tokens = sum(r.prompt_tokens for r in results if r.error is None)
     return {"requests": len(results), "errors": sum(r.error is not None for r in results),
-            "prompt_tokens": prompt_tokens, "output_tokens": tokens, "seconds": elapsed,
+            "prompt_tokens": prompt_tokens, "cached_tokens": sum(r.cached_tokens for r in results),
+            "output_tokens": tokens, "seconds": elapsed,
             "tokens_per_s": tokens / elapsed if elapsed else None,
             "prompt_tokens_per_s": prompt_tokens / elapsed if elapsed else None,
             "ttft_p50_s": _percentile(ttfts, 50), "ttft_p95_s": _percentile(ttfts, 95),
@@ -178,8 +183,10 @@ def _fmt(value: float | None, unit: str = "") -> str:
 def _format_summary(s: dict) -> str:
     fmt = _fmt      # a short name keeps the format below readable
     answers = f" | answers correct {s['correct']}/{s['requests']}" if "correct" in s else ""
-    return (f"{s['requests']} requests ({s['errors']} errors), {s['prompt_tokens']} prompt + {s['output_tokens']} "
-            f"generated tokens in {s['seconds']:.2f} s = {fmt(s['prompt_tokens_per_s'])} prompt tok/s, "
+    cached = f" ({s['cached_tokens']} resumed from kept caches)" if s["cached_tokens"] else ""
+    return (f"{s['requests']} requests ({s['errors']} errors), {s['prompt_tokens']} prompt{cached} + "
+            f"{s['output_tokens']} generated tokens in {s['seconds']:.2f} s = "
+            f"{fmt(s['prompt_tokens_per_s'])} prompt tok/s, "
             f"{fmt(s['tokens_per_s'])} generated tok/s"
             f" | TTFT p50 {fmt(s['ttft_p50_s'], ' s')} p95 {fmt(s['ttft_p95_s'], ' s')}"
             f" | step p50 {fmt(s['step_p50_ms'], ' ms')} p95 {fmt(s['step_p95_ms'], ' ms')}"
