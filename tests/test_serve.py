@@ -407,11 +407,15 @@ def test_slow_clients_are_closed_and_real_clients_are_served(artifact, tmp_path)
 def test_a_pathological_chat_template_is_refused_in_time_and_the_server_stays_responsive(artifact, tmp_path):
     """A crafted artifact whose template loops 10^10 times: 400 after --render-timeout, /health
     answers meanwhile, and SIGTERM still drains and exits 0."""
+    import shutil
+
     from tests.cli_helpers import rerecord_checksums
-    (artifact / "chat_template.jinja").write_text(
+    crafted = tmp_path / "crafted"            # a copy: the module's artifact serves the other tests
+    shutil.copytree(artifact, crafted)
+    (crafted / "chat_template.jinja").write_text(
         "{% for i in range(100000) %}{% for j in range(100000) %}x{% endfor %}{% endfor %}")
-    rerecord_checksums(artifact)
-    server = ServerProcess(artifact, "--render-timeout", "2", log=tmp_path / "log").wait_ready()
+    rerecord_checksums(crafted)
+    server = ServerProcess(crafted, "--render-timeout", "2", log=tmp_path / "log").wait_ready()
     try:
         with ThreadPoolExecutor(1) as pool:
             started = time.monotonic()
@@ -484,7 +488,7 @@ def test_a_chat_that_resends_its_history_resumes_its_cache(server, client, artif
     cached = []
     for question in ("And then what happened to him?", "Why did the ships stop coming " * 3):
         reply = client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0)
-        expected, = engine.generate([Request(encode_messages(engine.tokenizer, messages, 5.0), max_new_tokens=12)])
+        expected, = engine.generate([Request(encode_messages(engine.tokenizer, messages), max_new_tokens=12)])
         assert reply.choices[0].message.content == expected.text
         assert reply.usage.prompt_tokens_details.cached_tokens == expected.cached_tokens
         cached.append(expected.cached_tokens)
@@ -492,7 +496,7 @@ def test_a_chat_that_resends_its_history_resumes_its_cache(server, client, artif
     stream = client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0,
                                             stream=True, stream_options={"include_usage": True})
     chunks = list(stream)
-    expected, = engine.generate([Request(encode_messages(engine.tokenizer, messages, 5.0), max_new_tokens=12)])
+    expected, = engine.generate([Request(encode_messages(engine.tokenizer, messages), max_new_tokens=12)])
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected.text
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens == expected.cached_tokens
     cached.append(expected.cached_tokens)

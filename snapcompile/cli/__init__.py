@@ -71,8 +71,9 @@ def _add_commands() -> None:
     from snapcompile.cli.run import run, validate
     from snapcompile.cli.serve import bench_serve, serve
     from snapcompile.cli.triton import triton_repo, triton_serve
+    from snapcompile.cli.turns import bench_turns, eval_turns
     for command in (export, convert, compress, inspect, build, run, validate, serve, bench_serve, triton_repo,
-                    triton_serve, eval_command, eval_ruler, bench):
+                    triton_serve, eval_command, eval_ruler, eval_turns, bench, bench_turns):
         main.add_command(command)
 
 

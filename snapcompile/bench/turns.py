@@ -1,0 +1,93 @@
+"""Time to first token of each turn of a growing conversation (`snapcompile bench-turns`).
+
+A conversation of `turns` turns, each user message ~`turn_tokens` tokens of text and each answer
+`answer_tokens` generated tokens (EOS ignored), built at the token level like `eval-turns`. Each
+turn is one request on an idle engine, so its TTFT is its prefill (or resumed prefill). MODES:
+
+  dense          the dense artifact, every turn prefilled whole
+  dense-resume   the dense artifact with a session store: exact prefix caching
+  reprefill      the compressed artifact, every turn prefilled whole
+  resume         the compressed artifact with a session store: each turn resumed from the kept cache
+
+The modes alternate within each repeat, so a change in the machine's load falls on all of them.
+"""
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+from snapcompile.evaluation.turns import next_turn_tokens
+from snapcompile.prompts import FILLER, encode_messages, encode_text
+
+MODES = ("dense", "dense-resume", "reprefill", "resume")
+STORE_BYTES = 2**31
+
+
+@dataclass(frozen=True)
+class TurnsBenchConfig:
+    source: str
+    turns: int = 8
+    turn_tokens: int = 450
+    answer_tokens: int = 50
+    repeats: int = 3
+    ratio: int = 4                 # budget = final conversation length // ratio
+    policy: str = "snapstream"
+    weight_format: str = "fp32"
+    chunk: int = 256
+
+    @property
+    def final_length(self) -> int:
+        return self.turns * (self.turn_tokens + self.answer_tokens + 32)
+
+    @property
+    def budget(self) -> int:
+        return self.final_length // self.ratio
+
+
+def user_texts(tokenizer, config: TurnsBenchConfig, conversation: int) -> list[str]:
+    """One message per turn of about turn_tokens tokens: filler sentences and a question, headed by
+    the conversation's number (so no conversation begins with another's tokens)."""
+    per_sentence = max(1, len(encode_text(tokenizer, FILLER * 8)) // 8)
+    repeats = max(1, config.turn_tokens // per_sentence)
+    return [f"Conversation {conversation}, part {k + 1}. " + FILLER * repeats + f"What did part {k + 1} say?"
+            for k in range(config.turns)]
+
+
+def run_conversation(engine, tokenizer, chat: bool, texts: list[str], answer_tokens: int) -> list[dict]:
+    """One conversation on `engine` (idle): per turn its prompt tokens, the tokens resumed, TTFT."""
+    from snapcompile.engine.request import Request
+    first = encode_messages(tokenizer, [{"role": "user", "content": texts[0]}]) if chat \
+        else encode_text(tokenizer, texts[0])
+    ids, rows = first, []
+    for turn, _ in enumerate(texts):
+        result, = engine.generate([Request(ids, max_new_tokens=answer_tokens, ignore_eos=True)])
+        if result.error is not None:
+            raise RuntimeError(f"turn {turn + 1}: {result.error}")
+        rows.append({"turn": turn + 1, "prompt_tokens": len(ids), "cached_tokens": result.cached_tokens,
+                     "ttft_s": result.ttft_s})
+        if turn + 1 < len(texts):
+            ended = result.output_ids[-1] in engine.eos_ids
+            ids = ids + result.output_ids + next_turn_tokens(tokenizer, texts[turn + 1], chat, ended)
+    return rows
+
+
+def medians(runs: list[dict]) -> list[dict]:
+    """Per mode and turn, the median TTFT over the repeats (and the tokens of that turn)."""
+    out = []
+    for mode in MODES:
+        mode_runs = [r["turns"] for r in runs if r["mode"] == mode]
+        for index in range(len(mode_runs[0]) if mode_runs else 0):
+            turns = [run[index] for run in mode_runs]
+            out.append({"mode": mode, "turn": index + 1, "prompt_tokens": turns[0]["prompt_tokens"],
+                        "cached_tokens": turns[0]["cached_tokens"],
+                        "ttft_median_s": statistics.median(t["ttft_s"] for t in turns),
+                        "ttft_s": [t["ttft_s"] for t in turns]})
+    return out
+
+
+def open_engines(config: TurnsBenchConfig, dense: Path, compressed: Path) -> dict:
+    from snapcompile.engine.engine import Engine
+    folders = {"dense": dense, "dense-resume": dense, "reprefill": compressed, "resume": compressed}
+    return {mode: Engine.from_artifact(folders[mode], session_cache_bytes=STORE_BYTES if "resume" in mode else 0)
+            for mode in MODES}

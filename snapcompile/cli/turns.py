@@ -1,0 +1,170 @@
+"""`snapcompile eval-turns` (multi-turn accuracy: each later turn re-prefilled, resumed or fed to the
+ring) and `snapcompile bench-turns` (the time to first token of each turn)."""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import click
+
+from snapcompile.bench.turns import TurnsBenchConfig
+from snapcompile.cli.options import config_default, csv_option, report_options
+from snapcompile.cli.reports import write_report
+from snapcompile.config import WEIGHT_FORMATS
+from snapcompile.evaluation.turns import MODES, TurnsConfig
+
+
+@click.command(name="eval-turns")
+@click.argument("model_or_dir")
+@click.option("--lengths", default="3000", show_default=True, callback=csv_option(int),
+              help="Tokens of turn 1 (the document and its question).")
+@click.option("--samples", default=config_default(TurnsConfig, "samples"), show_default=True,
+              type=click.IntRange(min=1), help="Conversations per length.")
+@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--ratio", default=config_default(TurnsConfig, "ratio"), show_default=True, type=click.IntRange(min=2),
+              help="Budget B = the final conversation's length // RATIO.")
+@click.option("--policy", type=click.Choice(("snapstream", "streamingllm")), default="snapstream", show_default=True)
+@click.option("--weights", type=click.Choice(WEIGHT_FORMATS), default="fp32", show_default=True)
+@click.option("--chunk", default=config_default(TurnsConfig, "chunk"), show_default=True, type=click.IntRange(min=1))
+@report_options("turns.json", "eval", "Results JSON; the Markdown table is written beside it. An interrupted run "
+                "of the same configuration resumes from OUTPUT.partial.jsonl.")
+def eval_turns(model_or_dir, lengths, samples, seed, ratio, policy, weights, chunk, cache_dir, output, as_json):
+    """Multi-turn accuracy: 5 facts in a document, one asked per turn, four ways.
+
+    Turn 1 is the document (about LENGTH tokens) and a question about one fact; turns 2..5 each
+    ask about another, every turn sending the conversation so far. Modes: dense (every turn
+    prefilled whole, the reference), reprefill (the compressed artifact, every turn prefilled
+    whole), resume (each turn resumed from the kept cache and re-selected with its own window:
+    what serve does) and ring (each turn's tokens fed through decode steps, no re-selection).
+    Reports accuracy per mode and turn, its share of dense's, and of the answers dense got right
+    the share each mode kept.
+    """
+    from tqdm import tqdm
+
+    from snapcompile.artifact.atomic import check_output_file
+    from snapcompile.evaluation.store import partial_path
+    from snapcompile.evaluation.turns import check_config, retention
+    from snapcompile.evaluation.turns_run import run_turns
+    from snapcompile.models.loader import cache_root
+    output = check_output_file(output, force=True, read_folders=(Path(model_or_dir),))
+    config = TurnsConfig(model_or_dir, tuple(lengths), samples, seed, ratio, policy, weights, chunk)
+    check_config(config)
+    started = time.perf_counter()
+    with tqdm(desc="eval-turns", unit="conversation", total=len(MODES) * samples * len(lengths), file=sys.stderr,
+              disable=as_json) as bar:
+        records = run_turns(config, output, cache_dir or cache_root() / "eval", progress=bar.update,
+                            log=lambda msg: tqdm.write(msg, file=sys.stderr))
+    seconds = time.perf_counter() - started
+    rows = retention(records)
+    payload = {"config": json.loads(json.dumps(config.__dict__)), "retention": rows, "records": records,
+               "seconds_this_run": seconds}
+    write_report(output, payload, _markdown(rows, config), lambda stem: [], {"retention": rows}, as_json,
+                 f"{seconds:.0f} s this run")
+    partial_path(output).unlink(missing_ok=True)
+
+
+def _markdown(rows: list[dict], config: TurnsConfig) -> str:
+    turns = sorted({r["turn"] for r in rows})
+    head = "| mode | " + " | ".join(f"turn {t}" for t in turns) + " |\n|---|" + "---|" * len(turns) + "\n"
+
+    def table(title: str, cell) -> str:
+        lines = []
+        for mode in MODES:
+            by_turn = {r["turn"]: r for r in rows if r["mode"] == mode}
+            if by_turn:
+                lines.append(f"| {mode} | " + " | ".join(cell(by_turn.get(t)) for t in turns) + " |")
+        return f"{title}\n\n{head}" + "\n".join(lines) + "\n\n"
+
+    def fmt(value) -> str:
+        return "-" if value is None else f"{value:.2f}"
+    cases = max((r["cases"] for r in rows), default=0)
+    intro = (f"{config.policy} at B = final length // {config.ratio}, {config.weight_format} weights, {cases} "
+             f"conversations per mode.\n\n")
+    return (intro + table("Accuracy per turn (answer found in the reply):", lambda r: fmt(r and r["accuracy"]))
+            + table("Share of dense's accuracy:", lambda r: fmt(r and r["share_of_dense"]))
+            + table("Of the answers dense got right, the share kept:", lambda r: fmt(r and r["dense_sure_kept"])))
+
+
+@click.command(name="bench-turns")
+@click.argument("model_or_dir")
+@click.option("--turns", default=config_default(TurnsBenchConfig, "turns"), show_default=True,
+              type=click.IntRange(2, 64))
+@click.option("--turn-tokens", default=config_default(TurnsBenchConfig, "turn_tokens"), show_default=True,
+              type=click.IntRange(min=16), help="Tokens of each user message.")
+@click.option("--answer-tokens", default=config_default(TurnsBenchConfig, "answer_tokens"), show_default=True,
+              type=click.IntRange(min=1), help="Tokens generated per turn (EOS ignored).")
+@click.option("--repeats", default=config_default(TurnsBenchConfig, "repeats"), show_default=True,
+              type=click.IntRange(min=1), help="Conversations per mode; the modes alternate.")
+@click.option("--ratio", default=config_default(TurnsBenchConfig, "ratio"), show_default=True,
+              type=click.IntRange(min=2), help="Budget B = the final conversation's length // RATIO.")
+@click.option("--policy", type=click.Choice(("snapstream", "streamingllm")), default="snapstream", show_default=True)
+@click.option("--weights", type=click.Choice(WEIGHT_FORMATS), default="fp32", show_default=True)
+@click.option("--chunk", default=config_default(TurnsBenchConfig, "chunk"), show_default=True,
+              type=click.IntRange(min=1))
+@report_options("bench-turns.json", "bench", "Results JSON; the Markdown table is written beside it.")
+def bench_turns(model_or_dir, turns, turn_tokens, answer_tokens, repeats, ratio, policy, weights, chunk, cache_dir,
+                output, as_json):
+    """Time to first token of each turn of a growing conversation: dense and compressed, every turn
+    prefilled whole or resumed from the kept cache.
+
+    Each turn adds a user message of --turn-tokens and an answer of --answer-tokens. TTFT is the
+    median over --repeats conversations per mode (a new conversation each, the modes alternating).
+    Also reports the bytes one kept conversation holds.
+    """
+    from tqdm import tqdm
+
+    from snapcompile.artifact.atomic import check_output_file
+    from snapcompile.artifact.cache import ArtifactCache
+    from snapcompile.bench import turns as bench
+    from snapcompile.bench.machine import cpu_description
+    from snapcompile.config import ExportConfig, PolicyConfig
+    from snapcompile.models.loader import cache_root
+    output = check_output_file(output, force=True, read_folders=(Path(model_or_dir),))
+    config = bench.TurnsBenchConfig(model_or_dir, turns, turn_tokens, answer_tokens, repeats, ratio, policy,
+                                    weights, chunk)
+    export = ExportConfig(slots=1, max_context=config.final_length + 64, chunk=chunk, weight_format=weights)
+    cache = ArtifactCache(model_or_dir, cache_dir or cache_root() / "bench", lambda m: tqdm.write(m, file=sys.stderr))
+    dense = cache.dense(export)
+    engines = bench.open_engines(config, dense, cache.get(export, PolicyConfig(policy=policy, budget=config.budget)))
+    tokenizer, chat = engines["dense"].tokenizer, engines["dense"].backend.manifest.chat
+    runs, started = [], time.perf_counter()
+    with tqdm(desc="bench-turns", unit="conversation", total=repeats * len(bench.MODES), file=sys.stderr,
+              disable=as_json) as bar:
+        for repeat in range(repeats):
+            texts = bench.user_texts(tokenizer, config, repeat)
+            for mode in bench.MODES[repeat % 2:] + bench.MODES[:repeat % 2]:
+                engine = engines[mode]
+                rows = bench.run_conversation(engine, tokenizer, chat, texts, answer_tokens)
+                kept = max((e.nbytes for e in engine.sessions._entries.values()), default=None) \
+                    if engine.sessions else None
+                runs.append({"mode": mode, "repeat": repeat, "turns": rows, "kept_bytes": kept})
+                bar.update(1)
+    rows = bench.medians(runs)
+    payload = {"config": json.loads(json.dumps(config.__dict__)), "budget": config.budget, "medians": rows,
+               "runs": runs, "cpu": cpu_description(), "seconds": time.perf_counter() - started}
+    write_report(output, payload, _bench_markdown(payload), lambda stem: [], {"medians": rows}, as_json,
+                 f"{payload['seconds']:.0f} s")
+
+
+def _bench_markdown(payload: dict) -> str:
+    from snapcompile.bench.machine import describe_cpu
+    from snapcompile.bench.turns import MODES
+    rows, config = payload["medians"], payload["config"]
+    by = {(r["mode"], r["turn"]): r for r in rows}
+    turns = sorted({r["turn"] for r in rows})
+    lines = ["| turn | prompt tokens | " + " | ".join(f"{m} TTFT (s)" for m in MODES) + " |",
+             "|---|---|" + "---|" * len(MODES)]
+    for turn in turns:
+        cells = [f"{by[(m, turn)]['ttft_median_s']:.2f}" + (f" ({by[(m, turn)]['cached_tokens']} resumed)"
+                                                           if by[(m, turn)]["cached_tokens"] else "")
+                 for m in MODES]
+        lines.append(f"| {turn} | {by[('dense', turn)]['prompt_tokens']} | " + " | ".join(cells) + " |")
+    growth = ", ".join(f"{m} {by[(m, turns[-1])]['ttft_median_s'] / by[(m, 1)]['ttft_median_s']:.2f}x" for m in MODES)
+    kept = {r["mode"]: r["kept_bytes"] for r in payload["runs"] if r["kept_bytes"]}
+    memory = ", ".join(f"{m} {b / 2**20:.1f} MiB" for m, b in kept.items())
+    return (f"{config['policy']} B = {payload['budget']}, {config['weight_format']} weights, median of "
+            f"{config['repeats']} conversations per mode; {describe_cpu(payload['cpu'])}.\n\n" + "\n".join(lines)
+            + f"\n\nTTFT of turn {turns[-1]} / turn 1: {growth}. One kept conversation after its last turn: "
+            f"{memory}.\n")

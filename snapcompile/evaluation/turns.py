@@ -1,0 +1,157 @@
+"""Multi-turn accuracy through the artifacts (`snapcompile eval-turns`): a document with FACTS
+"special number" lines at several depths and a question about one of them in turn 1; each later
+turn asks about another (docs/results/accuracy.md, "Conversations").
+
+Each conversation is built at the token level, the way a chat client's resent history reaches the
+engine when its answers re-tokenize to themselves: turn k+1 is turn k's tokens, its answer's tokens
+and the chat template's tokens of the next user message. How each turn reaches the cache (MODES):
+
+  dense      the dense artifact, every turn prefilled whole: the reference
+  reprefill  the compressed artifact, every turn prefilled whole (selected with its own window)
+  resume     the compressed artifact, each turn resumed from the kept cache of the one before,
+             re-selected with the new turn's window (what `serve` and `run` do)
+  ring       the compressed artifact, each turn's new tokens fed through decode steps after the
+             kept cache, as generated tokens are (the ring; no re-selection)
+"""
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from snapcompile.errors import SnapcompileError
+from snapcompile.evaluation.store import append_partial, partial_path, read_partial
+from snapcompile.evaluation.tasks import WORDS, _fit
+from snapcompile.prompts import FILLER, INTRO, encode_messages, encode_text
+
+MODES = ("dense", "reprefill", "resume", "ring")
+FACTS = 5
+ANSWER_TOKENS = 12
+MARK = "\u2063"           # stands for an answer while the template renders the turn after it
+
+
+@dataclass(frozen=True)
+class TurnsCase:
+    """One conversation: `document` holds the facts (word -> number, at `depths`); turn k asks
+    about fact `asked[k]`."""
+
+    sample: int
+    length: int
+    words: tuple[str, ...]
+    numbers: tuple[int, ...]
+    depths: tuple[float, ...]
+    asked: tuple[int, ...]
+    document: str
+
+    @property
+    def key(self) -> str:
+        return f"L{self.length}/s{self.sample}"
+
+    def question(self, turn: int) -> str:
+        return f"What is the special number for {self.words[self.asked[turn]]}? Answer with the number only."
+
+    def answer(self, turn: int) -> str:
+        return str(self.numbers[self.asked[turn]])
+
+
+def make_case(tokenizer, length: int, sample: int, seed: int, chat: bool) -> TurnsCase:
+    """A document of about `length` tokens (the first question included) with FACTS facts spread
+    over its depths; the turns ask about them in a random order."""
+    rng = random.Random(f"turns/{seed}/{length}/{sample}")
+    words = tuple(rng.sample(WORDS, FACTS))
+    numbers = tuple(rng.randint(100000, 999999) for _ in words)
+    depths = tuple(round((i + rng.random()) / FACTS, 3) for i in range(FACTS))
+    asked = tuple(rng.sample(range(FACTS), FACTS))
+
+    def build(repeats: int) -> str:
+        parts, previous = [INTRO], 0
+        for word, number, depth in zip(words, numbers, depths):
+            cut = int(repeats * depth)
+            parts.append(FILLER * (cut - previous) + f"The special number for {word} is {number}. ")
+            previous = cut
+        parts.append(FILLER * (repeats - previous))
+        return "".join(parts)
+    probe = TurnsCase(sample, length, words, numbers, depths, asked, "")
+    document = _fit(tokenizer, lambda repeats: build(repeats) + "\n\n" + probe.question(0), length, chat)
+    return TurnsCase(sample, length, words, numbers, depths, asked, document[: -len(probe.question(0)) - 2])
+
+
+def first_turn(tokenizer, case: TurnsCase, chat: bool) -> list[int]:
+    text = case.document + "\n\n" + case.question(0)
+    return encode_messages(tokenizer, [{"role": "user", "content": text}]) if chat else encode_text(tokenizer, text)
+
+
+def next_turn_tokens(tokenizer, question: str, chat: bool, answer_ended: bool) -> list[int]:
+    """The tokens that follow an answer's tokens up to the next answer: with a chat template, what
+    it renders after an assistant message and before the next generation (less the end-of-turn
+    token when the answer ended with it); raw, a blank line and the question."""
+    if not chat:
+        return encode_text(tokenizer, "\n\n" + question)
+    messages = [{"role": "user", "content": "q"}, {"role": "assistant", "content": MARK},
+                {"role": "user", "content": question}]
+    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    tail = rendered[rendered.index(MARK) + len(MARK):]
+    eos = tokenizer.eos_token or ""
+    if answer_ended and eos and tail.startswith(eos):
+        tail = tail[len(eos):]
+    return encode_text(tokenizer, tail)
+
+
+@dataclass(frozen=True)
+class TurnsConfig:
+    source: str
+    lengths: tuple[int, ...] = (3000,)
+    samples: int = 8
+    seed: int = 0
+    ratio: int = 4                    # budget = final conversation length // ratio
+    policy: str = "snapstream"
+    weight_format: str = "fp32"
+    chunk: int = 256
+
+    def final_length(self, length: int) -> int:
+        """An upper bound on a conversation's tokens after its last turn."""
+        return length + FACTS * (ANSWER_TOKENS + 48)
+
+    def budget(self, length: int) -> int:
+        return self.final_length(length) // self.ratio
+
+
+def retention(records: list[dict]) -> list[dict]:
+    """Per mode and turn: accuracy, its share of dense's, and of the conversations dense answered
+    at that turn the share this mode answered too (the dense-sure retention)."""
+    dense = {(r["case"], t["turn"]): t["correct"] for r in records if r["mode"] == "dense" for t in r["turns"]}
+    rows = []
+    for mode in MODES:
+        per_turn: dict[int, list] = {}
+        for record in (r for r in records if r["mode"] == mode):
+            for t in record["turns"]:
+                per_turn.setdefault(t["turn"], []).append((t["correct"], dense.get((record["case"], t["turn"]))))
+        for turn, pairs in sorted(per_turn.items()):
+            accuracy = sum(c for c, _ in pairs) / len(pairs)
+            reference = [d for _, d in pairs if d is not None]
+            dense_acc = sum(reference) / len(reference) if reference else None
+            sure = [c for c, d in pairs if d]
+            rows.append({"mode": mode, "turn": turn, "cases": len(pairs), "accuracy": accuracy,
+                         "share_of_dense": accuracy / dense_acc if dense_acc else None,
+                         "dense_sure_kept": sum(sure) / len(sure) if sure else None})
+    return rows
+
+
+class TurnsStore:
+    """Finished (mode, case) conversations, appended to OUTPUT.partial.jsonl as they finish."""
+
+    def __init__(self, output: Path, config: TurnsConfig):
+        self.path, self.config_json = partial_path(output), json.dumps(asdict(config), sort_keys=True)
+        self.records = {r["id"]: r for r in read_partial(self.path, self.config_json, "eval-turns")}
+
+    def add(self, record: dict) -> None:
+        self.records[record["id"]] = record
+        append_partial(self.path, self.config_json, record)
+
+
+def check_config(config: TurnsConfig) -> None:
+    if config.samples < 1 or config.ratio < 2 or not config.lengths or min(config.lengths) < 256:
+        raise SnapcompileError("--samples must be >= 1, --ratio >= 2 and --lengths >= 256 tokens")
+    if config.policy not in ("snapstream", "streamingllm"):
+        raise SnapcompileError("--policy must be snapstream or streamingllm")

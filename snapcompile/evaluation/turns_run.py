@@ -1,0 +1,120 @@
+"""Runs `eval-turns`: every (mode, conversation) through the artifacts, one conversation at a time
+(turn k+1 needs turn k's answer), resumable per conversation (`turns.TurnsStore`)."""
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from snapcompile.config import ExportConfig, PolicyConfig
+from snapcompile.evaluation.turns import (
+    ANSWER_TOKENS,
+    FACTS,
+    MODES,
+    TurnsCase,
+    TurnsConfig,
+    TurnsStore,
+    first_turn,
+    make_case,
+    next_turn_tokens,
+)
+
+STORE_BYTES = 2**30        # the resume mode's session store (one conversation's entries at a time)
+
+
+def export_of(config: TurnsConfig) -> ExportConfig:
+    return ExportConfig(slots=1, max_context=config.final_length(max(config.lengths)) + 64, chunk=config.chunk,
+                        weight_format=config.weight_format)
+
+
+def run_turns(config: TurnsConfig, output: Path, cache_dir: Path, progress: Callable[[int], None] | None = None,
+              log: Callable[[str], None] = print) -> list[dict]:
+    """Every mode on every conversation not yet in the store; returns all records."""
+    from snapcompile.artifact.cache import ArtifactCache
+    from snapcompile.artifact.files import artifact_tokenizer
+    from snapcompile.artifact.manifest import read_manifest
+    store = TurnsStore(output, config)
+    cache = ArtifactCache(config.source, cache_dir, log)
+    dense = cache.dense(export_of(config))
+    manifest = read_manifest(dense)
+    tokenizer, chat = artifact_tokenizer(dense, manifest), manifest.chat
+    for length in config.lengths:
+        cases = [make_case(tokenizer, length, s, config.seed, chat) for s in range(config.samples)]
+        folders = {"dense": dense}
+        for mode in MODES[1:]:
+            folders[mode] = cache.get(export_of(config), PolicyConfig(policy=config.policy,
+                                                                        budget=config.budget(length)))
+        for mode in MODES:
+            todo = [c for c in cases if f"{mode}/{c.key}" not in store.records]
+            if not todo:
+                continue
+            converse = _ring_runner(folders[mode], tokenizer, chat) if mode == "ring" else \
+                _engine_runner(folders[mode], tokenizer, chat, STORE_BYTES if mode == "resume" else 0)
+            for case in todo:
+                store.add({"id": f"{mode}/{case.key}", "mode": mode, "case": case.key, "length": length,
+                           "budget": None if mode == "dense" else config.budget(length), "turns": converse(case)})
+                if progress:
+                    progress(1)
+    return list(store.records.values())
+
+
+def _turn_record(case: TurnsCase, turn: int, text: str, prompt_tokens: int, cached: int, ttft_s, error=None) -> dict:
+    return {"turn": turn + 1, "asked_depth": case.depths[case.asked[turn]], "answer": case.answer(turn),
+            "text": text, "correct": error is None and case.answer(turn) in text, "error": error,
+            "prompt_tokens": prompt_tokens, "cached_tokens": cached, "ttft_s": ttft_s}
+
+
+def _engine_runner(folder: Path, tokenizer, chat: bool, session_bytes: int):
+    """A function running one conversation through an Engine (with a session store when session_bytes)."""
+    from snapcompile.engine.engine import Engine
+    from snapcompile.engine.request import Request
+    engine = Engine.from_artifact(folder, session_cache_bytes=session_bytes)
+
+    def converse(case: TurnsCase) -> list[dict]:
+        ids, turns = first_turn(tokenizer, case, chat), []
+        for turn in range(FACTS):
+            result, = engine.generate([Request(ids, max_new_tokens=ANSWER_TOKENS)])
+            turns.append(_turn_record(case, turn, result.text, len(ids), result.cached_tokens, result.ttft_s,
+                                      result.error))
+            if result.error is not None:
+                break
+            if turn + 1 < FACTS:
+                ended = result.output_ids[-1] in engine.eos_ids
+                ids = ids + result.output_ids + next_turn_tokens(tokenizer, case.question(turn + 1), chat, ended)
+        return turns
+    return converse
+
+
+def _ring_runner(folder: Path, tokenizer, chat: bool):
+    """A function running one conversation on the backend itself: after turn 1's prefill every
+    token (answers and the later turns alike) goes through decode steps into the ring."""
+    from snapcompile.artifact.manifest import read_manifest
+    from snapcompile.runtime import open_backend
+    backend = open_backend(folder, "ort")
+    eos = set(read_manifest(folder).eos_token_ids)
+
+    def converse(case: TurnsCase) -> list[dict]:
+        ids = first_turn(tokenizer, case, chat)
+        prefill = backend.prefill(0, ids)
+        layout, logits, fed, turns = prefill.layout, prefill.logits, 0, []
+
+        def feed(token: int) -> np.ndarray:
+            nonlocal fed
+            out = backend.decode({0: token}, {0: layout.step(fed)})[0].copy()
+            fed += 1
+            return out
+        for turn in range(FACTS):
+            output = [int(np.argmax(logits))]
+            while output[-1] not in eos and len(output) < ANSWER_TOKENS:
+                logits = feed(output[-1])
+                output.append(int(np.argmax(logits)))
+            turns.append(_turn_record(case, turn, tokenizer.decode(output, skip_special_tokens=True), len(ids), 0,
+                                      None))
+            if turn + 1 < FACTS:
+                new = [output[-1], *next_turn_tokens(tokenizer, case.question(turn + 1), chat, output[-1] in eos)]
+                for token in new:
+                    logits = feed(token)
+                ids = ids + output + new[1:]
+        return turns
+    return converse

@@ -1,0 +1,81 @@
+"""`eval-turns` and `bench-turns` on tiny-llama; the token-level conversation against SmolLM2's chat template."""
+import json
+
+import pytest
+from transformers import AutoTokenizer
+
+from snapcompile.errors import SnapcompileError
+from snapcompile.evaluation.turns import TurnsConfig, TurnsStore, next_turn_tokens, retention
+from snapcompile.prompts import encode_messages, encode_text
+from tests.cli_helpers import invoke
+
+
+@pytest.fixture(scope="module")
+def smol_tokenizer():
+    from snapcompile.models.loader import _smollm2_folder
+    return AutoTokenizer.from_pretrained(str(_smollm2_folder()))
+
+
+def test_next_turn_tokens_continue_the_chat_template(smol_tokenizer):
+    tok = smol_tokenizer
+    first, answer, question = "Where is the key?", "The key is under the mat.", "And the door?"
+    whole = encode_messages(tok, [{"role": "user", "content": first}, {"role": "assistant", "content": answer},
+                                  {"role": "user", "content": question}])
+    start, reply = encode_messages(tok, [{"role": "user", "content": first}]), encode_text(tok, answer)
+    assert start + reply + [tok.eos_token_id] + next_turn_tokens(tok, question, True, True) == whole
+    assert start + reply + next_turn_tokens(tok, question, True, False) == whole        # cut before its EOS
+    assert next_turn_tokens(tok, question, False, True) == encode_text(tok, "\n\n" + question)
+
+
+def test_retention_per_turn_against_dense():
+    def record(mode, case, correct):
+        return {"mode": mode, "case": case, "turns": [{"turn": t + 1, "correct": c} for t, c in enumerate(correct)]}
+    records = [record("dense", "a", [True, True]), record("dense", "b", [True, False]),
+               record("resume", "a", [True, False]), record("resume", "b", [True, True])]
+    rows = {(r["mode"], r["turn"]): r for r in retention(records)}
+    assert rows[("resume", 1)]["share_of_dense"] == 1.0 and rows[("resume", 2)]["accuracy"] == 0.5
+    assert rows[("resume", 2)]["share_of_dense"] == 1.0 and rows[("resume", 2)]["dense_sure_kept"] == 0.0
+
+
+def test_turns_store_resumes_and_refuses_another_configuration(tmp_path):
+    output = tmp_path / "turns.json"
+    store = TurnsStore(output, TurnsConfig("tiny-llama", samples=2))
+    store.add({"id": "dense/L3000/s0", "mode": "dense", "case": "L3000/s0", "turns": []})
+    assert list(TurnsStore(output, TurnsConfig("tiny-llama", samples=2)).records) == ["dense/L3000/s0"]
+    with pytest.raises(SnapcompileError, match="another eval-turns configuration"):
+        TurnsStore(output, TurnsConfig("tiny-llama", samples=3))
+
+
+def test_eval_turns_runs_every_mode(tmp_path):
+    result = invoke("eval-turns", "tiny-llama", "--lengths", 700, "--samples", 1, "--cache-dir", tmp_path / "cache",
+                    "-o", tmp_path / "turns.json", "--json")
+    assert result.exit_code == 0, result.output
+    payload = json.loads((tmp_path / "turns.json").read_text())
+    by_mode = {r["mode"]: r["turns"] for r in payload["records"]}
+    assert sorted(by_mode) == ["dense", "reprefill", "resume", "ring"] and all(len(t) == 5 for t in by_mode.values())
+    assert by_mode["reprefill"][0]["text"] == by_mode["resume"][0]["text"] == by_mode["ring"][0]["text"]
+    assert all(t["cached_tokens"] == 0 for mode in ("dense", "reprefill") for t in by_mode[mode])
+    resumed = [t["cached_tokens"] for t in by_mode["resume"]]
+    assert resumed[0] == 0 and all(later >= earlier + 60 for earlier, later in zip(resumed[1:], resumed[2:]))
+    prompts = [t["prompt_tokens"] for t in by_mode["resume"]]
+    assert all(cached < tokens for cached, tokens in zip(resumed, prompts))
+    assert {(r["mode"], r["turn"]) for r in payload["retention"]} == {(m, t) for m in by_mode for t in range(1, 6)}
+    assert not (tmp_path / "turns.json.partial.jsonl").exists() and (tmp_path / "turns.md").is_file()
+
+
+def test_bench_turns_reports_ttft_per_turn_and_kept_bytes(tmp_path):
+    result = invoke("bench-turns", "tiny-llama", "--turns", 3, "--turn-tokens", 300, "--answer-tokens", 8,
+                    "--repeats", 1, "--chunk", 64, "--cache-dir", tmp_path / "cache", "-o", tmp_path / "b.json",
+                    "--json")
+    assert result.exit_code == 0, result.output
+    payload = json.loads((tmp_path / "b.json").read_text())
+    rows = {(r["mode"], r["turn"]): r for r in payload["medians"]}
+    assert len(rows) == 4 * 3 and all(r["ttft_median_s"] > 0 for r in rows.values())
+    for mode in ("dense", "reprefill"):
+        assert all(rows[(mode, t)]["cached_tokens"] == 0 for t in (1, 2, 3))
+    for mode in ("dense-resume", "resume"):
+        cached = [rows[(mode, t)]["cached_tokens"] for t in (1, 2, 3)]
+        assert cached[0] == 0 and cached[2] > cached[1] > 0
+    kept = {r["mode"]: r["kept_bytes"] for r in payload["runs"]}
+    assert kept["resume"] < kept["dense-resume"] and kept["dense"] is None
+    assert "TTFT of turn 3 / turn 1" in (tmp_path / "b.md").read_text()
