@@ -520,3 +520,26 @@ def test_session_cache_bytes_option(artifact, tmp_path):
         assert process.metric("snapcompile_session_cache_hits_total") == 0
     finally:
         assert process.stop() == 0
+
+
+def test_bench_serve_conversations_report_ttft_and_resumed_tokens_per_turn(server, artifact, tmp_path):
+    """--turns 3: each client resends its conversation; the server's prompt and resumed token counts
+    per turn are those of `run` on the saved conversations (the same prompts, the same store rule)."""
+    out, prompts = tmp_path / "bs.json", tmp_path / "conversations.jsonl"
+    result = CliRunner().invoke(main, ["bench-serve", server.url, "--model", "tiny", "--requests", "2",
+                                       "--concurrency", "2", "--prompt-tokens", "100", "--output-tokens", "5",
+                                       "--turns", "3", "--tokenizer", str(artifact), "--save-prompts", str(prompts),
+                                       "-o", str(out), "--json"], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    per_turn = json.loads(out.read_text())["summary"]["per_turn"]
+    assert [t["turn"] for t in per_turn] == [1, 2, 3] and all(t["completed"] == 2 for t in per_turn)
+    same = CliRunner().invoke(main, ["run", str(artifact), "--prompts", str(prompts), "--max-new-tokens", "5",
+                                     "--ignore-eos", "--json"], catch_exceptions=False)
+    rows = json.loads(same.output.strip().splitlines()[-1])["results"]
+    for turn in per_turn:
+        mine = [r for r in rows if r["turn"] == turn["turn"]]
+        assert turn["prompt_tokens_mean"] == sum(r["prompt_tokens"] for r in mine) / 2
+        assert turn["cached_tokens_mean"] == sum(r["cached_tokens"] for r in mine) / 2
+    tokens = [t["prompt_tokens_mean"] for t in per_turn]
+    assert tokens[0] == 100 < tokens[1] < tokens[2]
+    assert "Conversations of 3 turns" in out.with_suffix(".md").read_text()

@@ -117,14 +117,19 @@ def _loopback(host: str) -> bool:
 @click.option("--seed", type=click.IntRange(min=0), default=None,
               help="Seed of the prompts and arrivals (default: a fresh random one per run, recorded in the results: "
                    "a fixed default would let a server with a prompt cache report false TTFTs).")
+@click.option("--turns", default=1, show_default=True, type=click.IntRange(1, 64),
+              help="Each of --requests is a conversation of this many requests, one after another: each the "
+                   "previous prompt, its answer and a new part of --prompt-tokens (reports TTFT and resumed "
+                   "tokens per turn).")
 @click.option("--save-prompts", type=click.Path(path_type=Path), default=None,
-              help="Also write the prompts as a JSONL prompts file (for `snapcompile run --prompts` on the same).")
+              help="Also write the prompts as a JSONL prompts file (for `snapcompile run --prompts` on the same; "
+                   'with --turns, one {"turns": [...]} line per conversation).')
 @click.option("-o", "--output", type=click.Path(path_type=Path), default=Path("bench-serve.json"), show_default=True,
               help="Results JSON; the Markdown table is written beside it.")
 @click.option("--force", is_flag=True, help="Replace the --output file if it exists.")
 @click.option("--json", "as_json", is_flag=True, help="Print the results as one JSON object.")
 def bench_serve(url, model, num_requests, concurrency, prompt_tokens, output_tokens, request_rate, tokenizer_dir,
-                api_key, api, seed, save_prompts, output, force, as_json):
+                api_key, api, seed, turns, save_prompts, output, force, as_json):
     """Benchmark a running server at URL through real HTTP streaming.
 
     Sends --requests completions of --prompt-tokens prompt tokens and exactly --output-tokens
@@ -134,20 +139,27 @@ def bench_serve(url, model, num_requests, concurrency, prompt_tokens, output_tok
     from tqdm import tqdm
 
     from snapcompile.artifact.atomic import check_output_file, write_json_atomic, write_text_atomic
-    from snapcompile.serve.bench import ServeBenchConfig, make_prompts, markdown, run_serve_bench
+    from snapcompile.serve.bench import (
+        ServeBenchConfig,
+        conversation_parts,
+        make_prompts,
+        markdown,
+        run_serve_bench,
+    )
     if seed is None:
         seed = secrets.randbelow(2**31)
     config = ServeBenchConfig(url.rstrip("/"), model, num_requests, concurrency, prompt_tokens, output_tokens,
-                              request_rate, seed, api_key, api=api)
+                              request_rate, seed, api_key, api=api, turns=turns)
     output = check_output_file(output, force, read_folders=(tokenizer_dir,))
     tokenizer = None
     if tokenizer_dir is not None:
         from snapcompile.models.tokenizer import load_tokenizer
         tokenizer = load_tokenizer(tokenizer_dir)
-    prompts = make_prompts(num_requests, prompt_tokens, seed, tokenizer)
+    prompts = make_prompts(num_requests * turns, prompt_tokens, seed, tokenizer)
     if save_prompts is not None:
-        write_text_atomic(check_output_file(save_prompts, force),
-                          "".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+        lines = ([{"prompt": p} for p in prompts] if turns == 1 else
+                 [{"turns": parts} for parts in conversation_parts(prompts, turns)])
+        write_text_atomic(check_output_file(save_prompts, force), "".join(json.dumps(x) + "\n" for x in lines))
     with tqdm(total=num_requests, desc="requests", unit="req", file=sys.stderr, disable=as_json) as bar:
         result = run_serve_bench(config, prompts, progress=lambda: bar.update(1))
     table = markdown(result)

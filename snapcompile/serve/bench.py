@@ -6,6 +6,11 @@ Each request streams with a fixed output length (`max_tokens`, `ignore_eos`), an
 counts are the server's own: `/v1/completions` with `stream_options.include_usage` (api "openai",
 `snapcompile serve`), or Triton's `/v2/models/MODEL/generate_stream` (api "triton", a repository
 from `snapcompile triton-repo`), whose final response carries the counts.
+
+With `turns` > 1 each of the `requests` is a conversation: its client sends `turns` requests one
+after another, each the previous prompt, its answer and a new part of `prompt_tokens` tokens (as a
+chat client resends its history), and the report adds the TTFT and the tokens the server resumed
+from a kept cache (`cached_tokens`) per turn.
 """
 from __future__ import annotations
 
@@ -37,6 +42,7 @@ class ServeBenchConfig:
     api_key: str | None = None
     timeout_s: float = 3600.0
     api: str = "openai"
+    turns: int = 1                  # requests per conversation (each resends the conversation so far)
 
     def __post_init__(self):
         if self.api not in APIS:
@@ -47,6 +53,8 @@ class ServeBenchConfig:
             raise SnapcompileError("--prompt-tokens and --output-tokens must be >= 1")
         if self.request_rate is not None and not self.request_rate > 0:
             raise SnapcompileError("--request-rate must be > 0")
+        if not 1 <= self.turns <= 64:
+            raise SnapcompileError("--turns must be in 1..64")
 
 
 @dataclass
@@ -58,6 +66,9 @@ class RequestRecord:
     ttft_s: float | None = None
     e2e_s: float | None = None
     itl_s: list[float] = field(default_factory=list)
+    turn: int = 1
+    cached_tokens: int = 0
+    text: str = ""
 
 
 def make_prompts(count: int, tokens: int, seed: int, tokenizer=None) -> list[str]:
@@ -98,11 +109,15 @@ def _read_chunk(chunk: dict, record: RequestRecord) -> bool:
     usage = chunk.get("usage") or (chunk if "completion_tokens" in chunk else None)
     if usage:
         record.prompt_tokens, record.output_tokens = usage["prompt_tokens"], usage["completion_tokens"]
-    return bool(chunk.get("text_output") or any(choice.get("text") for choice in chunk.get("choices", [])))
+        record.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens",
+                                                                            usage.get("cached_tokens", 0))
+    text = chunk.get("text_output") or "".join(choice.get("text") or "" for choice in chunk.get("choices", []))
+    record.text += text
+    return bool(text)
 
 
-async def _one(client, config: ServeBenchConfig, prompt: str) -> RequestRecord:
-    record = RequestRecord()
+async def _one(client, config: ServeBenchConfig, prompt: str, turn: int = 1) -> RequestRecord:
+    record = RequestRecord(turn=turn)
     path, body = _request(config, prompt)
     start = last = time.perf_counter()
     try:
@@ -132,6 +147,24 @@ async def _one(client, config: ServeBenchConfig, prompt: str) -> RequestRecord:
     return record
 
 
+def conversation_parts(prompts: list[str], turns: int) -> list[list[str]]:
+    """The prompts as conversations of `turns` parts; a later part starts on a new line."""
+    return [[p if k == 0 else "\n" + p for k, p in enumerate(prompts[i:i + turns])]
+            for i in range(0, len(prompts), turns)]
+
+
+async def _conversation(client, config: ServeBenchConfig, parts: list[str]) -> list[RequestRecord]:
+    """One request per part, each the previous prompt, its answer and the part; stops at a failure."""
+    records, history = [], ""
+    for turn, part in enumerate(parts, 1):
+        prompt = history + part
+        records.append(await _one(client, config, prompt, turn))
+        if not records[-1].ok:
+            break
+        history = prompt + records[-1].text
+    return records
+
+
 async def _run(config: ServeBenchConfig, prompts: list[str], progress: Callable[[], None]) -> tuple[list, float]:
     import httpx
     headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
@@ -139,24 +172,26 @@ async def _run(config: ServeBenchConfig, prompts: list[str], progress: Callable[
     gate = asyncio.Semaphore(config.concurrency)
     rng = np.random.default_rng(config.seed)
 
-    async def limited(prompt: str, delay: float) -> RequestRecord:
+    async def limited(parts: list[str], delay: float) -> list[RequestRecord]:
         await asyncio.sleep(delay)
         async with gate:
-            record = await _one(client, config, prompt)
+            records = await _conversation(client, config, parts)
         progress()
-        return record
-    delays = np.zeros(len(prompts))
+        return records
+    conversations = conversation_parts(prompts, config.turns)
+    delays = np.zeros(len(conversations))
     if config.request_rate:
-        delays = np.cumsum(rng.exponential(1.0 / config.request_rate, len(prompts)))
+        delays = np.cumsum(rng.exponential(1.0 / config.request_rate, len(conversations)))
     async with httpx.AsyncClient(base_url=config.url, headers=headers, limits=limits,
                                  timeout=httpx.Timeout(config.timeout_s)) as client:
         start = time.perf_counter()
-        records = await asyncio.gather(*(limited(p, d) for p, d in zip(prompts, delays)))
-        return list(records), time.perf_counter() - start
+        records = await asyncio.gather(*(limited(c, d) for c, d in zip(conversations, delays)))
+        return [r for conversation in records for r in conversation], time.perf_counter() - start
 
 
 def run_serve_bench(config: ServeBenchConfig, prompts: list[str], progress: Callable[[], None] = lambda: None) -> dict:
-    """Send `prompts` (one request each) as `config` says; returns the summary, config and errors."""
+    """Send `prompts` as `config` says (one request each; with turns > 1, each run of `turns`
+    prompts is one conversation's parts); returns the summary, config and errors."""
     records, duration = asyncio.run(_run(config, prompts, progress))
     return summarize(config, records, duration)
 
@@ -172,6 +207,13 @@ def summarize(config: ServeBenchConfig, records: list[RequestRecord], duration_s
                          ("itl", [gap for r in done for gap in r.itl_s]),
                          ("e2e", [r.e2e_s for r in done if r.e2e_s is not None])):
         summary[f"{name}_ms"] = _stats(values)
+    if config.turns > 1:
+        summary["per_turn"] = [{"turn": turn, "completed": len(rows),
+                                "prompt_tokens_mean": float(np.mean([r.prompt_tokens for r in rows])),
+                                "cached_tokens_mean": float(np.mean([r.cached_tokens for r in rows])),
+                                "ttft_ms": _stats([r.ttft_s for r in rows if r.ttft_s is not None])}
+                               for turn in range(1, config.turns + 1)
+                               if (rows := [r for r in done if r.turn == turn])]
     errors = sorted({r.error for r in records if r.error})
     return {"config": asdict(config) | {"api_key": None}, "summary": summary, "errors": errors}
 
@@ -197,6 +239,11 @@ def markdown(result: dict) -> str:
         row = s[f"{name}_ms"]
         cells = ["—" if row[k] is None else f"{row[k]:.1f}" for k in ("mean", "p50", "p95", "p99")]
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    if s.get("per_turn"):
+        lines += ["", f"Conversations of {c['turns']} turns:", "",
+                  "| turn | prompt tokens | resumed tokens | TTFT p50 ms | TTFT p95 ms |", "|---|---|---|---|---|"]
+        lines += [f"| {t['turn']} | {t['prompt_tokens_mean']:.0f} | {t['cached_tokens_mean']:.0f} | "
+                  f"{t['ttft_ms']['p50']:.1f} | {t['ttft_ms']['p95']:.1f} |" for t in s["per_turn"]]
     if result["errors"]:
         lines += ["", "Errors: " + "; ".join(result["errors"])]
     return "\n".join(lines) + "\n"
