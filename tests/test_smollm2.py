@@ -48,6 +48,19 @@ def test_compressed_parity_budget_256(smollm2, smol_snap):
     assert summary["max_abs_logit_diff"] <= 1e-3
 
 
+def test_resumed_turns_parity_budget_256(smollm2, smol_snap):
+    """Three turns of a conversation, each resumed from the kept cache and re-selected, against the
+    oracle's multi-turn policy step by step (validate --turns)."""
+    prompts = _prompts(smollm2.tokenizer, [(31415, 1500, 0.4)])
+    follow_up = smollm2.tokenizer.encode(" And the pass key again? Say it once more.", add_special_tokens=False)
+    reports = Validator(smol_snap, smollm2.model).run_turns(prompts, 40, 3, follow_up)
+    summary = summarize(reports, 40)
+    assert summary["resumed_tokens"][0] == 0 and all(r > len(prompts[0]) for r in summary["resumed_tokens"][1:])
+    assert not summary["selection_mismatches"]
+    assert summary["greedy_agreement"] == 1.0
+    assert max(summary["per_turn_max_abs_logit_diff"].values()) <= 1e-3
+
+
 def test_continuous_batching_on_real_model(smol_snap):
     engine = Engine.from_artifact(smol_snap, prefill_tokens_per_step=256)
     specs = [(12345, 600, 0.5), (67890, 1200, 0.2), (24680, 300, 0.7), (13579, 900, 0.9), (11223, 450, 0.1)]

@@ -37,7 +37,7 @@ class Case:
         return {k: v for k, v in asdict(self).items() if k != "prompt"}
 
 
-def _fit(tokenizer, build, length: int, chat: bool) -> str:
+def fit_text(tokenizer, build, length: int, chat: bool) -> str:
     """The text build(repeats) whose token count is closest to `length` without exceeding it."""
     per_repeat = max(1, len(encode(tokenizer, FILLER * 20, False)) // 20)
     repeats = max(1, length // per_repeat)
@@ -55,7 +55,7 @@ def _fit(tokenizer, build, length: int, chat: bool) -> str:
 def passkey_case(tokenizer, length: int, depth: float, sample: int, seed: int, chat: bool) -> Case:
     rng = random.Random(f"passkey/{seed}/{length}/{depth}/{sample}")
     key = rng.randint(10000, 99999)
-    text = _fit(tokenizer, lambda repeats: passkey_text(key, repeats, depth), length, chat)
+    text = fit_text(tokenizer, lambda repeats: passkey_text(key, repeats, depth), length, chat)
     return Case("passkey", length, depth, sample, text, str(key))
 
 
@@ -68,16 +68,22 @@ def multikey_case(tokenizer, length: int, depth: float, sample: int, seed: int, 
     asked = words[depths.index(depth)]
 
     def build(repeats: int) -> str:
-        parts, previous = [INTRO], 0
-        for word, number, where in zip(words, numbers, depths):
-            cut = int(repeats * where)
-            parts.append(FILLER * (cut - previous) + f"The special number for {word} is {number}. ")
-            previous = cut
-        parts.append(FILLER * (repeats - previous))
-        parts.append(f"\n\nWhat is the special number for {asked}? Answer with the number only.")
-        return "".join(parts)
-    return Case("multikey", length, depth, sample, _fit(tokenizer, build, length, chat),
+        return (facts_text(words, numbers, depths, repeats)
+                + f"\n\nWhat is the special number for {asked}? Answer with the number only.")
+    return Case("multikey", length, depth, sample, fit_text(tokenizer, build, length, chat),
                 str(numbers[words.index(asked)]))
+
+
+def facts_text(words, numbers, depths, repeats: int) -> str:
+    """INTRO and `repeats` filler sentences with "The special number for WORD is NUMBER." placed
+    at each depth (0..1, ascending) among them."""
+    parts, previous = [INTRO], 0
+    for word, number, where in zip(words, numbers, depths):
+        cut = int(repeats * where)
+        parts.append(FILLER * (cut - previous) + f"The special number for {word} is {number}. ")
+        previous = cut
+    parts.append(FILLER * (repeats - previous))
+    return "".join(parts)
 
 
 FIDELITY_TEXT = Path(__file__).with_name("data") / "fidelity.txt"

@@ -22,8 +22,8 @@ from pathlib import Path
 
 from snapcompile.errors import SnapcompileError
 from snapcompile.evaluation.store import append_partial, partial_path, read_partial
-from snapcompile.evaluation.tasks import WORDS, _fit
-from snapcompile.prompts import FILLER, INTRO, encode_messages, encode_text
+from snapcompile.evaluation.tasks import WORDS, facts_text, fit_text
+from snapcompile.prompts import encode_messages, encode_text
 
 MODES = ("dense", "reprefill", "resume", "ring")
 FACTS = 5
@@ -64,16 +64,9 @@ def make_case(tokenizer, length: int, sample: int, seed: int, chat: bool) -> Tur
     depths = tuple(round((i + rng.random()) / FACTS, 3) for i in range(FACTS))
     asked = tuple(rng.sample(range(FACTS), FACTS))
 
-    def build(repeats: int) -> str:
-        parts, previous = [INTRO], 0
-        for word, number, depth in zip(words, numbers, depths):
-            cut = int(repeats * depth)
-            parts.append(FILLER * (cut - previous) + f"The special number for {word} is {number}. ")
-            previous = cut
-        parts.append(FILLER * (repeats - previous))
-        return "".join(parts)
     probe = TurnsCase(sample, length, words, numbers, depths, asked, "")
-    document = _fit(tokenizer, lambda repeats: build(repeats) + "\n\n" + probe.question(0), length, chat)
+    document = fit_text(tokenizer, lambda repeats: facts_text(words, numbers, depths, repeats) + "\n\n"
+                        + probe.question(0), length, chat)
     return TurnsCase(sample, length, words, numbers, depths, asked, document[: -len(probe.question(0)) - 2])
 
 
