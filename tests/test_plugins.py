@@ -133,3 +133,13 @@ def test_contract_refuses_inputs_and_attributes_it_does_not_list():
         SELECT.node_inputs(window_query=1, key=2, value=3)
     with pytest.raises(ValueError, match="has the attributes"):
         DECODE_ATTENTION.node_attrs(scale=1.0, budget=4)
+
+
+def test_plugin_artifact_resumes_turns_as_the_oracle_does(plugin_dir, tiny_llama):
+    """The SnapKVSelect node re-selects a resumed cache as the standard graph does: over its rows."""
+    prompts = random_prompts([300], seed=7)
+    reports = Validator(plugin_dir, tiny_llama.model).run_turns(prompts, 24, 3, random_prompts([20], seed=8)[0])
+    summary = summarize(reports, 24)
+    assert summary["resumed_tokens"][0] == 0 and min(summary["resumed_tokens"][1:]) > 300
+    assert not summary["selection_mismatches"]
+    assert summary["max_abs_logit_diff"] <= 1e-4 and summary["greedy_agreement"] == 1.0

@@ -180,3 +180,23 @@ def test_a_conversation_may_pass_max_context_but_not_the_model_positions(tiny_sn
     limit = engine.max_positions
     with pytest.raises(PromptError, match=f"1..{limit - 1}"):
         engine.check_prompt([1] * limit)
+
+
+def test_a_prefix_that_matches_only_partly_resumes_up_to_the_divergence(tiny_llama, tiny_dense_dir):
+    """A resent answer that differs from the tokens generated (a client's re-tokenization, a cut
+    stop string) resumes up to the first differing token, and equals the oracle resumed there."""
+    engine = _engine(tiny_dense_dir, session_cache_bytes=2**26)
+    prompt, = random_prompts([150], seed=10)
+    first, = engine.generate([Request(prompt, max_new_tokens=30, ignore_eos=True)])
+    changed = [(t + 1) % 250 for t in first.output_ids[10:12]]
+    ids = prompt + first.output_ids[:10] + changed + random_prompts([20], seed=11)[0]
+    second, = engine.generate([Request(ids, max_new_tokens=8, ignore_eos=True)])
+    assert second.cached_tokens == 160
+    ref = ReferenceSequence(tiny_llama.model, engine.backend.manifest.policy, 512)
+    ref.feed(prompt)
+    for token in first.output_ids[:29]:
+        ref.feed([token])
+    out = [int(ref.resume(ids, 160).argmax())]
+    for _ in range(7):
+        out.append(int(ref.feed([out[-1]]).argmax()))
+    assert second.output_ids == out
