@@ -27,7 +27,6 @@ from snapcompile.prompts import encode_messages, encode_text
 
 MODES = ("dense", "reprefill", "resume", "ring")
 FACTS = 5
-ANSWER_TOKENS = 12
 MARK = "\u2063"           # stands for an answer while the template renders the turn after it
 
 
@@ -101,10 +100,11 @@ class TurnsConfig:
     policy: str = "snapstream"
     weight_format: str = "fp32"
     chunk: int = 256
+    answer_tokens: int = 24           # "The special number for WORD is NNNNNN." with room to spare
 
     def final_length(self, length: int) -> int:
         """An upper bound on a conversation's tokens after its last turn."""
-        return length + FACTS * (ANSWER_TOKENS + 48)
+        return length + FACTS * (self.answer_tokens + 48)
 
     def budget(self, length: int) -> int:
         return self.final_length(length) // self.ratio

@@ -9,7 +9,6 @@ import numpy as np
 
 from snapcompile.config import ExportConfig, PolicyConfig
 from snapcompile.evaluation.turns import (
-    ANSWER_TOKENS,
     FACTS,
     MODES,
     TurnsCase,
@@ -49,8 +48,9 @@ def run_turns(config: TurnsConfig, output: Path, cache_dir: Path, progress: Call
             todo = [c for c in cases if f"{mode}/{c.key}" not in store.records]
             if not todo:
                 continue
-            converse = _ring_runner(folders[mode], tokenizer, chat) if mode == "ring" else \
-                _engine_runner(folders[mode], tokenizer, chat, STORE_BYTES if mode == "resume" else 0)
+            converse = _ring_runner(folders[mode], tokenizer, chat, config.answer_tokens) if mode == "ring" else \
+                _engine_runner(folders[mode], tokenizer, chat, config.answer_tokens,
+                               STORE_BYTES if mode == "resume" else 0)
             for case in todo:
                 store.add({"id": f"{mode}/{case.key}", "mode": mode, "case": case.key, "length": length,
                            "budget": None if mode == "dense" else config.budget(length), "turns": converse(case)})
@@ -65,7 +65,7 @@ def _turn_record(case: TurnsCase, turn: int, text: str, prompt_tokens: int, cach
             "prompt_tokens": prompt_tokens, "cached_tokens": cached, "ttft_s": ttft_s}
 
 
-def _engine_runner(folder: Path, tokenizer, chat: bool, session_bytes: int):
+def _engine_runner(folder: Path, tokenizer, chat: bool, answer_tokens: int, session_bytes: int):
     """A function running one conversation through an Engine (with a session store when session_bytes)."""
     from snapcompile.engine.engine import Engine
     from snapcompile.engine.request import Request
@@ -74,7 +74,7 @@ def _engine_runner(folder: Path, tokenizer, chat: bool, session_bytes: int):
     def converse(case: TurnsCase) -> list[dict]:
         ids, turns = first_turn(tokenizer, case, chat), []
         for turn in range(FACTS):
-            result, = engine.generate([Request(ids, max_new_tokens=ANSWER_TOKENS)])
+            result, = engine.generate([Request(ids, max_new_tokens=answer_tokens)])
             turns.append(_turn_record(case, turn, result.text, len(ids), result.cached_tokens, result.ttft_s,
                                       result.error))
             if result.error is not None:
@@ -86,7 +86,7 @@ def _engine_runner(folder: Path, tokenizer, chat: bool, session_bytes: int):
     return converse
 
 
-def _ring_runner(folder: Path, tokenizer, chat: bool):
+def _ring_runner(folder: Path, tokenizer, chat: bool, answer_tokens: int):
     """A function running one conversation on the backend itself: after turn 1's prefill every
     token (answers and the later turns alike) goes through decode steps into the ring."""
     from snapcompile.artifact.manifest import read_manifest
@@ -106,7 +106,7 @@ def _ring_runner(folder: Path, tokenizer, chat: bool):
             return out
         for turn in range(FACTS):
             output = [int(np.argmax(logits))]
-            while output[-1] not in eos and len(output) < ANSWER_TOKENS:
+            while output[-1] not in eos and len(output) < answer_tokens:
                 logits = feed(output[-1])
                 output.append(int(np.argmax(logits)))
             turns.append(_turn_record(case, turn, tokenizer.decode(output, skip_special_tokens=True), len(ids), 0,

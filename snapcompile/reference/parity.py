@@ -159,7 +159,10 @@ class Validator:
                 ids = ids + fed + follow_up
                 plan = plan_resume(kept, ids, window, self.backend.max_prompt_len())
                 if plan is None:
-                    raise SnapcompileError(f"turn {turn + 1} of {len(ids)} tokens cannot resume from the kept cache")
+                    raise SnapcompileError(f"turn {turn + 1} cannot resume from the kept cache: it adds "
+                                           f"{len(fed) + len(follow_up)} tokens and must add at least the "
+                                           f"observation window ({window}); give more --steps or a longer "
+                                           "--follow-up")
                 result = drain(self.backend.resume_chunks(0, plan, ids))
                 logits, resumed = ref.resume(ids, plan.resume_at), plan.resume_at
             if progress:
