@@ -12,7 +12,7 @@ import click
 from snapcompile.bench.turns import TurnsBenchConfig
 from snapcompile.cli.options import config_default, csv_option, report_options
 from snapcompile.cli.reports import write_report
-from snapcompile.config import WEIGHT_FORMATS
+from snapcompile.config import SCOPES, WEIGHT_FORMATS
 from snapcompile.evaluation.turns import MODES, TurnsConfig
 
 
@@ -28,9 +28,18 @@ from snapcompile.evaluation.turns import MODES, TurnsConfig
 @click.option("--policy", type=click.Choice(("snapstream", "streamingllm")), default="snapstream", show_default=True)
 @click.option("--weights", type=click.Choice(WEIGHT_FORMATS), default="fp32", show_default=True)
 @click.option("--chunk", default=config_default(TurnsConfig, "chunk"), show_default=True, type=click.IntRange(min=1))
+@click.option("--modes", default=",".join(MODES), show_default=True, callback=csv_option(str),
+              help="Which of dense, reprefill, resume, ring to run (dense is the reference of the shares).")
+@click.option("--kernel", default=config_default(TurnsConfig, "kernel"), show_default=True,
+              type=click.IntRange(min=1), help="The policy's pooling kernel K.")
+@click.option("--scope", type=click.Choice(SCOPES), default=config_default(TurnsConfig, "scope"), show_default=True,
+              help="SnapStream selection scope.")
+@click.option("--prompt-share", type=click.IntRange(min=1), default=None,
+              help="Prompt share P of the budget (default: B minus a ring of B/4).")
 @report_options("turns.json", "eval", "Results JSON; the Markdown table is written beside it. An interrupted run "
                 "of the same configuration resumes from OUTPUT.partial.jsonl.")
-def eval_turns(model_or_dir, lengths, samples, seed, ratio, policy, weights, chunk, cache_dir, output, as_json):
+def eval_turns(model_or_dir, lengths, samples, seed, ratio, policy, weights, chunk, modes, kernel, scope,
+               prompt_share, cache_dir, output, as_json):
     """Multi-turn accuracy: 5 facts in a document, one asked per turn, four ways.
 
     Turn 1 is the document (about LENGTH tokens) and a question about one fact; turns 2..5 each
@@ -49,10 +58,11 @@ def eval_turns(model_or_dir, lengths, samples, seed, ratio, policy, weights, chu
     from snapcompile.evaluation.turns_run import run_turns
     from snapcompile.models.loader import cache_root
     output = check_output_file(output, force=True, read_folders=(Path(model_or_dir),))
-    config = TurnsConfig(model_or_dir, tuple(lengths), samples, seed, ratio, policy, weights, chunk)
+    config = TurnsConfig(model_or_dir, tuple(lengths), samples, seed, ratio, policy, weights, chunk,
+                         modes=tuple(modes), kernel=kernel, scope=scope, prompt_share=prompt_share)
     check_config(config)
     started = time.perf_counter()
-    with tqdm(desc="eval-turns", unit="conversation", total=len(MODES) * samples * len(lengths), file=sys.stderr,
+    with tqdm(desc="eval-turns", unit="conversation", total=len(modes) * samples * len(lengths), file=sys.stderr,
               disable=as_json) as bar:
         records = run_turns(config, output, cache_dir or cache_root() / "eval", progress=bar.update,
                             log=lambda msg: tqdm.write(msg, file=sys.stderr))
@@ -80,8 +90,9 @@ def _markdown(rows: list[dict], config: TurnsConfig) -> str:
     def fmt(value) -> str:
         return "-" if value is None else f"{value:.2f}"
     cases = max((r["cases"] for r in rows), default=0)
-    intro = (f"{config.policy} at B = final length // {config.ratio}, {config.weight_format} weights, {cases} "
-             f"conversations per mode.\n\n")
+    share = "B minus a ring of B/4" if config.prompt_share is None else str(config.prompt_share)
+    intro = (f"{config.policy} at B = final length // {config.ratio} (K = {config.kernel}, {config.scope} scope, "
+             f"P = {share}), {config.weight_format} weights, {cases} conversations per mode.\n\n")
     return (intro + table("Accuracy per turn (answer found in the reply):", lambda r: fmt(r and r["accuracy"]))
             + table("Share of dense's accuracy:", lambda r: fmt(r and r["share_of_dense"]))
             + table("Of the answers dense got right, the share kept:", lambda r: fmt(r and r["dense_sure_kept"])))

@@ -20,6 +20,7 @@ import random
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from snapcompile.config import PolicyConfig
 from snapcompile.errors import SnapcompileError
 from snapcompile.evaluation.store import append_partial, partial_path, read_partial
 from snapcompile.evaluation.tasks import WORDS, facts_text, fit_text
@@ -101,6 +102,15 @@ class TurnsConfig:
     weight_format: str = "fp32"
     chunk: int = 256
     answer_tokens: int = 24           # "The special number for WORD is NNNNNN." with room to spare
+    modes: tuple[str, ...] = MODES
+    kernel: int = 15                  # the policy's pooling kernel K
+    scope: str = "head"               # SnapStream selection scope
+    prompt_share: int | None = None   # P (None: B minus a ring of B/4)
+
+    def policy_at(self, length: int) -> PolicyConfig:
+        return PolicyConfig(policy=self.policy, budget=self.budget(length), kernel=self.kernel,
+                            scope=self.scope if self.policy == "snapstream" else "head",
+                            prompt_share=self.prompt_share)
 
     def final_length(self, length: int) -> int:
         """An upper bound on a conversation's tokens after its last turn."""
@@ -148,3 +158,8 @@ def check_config(config: TurnsConfig) -> None:
         raise SnapcompileError("--samples must be >= 1, --ratio >= 2 and --lengths >= 256 tokens")
     if config.policy not in ("snapstream", "streamingllm"):
         raise SnapcompileError("--policy must be snapstream or streamingllm")
+    unknown = set(config.modes) - set(MODES)
+    if unknown or not config.modes:
+        raise SnapcompileError(f"--modes must be among {', '.join(MODES)}, got {', '.join(config.modes) or 'none'}")
+    for length in config.lengths:
+        config.policy_at(length)          # raises on a policy the budget cannot hold

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from snapcompile.config import ExportConfig, PolicyConfig
+from snapcompile.config import ExportConfig
 from snapcompile.evaluation.turns import (
     FACTS,
     MODES,
@@ -40,11 +40,9 @@ def run_turns(config: TurnsConfig, output: Path, cache_dir: Path, progress: Call
     tokenizer, chat = artifact_tokenizer(dense, manifest), manifest.chat
     for length in config.lengths:
         cases = [make_case(tokenizer, length, s, config.seed, chat) for s in range(config.samples)]
-        folders = {"dense": dense}
-        for mode in MODES[1:]:
-            folders[mode] = cache.get(export_of(config), PolicyConfig(policy=config.policy,
-                                                                        budget=config.budget(length)))
-        for mode in MODES:
+        compressed = cache.get(export_of(config), config.policy_at(length))
+        folders = {mode: dense if mode == "dense" else compressed for mode in MODES}
+        for mode in config.modes:
             todo = [c for c in cases if f"{mode}/{c.key}" not in store.records]
             if not todo:
                 continue
