@@ -79,3 +79,19 @@ def test_bench_turns_reports_ttft_per_turn_and_kept_bytes(tmp_path):
     kept = {r["mode"]: r["kept_bytes"] for r in payload["runs"]}
     assert kept["resume"] < kept["dense-resume"] and kept["dense"] is None
     assert "TTFT of turn 3 / turn 1" in (tmp_path / "b.md").read_text()
+
+
+def test_eval_turns_takes_dense_from_a_reference_run(tmp_path):
+    from tests.cli_helpers import assert_one_line_error
+    common = ["--lengths", 700, "--samples", 1, "--cache-dir", tmp_path / "cache"]
+    first = invoke("eval-turns", "tiny-llama", *common, "--modes", "dense", "-o", tmp_path / "dense.json")
+    assert first.exit_code == 0, first.output
+    variant = invoke("eval-turns", "tiny-llama", *common, "--modes", "resume", "--kernel", 7,
+                     "--reference", tmp_path / "dense.json", "-o", tmp_path / "k7.json", "--json")
+    assert variant.exit_code == 0, variant.output
+    payload = json.loads((tmp_path / "k7.json").read_text())
+    assert {r["mode"] for r in payload["records"]} == {"resume"}
+    assert {r["mode"] for r in payload["retention"]} == {"dense", "resume"}
+    other = invoke("eval-turns", "tiny-llama", "--lengths", 700, "--samples", 2, "--cache-dir", tmp_path / "cache",
+                   "--modes", "resume", "--reference", tmp_path / "dense.json", "-o", tmp_path / "x.json")
+    assert_one_line_error(other, "ran other conversations (samples differ)")

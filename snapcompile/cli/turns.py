@@ -36,10 +36,13 @@ from snapcompile.evaluation.turns import MODES, TurnsConfig
               help="SnapStream selection scope.")
 @click.option("--prompt-share", type=click.IntRange(min=1), default=None,
               help="Prompt share P of the budget (default: B minus a ring of B/4).")
+@click.option("--reference", type=click.Path(path_type=Path, exists=True, dir_okay=False), default=None,
+              help="The results of an earlier run on the same conversations whose dense records are the "
+                   "reference here (to measure a policy variant with --modes resume without rerunning dense).")
 @report_options("turns.json", "eval", "Results JSON; the Markdown table is written beside it. An interrupted run "
                 "of the same configuration resumes from OUTPUT.partial.jsonl.")
 def eval_turns(model_or_dir, lengths, samples, seed, ratio, policy, weights, chunk, modes, kernel, scope,
-               prompt_share, cache_dir, output, as_json):
+               prompt_share, reference, cache_dir, output, as_json):
     """Multi-turn accuracy: 5 facts in a document, one asked per turn, four ways.
 
     Turn 1 is the document (about LENGTH tokens) and a question about one fact; turns 2..5 each
@@ -54,22 +57,23 @@ def eval_turns(model_or_dir, lengths, samples, seed, ratio, policy, weights, chu
 
     from snapcompile.artifact.atomic import check_output_file
     from snapcompile.evaluation.store import partial_path
-    from snapcompile.evaluation.turns import check_config, retention
+    from snapcompile.evaluation.turns import check_config, reference_records, retention
     from snapcompile.evaluation.turns_run import run_turns
     from snapcompile.models.loader import cache_root
     output = check_output_file(output, force=True, read_folders=(Path(model_or_dir),))
     config = TurnsConfig(model_or_dir, tuple(lengths), samples, seed, ratio, policy, weights, chunk,
                          modes=tuple(modes), kernel=kernel, scope=scope, prompt_share=prompt_share)
     check_config(config)
+    dense = reference_records(reference, config) if reference is not None and "dense" not in modes else []
     started = time.perf_counter()
     with tqdm(desc="eval-turns", unit="conversation", total=len(modes) * samples * len(lengths), file=sys.stderr,
               disable=as_json) as bar:
         records = run_turns(config, output, cache_dir or cache_root() / "eval", progress=bar.update,
                             log=lambda msg: tqdm.write(msg, file=sys.stderr))
     seconds = time.perf_counter() - started
-    rows = retention(records)
+    rows = retention(dense + records)
     payload = {"config": json.loads(json.dumps(config.__dict__)), "retention": rows, "records": records,
-               "seconds_this_run": seconds}
+               "reference": None if reference is None else str(reference), "seconds_this_run": seconds}
     write_report(output, payload, _markdown(rows, config), lambda stem: [], {"retention": rows}, as_json,
                  f"{seconds:.0f} s this run")
     partial_path(output).unlink(missing_ok=True)

@@ -153,6 +153,25 @@ class TurnsStore:
         append_partial(self.path, self.config_json, record)
 
 
+SAME_CONVERSATIONS = ("source", "lengths", "samples", "seed", "weight_format", "chunk", "answer_tokens")
+
+
+def reference_records(path: Path, config: TurnsConfig) -> list[dict]:
+    """The dense records of an earlier eval-turns run on the same conversations (the dense mode
+    does not depend on the compression policy), so a policy variant need not rerun them."""
+    from snapcompile.evaluation.store import read_results
+    stored, records = read_results(path, "records", "eval-turns")
+    current = asdict(config)
+    differ = [k for k in SAME_CONVERSATIONS if json.dumps(stored.get(k)) != json.dumps(current[k])]
+    if differ:
+        raise SnapcompileError(f"{path} ran other conversations ({', '.join(differ)} differ); it cannot be the "
+                               "dense reference of this run")
+    dense = [r for r in records if r["mode"] == "dense"]
+    if not dense:
+        raise SnapcompileError(f"{path} holds no dense records")
+    return dense
+
+
 def check_config(config: TurnsConfig) -> None:
     if config.samples < 1 or config.ratio < 2 or not config.lengths or min(config.lengths) < 256:
         raise SnapcompileError("--samples must be >= 1, --ratio >= 2 and --lengths >= 256 tokens")
