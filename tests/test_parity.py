@@ -97,3 +97,21 @@ def test_near_ties_are_reported_and_real_differences_fail():
     _, mismatch = compare_selection([np.array([[0, 3, 4, 5]])], reference, tie_gap=1e-6)
     assert len(mismatch) == 1 and mismatch[0]["score_gap"] == pytest.approx(0.4, abs=1e-6)
     assert compare_selection([np.array([[0, 2, 4, 5]])], reference, 1e-6) == ([], [])
+
+
+@pytest.mark.parametrize("policy", [
+    None,
+    PolicyConfig(policy="snapstream", budget=64, sinks=4, window=8, kernel=5),
+    PolicyConfig(policy="snapstream", budget=48, sinks=2, window=8, kernel=3, scope="layer", prompt_share=40),
+    PolicyConfig(policy="streamingllm", budget=64, sinks=4, window=8),
+], ids=["dense", "snap-b64", "snap-b48-layer", "streaming-b64"])
+def test_resumed_turns_parity(tiny_llama, tmp_path, policy):
+    """Three turns, each resumed from the kept cache (re-selected), against the oracle's multi-turn
+    policy; a long and a short first turn."""
+    folder = build_artifact(tiny_llama, tmp_path / "art", policy=policy)
+    reports = Validator(folder, tiny_llama.model).run_turns(random_prompts([150, 20], seed=3), 40, 3,
+                                                            random_prompts([30], seed=9)[0])
+    summary = summarize(reports, 40)
+    assert summary["resumed_tokens"] == [0, 190, 261, 0, 60, 131]
+    assert not summary["selection_mismatches"]
+    assert summary["max_abs_logit_diff"] <= 1e-4 and summary["greedy_agreement"] == 1.0
