@@ -86,7 +86,8 @@ def medians(runs: list[dict]) -> list[dict]:
     return out
 
 
-def open_engines(config: TurnsBenchConfig, dense: Path, compressed: Path) -> dict:
+def open_engines(dense: Path, compressed: Path) -> dict:
+    """One engine per mode (a store only for the resume modes)."""
     from snapcompile.engine.engine import Engine
     folders = {"dense": dense, "dense-resume": dense, "reprefill": compressed, "resume": compressed}
     return {mode: Engine.from_artifact(folders[mode], session_cache_bytes=STORE_BYTES if "resume" in mode else 0)

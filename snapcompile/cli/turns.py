@@ -142,7 +142,7 @@ def bench_turns(model_or_dir, turns, turn_tokens, answer_tokens, repeats, ratio,
     export = ExportConfig(slots=1, max_context=config.final_length + 64, chunk=chunk, weight_format=weights)
     cache = ArtifactCache(model_or_dir, cache_dir or cache_root() / "bench", lambda m: tqdm.write(m, file=sys.stderr))
     dense = cache.dense(export)
-    engines = bench.open_engines(config, dense, cache.get(export, PolicyConfig(policy=policy, budget=config.budget)))
+    engines = bench.open_engines(dense, cache.get(export, PolicyConfig(policy=policy, budget=config.budget)))
     tokenizer, chat = engines["dense"].tokenizer, engines["dense"].backend.manifest.chat
     runs, started = [], time.perf_counter()
     with tqdm(desc="bench-turns", unit="conversation", total=repeats * len(bench.MODES), file=sys.stderr,
@@ -152,8 +152,7 @@ def bench_turns(model_or_dir, turns, turn_tokens, answer_tokens, repeats, ratio,
             for mode in bench.MODES[repeat % 2:] + bench.MODES[:repeat % 2]:
                 engine = engines[mode]
                 rows = bench.run_conversation(engine, tokenizer, chat, texts, answer_tokens)
-                kept = max((e.nbytes for e in engine.sessions._entries.values()), default=None) \
-                    if engine.sessions else None
+                kept = max(engine.sessions.entry_bytes(), default=None) if engine.sessions else None
                 runs.append({"mode": mode, "repeat": repeat, "turns": rows, "kept_bytes": kept})
                 bar.update(1)
     rows = bench.medians(runs)

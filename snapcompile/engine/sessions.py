@@ -40,6 +40,10 @@ class SessionStore:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def entry_bytes(self) -> list[int]:
+        """Bytes of each kept entry, least recently used first."""
+        return [kept.nbytes for kept in self._entries.values()]
+
     def put(self, kept: KeptCache) -> None:
         """Keep `kept` (replacing an entry of the same tokens), evicting the least recently used
         entries until it fits; an entry larger than the whole store is not kept."""
