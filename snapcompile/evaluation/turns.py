@@ -1,6 +1,6 @@
 """Multi-turn accuracy through the artifacts (`snapcompile eval-turns`): a document with FACTS
 "special number" lines at several depths and a question about one of them in turn 1; each later
-turn asks about another (docs/results/accuracy.md, "Conversations").
+turn asks about another (docs/results/conversations.md).
 
 Each conversation is built at the token level, the way a chat client's resent history reaches the
 engine when its answers re-tokenize to themselves: turn k+1 is turn k's tokens, its answer's tokens
