@@ -157,6 +157,12 @@ class PolicyConfig:
     def compressed(self) -> bool:
         return self.policy != "dense"
 
+    @property
+    def selection_window(self) -> int:
+        """Tokens a resumed turn must prefill anew for its re-selection: the observation window W
+        for snapstream, 0 for the policies that select without one."""
+        return self.window if self.policy == "snapstream" else 0
+
     def streaming_positions(self, prompt_len: int) -> list[int]:
         """StreamingLLM's kept prompt positions, ascending: the first S and the most recent P - S."""
         share, sinks = self.resolved_prompt_share, self.sinks

@@ -107,7 +107,7 @@ def test_store_never_holds_more_than_its_bytes(sizes, budget):
 def _oracle_conversation(model, policy, rows, turns, steps):
     """Greedy tokens of each turn under the oracle's multi-turn policy, with the resume points
     the engine's store gives (the same rule)."""
-    ids, window, outputs = list(turns[0]), policy.window if policy.policy == "snapstream" else 0, []
+    ids, window, outputs = list(turns[0]), policy.selection_window, []
     ref = ReferenceSequence(model, policy, rows)
     logits = ref.feed(ids)
     for turn in range(len(turns)):

@@ -17,8 +17,8 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from snapcompile.evaluation.turns import next_turn_tokens
-from snapcompile.prompts import FILLER, encode_messages, encode_text
+from snapcompile.evaluation.turns import engine_turns
+from snapcompile.prompts import FILLER, encode, encode_text
 
 MODES = ("dense", "dense-resume", "reprefill", "resume")
 STORE_BYTES = 2**31
@@ -54,21 +54,15 @@ def user_texts(tokenizer, config: TurnsBenchConfig, conversation: int) -> list[s
             for k in range(config.turns)]
 
 
-def run_conversation(engine, tokenizer, chat: bool, texts: list[str], answer_tokens: int) -> list[dict]:
+def run_conversation(engine, chat: bool, texts: list[str], answer_tokens: int) -> list[dict]:
     """One conversation on `engine` (idle): per turn its prompt tokens, the tokens resumed, TTFT."""
-    from snapcompile.engine.request import Request
-    first = encode_messages(tokenizer, [{"role": "user", "content": texts[0]}]) if chat \
-        else encode_text(tokenizer, texts[0])
-    ids, rows = first, []
-    for turn, _ in enumerate(texts):
-        result, = engine.generate([Request(ids, max_new_tokens=answer_tokens, ignore_eos=True)])
+    rows = []
+    first = encode(engine.tokenizer, texts[0], chat)
+    for turn, (ids, result) in enumerate(engine_turns(engine, chat, first, texts[1:], answer_tokens, True)):
         if result.error is not None:
             raise RuntimeError(f"turn {turn + 1}: {result.error}")
         rows.append({"turn": turn + 1, "prompt_tokens": len(ids), "cached_tokens": result.cached_tokens,
                      "ttft_s": result.ttft_s})
-        if turn + 1 < len(texts):
-            ended = result.output_ids[-1] in engine.eos_ids
-            ids = ids + result.output_ids + next_turn_tokens(tokenizer, texts[turn + 1], chat, ended)
     return rows
 
 

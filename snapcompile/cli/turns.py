@@ -151,7 +151,7 @@ def bench_turns(model_or_dir, turns, turn_tokens, answer_tokens, repeats, ratio,
             texts = bench.user_texts(tokenizer, config, repeat)
             for mode in bench.MODES[repeat % 2:] + bench.MODES[:repeat % 2]:
                 engine = engines[mode]
-                rows = bench.run_conversation(engine, tokenizer, chat, texts, answer_tokens)
+                rows = bench.run_conversation(engine, chat, texts, answer_tokens)
                 kept = max(engine.sessions.entry_bytes(), default=None) if engine.sessions else None
                 runs.append({"mode": mode, "repeat": repeat, "turns": rows, "kept_bytes": kept})
                 bar.update(1)

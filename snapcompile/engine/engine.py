@@ -108,8 +108,8 @@ class Engine:
         policy = backend.manifest.policy
         if session_cache_bytes is None:
             session_cache_bytes = available_host_memory() // 8
-        self.sessions = SessionStore(session_cache_bytes, policy.window if policy.policy == "snapstream" else 0,
-                                     backend.max_prompt_len(), backend.chunk) if session_cache_bytes else None
+        self.sessions = SessionStore(session_cache_bytes, policy.selection_window, backend.max_prompt_len(),
+                                     backend.chunk) if session_cache_bytes else None
 
     @classmethod
     def from_artifact(cls, folder, provider: str = "cpu", threads: int | None = None,

@@ -24,7 +24,7 @@ from snapcompile.config import PolicyConfig
 from snapcompile.errors import SnapcompileError
 from snapcompile.evaluation.store import append_partial, partial_path, read_partial
 from snapcompile.evaluation.tasks import WORDS, facts_text, fit_text
-from snapcompile.prompts import encode_messages, encode_text
+from snapcompile.prompts import encode, encode_text
 
 MODES = ("dense", "reprefill", "resume", "ring")
 FACTS = 5
@@ -71,8 +71,23 @@ def make_case(tokenizer, length: int, sample: int, seed: int, chat: bool) -> Tur
 
 
 def first_turn(tokenizer, case: TurnsCase, chat: bool) -> list[int]:
-    text = case.document + "\n\n" + case.question(0)
-    return encode_messages(tokenizer, [{"role": "user", "content": text}]) if chat else encode_text(tokenizer, text)
+    return encode(tokenizer, case.document + "\n\n" + case.question(0), chat)
+
+
+def engine_turns(engine, chat: bool, first_ids: list[int], later_texts: list[str], max_new_tokens: int,
+                 ignore_eos: bool = False):
+    """Yield (prompt ids, Result) for each turn of a conversation on `engine`, one request at a
+    time: turn 1 is first_ids, each later one the turn before, its answer's tokens and the template's
+    tokens of the next user text (`next_turn_tokens`). Stops after a failed turn."""
+    from snapcompile.engine.request import Request
+    ids = first_ids
+    for turn in range(len(later_texts) + 1):
+        result, = engine.generate([Request(ids, max_new_tokens=max_new_tokens, ignore_eos=ignore_eos)])
+        yield ids, result
+        if result.error is not None or turn == len(later_texts):
+            return
+        ended = result.output_ids[-1] in engine.eos_ids
+        ids = ids + result.output_ids + next_turn_tokens(engine.tokenizer, later_texts[turn], chat, ended)
 
 
 def next_turn_tokens(tokenizer, question: str, chat: bool, answer_ended: bool) -> list[int]:

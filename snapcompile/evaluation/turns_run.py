@@ -14,6 +14,7 @@ from snapcompile.evaluation.turns import (
     TurnsCase,
     TurnsConfig,
     TurnsStore,
+    engine_turns,
     first_turn,
     make_case,
     next_turn_tokens,
@@ -66,21 +67,13 @@ def _turn_record(case: TurnsCase, turn: int, text: str, prompt_tokens: int, cach
 def _engine_runner(folder: Path, tokenizer, chat: bool, answer_tokens: int, session_bytes: int):
     """A function running one conversation through an Engine (with a session store when session_bytes)."""
     from snapcompile.engine.engine import Engine
-    from snapcompile.engine.request import Request
     engine = Engine.from_artifact(folder, session_cache_bytes=session_bytes)
 
     def converse(case: TurnsCase) -> list[dict]:
-        ids, turns = first_turn(tokenizer, case, chat), []
-        for turn in range(FACTS):
-            result, = engine.generate([Request(ids, max_new_tokens=answer_tokens)])
-            turns.append(_turn_record(case, turn, result.text, len(ids), result.cached_tokens, result.ttft_s,
-                                      result.error))
-            if result.error is not None:
-                break
-            if turn + 1 < FACTS:
-                ended = result.output_ids[-1] in engine.eos_ids
-                ids = ids + result.output_ids + next_turn_tokens(tokenizer, case.question(turn + 1), chat, ended)
-        return turns
+        later = [case.question(turn) for turn in range(1, FACTS)]
+        turns = engine_turns(engine, chat, first_turn(tokenizer, case, chat), later, answer_tokens)
+        return [_turn_record(case, turn, result.text, len(ids), result.cached_tokens, result.ttft_s, result.error)
+                for turn, (ids, result) in enumerate(turns)]
     return converse
 
 

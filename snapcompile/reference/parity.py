@@ -141,7 +141,7 @@ class Validator:
         tokens of each turn) plus `follow_up`, resumed from the previous turn's kept cache on both
         sides. Every turn is compared step by step; one report per prompt and turn."""
         reports = []
-        window = self.manifest.policy.window if self.manifest.policy.policy == "snapstream" else 0
+        window = self.manifest.policy.selection_window
         for ids in prompts:
             total = len(ids) + turns * (steps + 1 + len(follow_up))
             ref = self._reference(total, 0)
