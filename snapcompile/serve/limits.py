@@ -1,5 +1,5 @@
 """What one client may cost the server: body size and read time, connections, header time, and the
-rate of one noisy log line. Every bound has a `serve` flag (README, "Trust and safety").
+rate of one noisy log line. Every bound has a `serve` flag (docs/serving.md, "Limits").
 
 uvicorn times idle keep-alive connections but not a request's head: a client sending a byte a
 second would hold its connection (and a file descriptor) for ever. `bounded_h11_protocol` gives
