@@ -166,6 +166,7 @@ def test_long_generation_fidelity_measures_past_the_wrap(tmp_path):
     (["--depths", "1.5"], "--depths"),
     (["--ratios", "1"], "--ratios"),
     (["--ratios", "four"], "comma-separated int"),
+    (["--kernel", "4"], "--kernel must be a positive odd number"),
 ])
 def test_eval_bad_input(tmp_path, args, message):
     result = CliRunner().invoke(main, ["eval", "tiny-llama", "-o", str(tmp_path / "x.json"), *args])
@@ -179,7 +180,7 @@ def test_results_written_before_a_new_field_still_resume(tmp_path):
     from snapcompile.evaluation.store import ResultStore
     config = EvalConfig("tiny-llama", "passkey", ("dense",), (128,), (400,), (0.5,), 1, seed=1)
     old = asdict(config)
-    del old["scope"]                                   # as written before --scope existed
+    del old["scope"], old["kernel"]                    # as written before --scope and --kernel existed
     results = tmp_path / "r.json"
     path = tmp_path / "r.json.partial.jsonl"
     path.write_text(_json.dumps(old) + "\n" + _json.dumps({"id": "x", "policy": "dense"}) + "\n")
@@ -188,9 +189,19 @@ def test_results_written_before_a_new_field_still_resume(tmp_path):
     layer = EvalConfig("tiny-llama", "passkey", ("dense",), (128,), (400,), (0.5,), 1, seed=1, scope="layer")
     with pytest.raises(SnapcompileError, match="another model"):
         ResultStore(path, layer)
+    wider_kernel = EvalConfig("tiny-llama", "passkey", ("dense",), (128,), (400,), (0.5,), 1, seed=1, kernel=31)
+    with pytest.raises(SnapcompileError, match="kernel"):
+        ResultStore(path, wider_kernel)
     longer = EvalConfig("tiny-llama", "passkey", ("dense",), (128,), (400, 800), (0.5,), 1, seed=1)
     with pytest.raises(SnapcompileError, match="artifact shape"):
         ResultStore(path, longer)
+
+
+def test_kernel_reaches_snapstream_cells_only():
+    from snapcompile.evaluation.config import policy_for
+    assert policy_for("snapstream", 256, "layer", 31).kernel == 31
+    assert policy_for("streamingllm", 256, "layer", 31).kernel == policy_for("dense", None).kernel == 15
+    assert policy_for("snapstream", 256).kernel == 15
 
 
 def test_answer_margin_reads_the_tokens_that_spell_the_answer():

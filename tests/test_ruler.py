@@ -30,6 +30,8 @@ def test_cells_and_config_are_checked():
         RulerConfig("m", lengths=(256,))
     with pytest.raises(SnapcompileError, match="--weights"):
         RulerConfig("m", weights=("fp8",))
+    with pytest.raises(SnapcompileError, match="--kernel must be a positive odd number"):
+        RulerConfig("m", kernel=30)
     units = RulerConfig("m", cells=("snapstream/4", "dense"), lengths=(1024, 2048), weights=("fp32", "int4")).units()
     assert units[:2] == [("fp32", "dense", 1024), ("fp32", "dense", 2048)] and len(units) == 8
     assert RulerConfig("m", lengths=(1024, 4096)).export("int4").max_context == 4096 + 64

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from snapcompile.cli.options import config_default, csv_option, report_options
+from snapcompile.cli.options import config_default, csv_option, kernel_option, report_options
 from snapcompile.cli.reports import write_report
 from snapcompile.config import POLICIES, SCOPES, WEIGHT_FORMATS, ExportConfig
 from snapcompile.errors import SnapcompileError
@@ -36,6 +36,7 @@ DEFAULT_BUDGETS = (256, 512, 1024, 2048)
 @click.option("--seed", default=0, show_default=True)
 @click.option("--scope", type=click.Choice(SCOPES), default="head", show_default=True,
               help="SnapStream selection scope.")
+@kernel_option()
 @click.option("--slots", default=config_default(ExportConfig, "slots"), show_default=True,
               help="Engine slots (continuous batching).")
 @click.option("--weights", type=click.Choice(WEIGHT_FORMATS), default=config_default(ExportConfig, "weight_format"),
@@ -47,8 +48,8 @@ DEFAULT_BUDGETS = (256, 512, 1024, 2048)
               "continuation first leaves dense's, and a recall probe on the model's own early text.")
 @report_options("results.json", "eval", "Results JSON; the Markdown table and plots are written beside it. "
                 "An existing results file of the same model, task and seed is resumed and widened.")
-def eval_command(model_or_dir, task, policies, budgets, ratios, lengths, depths, samples, seed, scope, slots, weights,
-                 generate, cache_dir, output, as_json):
+def eval_command(model_or_dir, task, policies, budgets, ratios, lengths, depths, samples, seed, scope, kernel, slots,
+                 weights, generate, cache_dir, output, as_json):
     """Accuracy of dense, StreamingLLM and SnapStream artifacts on generated tasks.
 
     Builds (or reuses) the artifacts, runs every case through the engine, and writes OUTPUT
@@ -71,7 +72,7 @@ def eval_command(model_or_dir, task, policies, budgets, ratios, lengths, depths,
     if budgets is None:
         budgets = () if ratios else DEFAULT_BUDGETS
     config = EvalConfig(model_or_dir, task, policies, budgets, lengths, depths, samples, seed, slots=slots,
-                        scope=scope, ratios=ratios, weight_format=weights, generate=generate)
+                        scope=scope, kernel=kernel, ratios=ratios, weight_format=weights, generate=generate)
     started = time.perf_counter()
     with tqdm(desc=f"eval {task}", unit="case", file=sys.stderr, disable=as_json) as bar:
         def progress(advance, total=None):

@@ -67,3 +67,11 @@ def parse_session_cache(ctx, param, value):
 def session_cache_option():
     return click.option("--session-cache-bytes", "session_cache_bytes", default="auto", show_default=True,
                         callback=parse_session_cache, help=SESSION_CACHE_HELP)
+
+
+def kernel_option():
+    """--kernel of the evaluation commands: SnapStream's pooling kernel K."""
+    from snapcompile.config import PolicyConfig
+    return click.option("--kernel", default=config_default(PolicyConfig, "kernel"), show_default=True,
+                        type=click.IntRange(min=1), help="SnapStream's pooling kernel K (odd); 31 spans a whole "
+                        "fact line (docs/results/conversations.md).")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from snapcompile.cli.options import config_default, csv_option, report_options
+from snapcompile.cli.options import config_default, csv_option, kernel_option, report_options
 from snapcompile.cli.reports import write_report
 from snapcompile.config import SCOPES
 from snapcompile.evaluation.ruler import RULER_TASKS
@@ -33,9 +33,11 @@ from snapcompile.evaluation.ruler_run import DEFAULT_CELLS, RulerConfig
               type=click.IntRange(min=1), help="Prefill chunk of the artifacts.")
 @click.option("--scope", type=click.Choice(SCOPES), default=config_default(RulerConfig, "scope"), show_default=True,
               help="SnapStream selection scope.")
+@kernel_option()
 @report_options("ruler.json", "eval", "Results JSON; the Markdown table and plots are written beside it. "
                 "An interrupted run of the same configuration resumes from OUTPUT.partial.jsonl.")
-def eval_ruler(model_or_dir, tasks, lengths, cells, weights, limit, slots, chunk, scope, cache_dir, output, as_json):
+def eval_ruler(model_or_dir, tasks, lengths, cells, weights, limit, slots, chunk, scope, kernel, cache_dir, output,
+               as_json):
     """RULER (niah_single_1, niah_multikey_2/3, vt, cwe, fwe) through lm-evaluation-harness.
 
     For each weight format, builds (or reuses) the dense and compressed artifacts, serves each with
@@ -54,7 +56,7 @@ def eval_ruler(model_or_dir, tasks, lengths, cells, weights, limit, slots, chunk
     from snapcompile.models.loader import cache_root
     _check_lm_eval()
     output = check_output_file(output, force=True, read_folders=(Path(model_or_dir),))
-    config = RulerConfig(model_or_dir, tasks, lengths, cells, weights, limit, slots, chunk, scope)
+    config = RulerConfig(model_or_dir, tasks, lengths, cells, weights, limit, slots, chunk, scope, kernel)
     cache = cache_dir or cache_root() / "eval"
     started = time.perf_counter()
     with tqdm(desc="eval-ruler", unit="run", total=len(config.units()), file=sys.stderr, disable=as_json) as bar:

@@ -10,7 +10,7 @@ from pathlib import Path
 import click
 
 from snapcompile.bench.turns import TurnsBenchConfig
-from snapcompile.cli.options import config_default, csv_option, report_options
+from snapcompile.cli.options import config_default, csv_option, kernel_option, report_options
 from snapcompile.cli.reports import write_report
 from snapcompile.config import SCOPES, WEIGHT_FORMATS
 from snapcompile.evaluation.turns import MODES, TurnsConfig
@@ -30,8 +30,7 @@ from snapcompile.evaluation.turns import MODES, TurnsConfig
 @click.option("--chunk", default=config_default(TurnsConfig, "chunk"), show_default=True, type=click.IntRange(min=1))
 @click.option("--modes", default=",".join(MODES), show_default=True, callback=csv_option(str),
               help="Which of dense, reprefill, resume, ring to run (dense is the reference of the shares).")
-@click.option("--kernel", default=config_default(TurnsConfig, "kernel"), show_default=True,
-              type=click.IntRange(min=1), help="The policy's pooling kernel K.")
+@kernel_option()
 @click.option("--scope", type=click.Choice(SCOPES), default=config_default(TurnsConfig, "scope"), show_default=True,
               help="SnapStream selection scope.")
 @click.option("--prompt-share", type=click.IntRange(min=1), default=None,

@@ -26,6 +26,7 @@ class EvalConfig:
     slots: int = 4
     chunk: int = 256
     scope: str = "head"              # SnapStream selection scope (head | layer)
+    kernel: int = PolicyConfig.kernel  # SnapStream's pooling kernel K
     ratios: tuple[int, ...] = ()     # compression ratios: budget = length // ratio, per length
     weight_format: str = "fp32"      # --weights of every artifact (fidelity's reference stays fp32 dense)
     generate: int = FIDELITY_TOKENS  # fidelity: greedy tokens generated and compared per case
@@ -37,6 +38,7 @@ class EvalConfig:
             raise SnapcompileError("--lengths must be token counts >= 64")
         if any(not 0.0 <= d <= 1.0 for d in self.depths):
             raise SnapcompileError("--depths must lie in [0, 1]")
+        PolicyConfig(kernel=self.kernel)      # raises on a kernel the policy refuses
         if self.generate < RECALL_CUE + RECALL_TOKENS:
             raise SnapcompileError(f"--generate must be >= {RECALL_CUE + RECALL_TOKENS} tokens")
         if self.samples < 1:
@@ -78,8 +80,10 @@ class EvalConfig:
         return policy == "dense" or budget in self.budgets_for(case.length)
 
 
-def policy_for(name: str, budget: int | None, scope: str = "head") -> PolicyConfig:
-    """The policy of one cell of the grid (the selection scope applies to snapstream only)."""
+def policy_for(name: str, budget: int | None, scope: str = "head", kernel: int = PolicyConfig.kernel) -> PolicyConfig:
+    """The policy of one cell of the grid (the selection scope and kernel apply to snapstream only)."""
     if name == "dense":
         return PolicyConfig(policy="dense")
-    return PolicyConfig(policy=name, budget=budget, scope=scope if name == "snapstream" else "head")
+    snapstream = name == "snapstream"
+    return PolicyConfig(policy=name, budget=budget, scope=scope if snapstream else "head",
+                        kernel=kernel if snapstream else PolicyConfig.kernel)

@@ -35,7 +35,7 @@ def run_fidelity(config: EvalConfig, cases: list[Case], pending: dict, cache: Ar
     for (policy, budget), todo in pending.items():
         if not todo:
             continue
-        policy_config = policy_for(policy, budget, config.scope)
+        policy_config = policy_for(policy, budget, config.scope, config.kernel)
         quantized_dense = policy == "dense" and config.weight_format != "fp32"
         backend = OrtBackend(cache.get(config.export, policy_config)) if policy != "dense" or quantized_dense else None
         for case in todo:

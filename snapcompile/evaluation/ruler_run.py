@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from snapcompile.config import POLICIES, SCOPES, WEIGHT_FORMATS, ExportConfig
+from snapcompile.config import POLICIES, SCOPES, WEIGHT_FORMATS, ExportConfig, PolicyConfig
 from snapcompile.errors import SnapcompileError, first_line
 from snapcompile.evaluation import ruler
 from snapcompile.evaluation.config import policy_for
@@ -39,6 +39,7 @@ class RulerConfig:
     slots: int = 4                            # of every artifact; lm-eval sends this many requests at once
     chunk: int = 256
     scope: str = "head"                       # SnapStream's selection scope (head | layer)
+    kernel: int = PolicyConfig.kernel         # SnapStream's pooling kernel K
 
     def __post_init__(self):
         unknown = set(self.tasks) - set(ruler.RULER_TASKS)
@@ -58,6 +59,7 @@ class RulerConfig:
             raise SnapcompileError("--limit must be >= 1")
         if self.scope not in SCOPES:
             raise SnapcompileError(f"--scope must be one of {', '.join(SCOPES)}")
+        PolicyConfig(kernel=self.kernel)      # raises on a kernel the policy refuses
 
     def export(self, weights: str) -> ExportConfig:
         return ExportConfig(slots=self.slots, max_context=max(self.lengths) + CONTEXT_MARGIN, chunk=self.chunk,
@@ -138,7 +140,8 @@ def _artifacts(config: RulerConfig, pending, cache) -> dict[Path, list[tuple[str
     folders: dict[Path, list] = {}
     for weights, cell, length in pending:
         policy, _ = parse_cell(cell)
-        folder = cache.get(config.export(weights), policy_for(policy, budget_of(cell, length), config.scope))
+        policy_config = policy_for(policy, budget_of(cell, length), config.scope, config.kernel)
+        folder = cache.get(config.export(weights), policy_config)
         folders.setdefault(folder, []).append((weights, cell, length))
     return folders
 

@@ -39,7 +39,7 @@ def run_eval(config: EvalConfig, results_path: Path, cache_dir: Path, progress=N
     else:
         for (policy, budget), todo in pending.items():
             if todo:
-                folder = cache.get(export, policy_for(policy, budget, config.scope))
+                folder = cache.get(export, policy_for(policy, budget, config.scope, config.kernel))
                 run_retrieval(folder, todo, policy, budget, chat, store, progress)
     ids = [store.record_id(c, p, b) for (p, b), applied in cells.items() for c in applied]
     return [store.records[i] for i in ids if i in store.records]

@@ -95,7 +95,7 @@ class ResultStore:
     @staticmethod
     def _check_config(stored: dict, config: EvalConfig, path: Path) -> None:
         if not _same_results(stored, config):
-            raise SnapcompileError(f"{path} holds results of another model, task, seed, scope or "
+            raise SnapcompileError(f"{path} holds results of another model, task, seed, scope, kernel or "
                                    "artifact shape: delete it or change -o")
 
     @staticmethod
@@ -110,7 +110,7 @@ class ResultStore:
         append_partial(self.path, self.config_json, record)
 
 
-_SAME_RESULTS = ("source", "task", "seed", "slots", "chunk", "scope", "weight_format", "generate")
+_SAME_RESULTS = ("source", "task", "seed", "slots", "chunk", "scope", "kernel", "weight_format", "generate")
 
 
 def _same_results(stored: dict, config: EvalConfig) -> bool:
