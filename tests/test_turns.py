@@ -37,6 +37,20 @@ def test_retention_per_turn_against_dense():
     assert rows[("resume", 2)]["share_of_dense"] == 1.0 and rows[("resume", 2)]["dense_sure_kept"] == 0.0
 
 
+def test_rows_kept_of_counts_heads_holding_the_whole_span():
+    import numpy as np
+
+    from snapcompile.evaluation.turns import rows_kept_of
+    from snapcompile.runtime.kept import KeptCache
+    rows = np.zeros((2, 3, 1), np.float32)
+    heads = [np.array([[0, 2, 3], [0, 1, 2]]), np.array([[2, 3, 4], [0, 1, 4]])]   # per layer [Hkv=2, 3]
+    kept = KeptCache(np.arange(5), (rows, rows), (rows, rows), tuple(heads))
+    ids = [7, 9, 5, 6, 9]
+    assert rows_kept_of(kept, ids, [5, 6]) == 0.5, "span at positions 2-3: 1 head of 2 in each layer"
+    assert rows_kept_of(kept, ids, [9]) == 0.5, "the first occurrence (position 1) counts"
+    assert rows_kept_of(kept, ids, [4]) is None
+
+
 def test_turns_store_resumes_and_refuses_another_configuration(tmp_path):
     output = tmp_path / "turns.json"
     store = TurnsStore(output, TurnsConfig("tiny-llama", samples=2))
@@ -60,6 +74,8 @@ def test_eval_turns_runs_every_mode(tmp_path):
     prompts = [t["prompt_tokens"] for t in by_mode["resume"]]
     assert all(cached < tokens for cached, tokens in zip(resumed, prompts))
     assert {(r["mode"], r["turn"]) for r in payload["retention"]} == {(m, t) for m in by_mode for t in range(1, 6)}
+    assert all(0.0 <= t["asked_kept"] <= 1.0 for t in by_mode["resume"]), "the asked number's rows, per turn"
+    assert all(t["asked_kept"] is None for mode in ("dense", "reprefill", "ring") for t in by_mode[mode])
     assert not (tmp_path / "turns.json.partial.jsonl").exists() and (tmp_path / "turns.md").is_file()
 
 

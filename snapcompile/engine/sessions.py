@@ -44,6 +44,10 @@ class SessionStore:
         """Bytes of each kept entry, least recently used first."""
         return [kept.nbytes for kept in self._entries.values()]
 
+    def newest(self) -> KeptCache | None:
+        """The entry kept or used most recently (None when the store is empty)."""
+        return next(reversed(self._entries.values()), None)
+
     def put(self, kept: KeptCache) -> None:
         """Keep `kept` (replacing an entry of the same tokens), evicting the least recently used
         entries until it fits; an entry larger than the whole store is not kept."""

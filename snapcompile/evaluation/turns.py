@@ -20,6 +20,8 @@ import random
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import numpy as np
+
 from snapcompile.config import PolicyConfig
 from snapcompile.errors import SnapcompileError
 from snapcompile.evaluation.store import append_partial, partial_path, read_partial
@@ -88,6 +90,18 @@ def engine_turns(engine, chat: bool, first_ids: list[int], later_texts: list[str
             return
         ended = result.output_ids[-1] in engine.eos_ids
         ids = ids + result.output_ids + next_turn_tokens(engine.tokenizer, later_texts[turn], chat, ended)
+
+
+def rows_kept_of(kept, token_ids: list[int], tokens: list[int]) -> float | None:
+    """The share of (layer, KV head) pairs of the kept cache `kept` that hold every token of the
+    first occurrence of the token sequence `tokens` in `token_ids` (None when it does not occur):
+    whether a fact the turn asks about is still in the cache it is answered from."""
+    n = len(tokens)
+    first = next((i for i in range(len(token_ids) - n + 1) if token_ids[i:i + n] == tokens), None)
+    if first is None or n == 0:
+        return None
+    span = np.arange(first, first + n)
+    return float(np.mean([np.isin(span, head).all() for layer in kept.positions for head in layer]))
 
 
 def next_turn_tokens(tokenizer, question: str, chat: bool, answer_ended: bool) -> list[int]:

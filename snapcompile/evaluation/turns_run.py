@@ -18,7 +18,9 @@ from snapcompile.evaluation.turns import (
     first_turn,
     make_case,
     next_turn_tokens,
+    rows_kept_of,
 )
+from snapcompile.prompts import encode_text
 
 STORE_BYTES = 2**30        # the resume mode's session store (one conversation's entries at a time)
 
@@ -58,10 +60,13 @@ def run_turns(config: TurnsConfig, output: Path, cache_dir: Path, progress: Call
     return list(store.records.values())
 
 
-def _turn_record(case: TurnsCase, turn: int, text: str, prompt_tokens: int, cached: int, ttft_s, error=None) -> dict:
+def _turn_record(case: TurnsCase, turn: int, text: str, prompt_tokens: int, cached: int, ttft_s, error=None,
+                 asked_kept: float | None = None) -> dict:
+    """asked_kept: the share of (layer, KV head) pairs whose cache held the asked number while
+    answering (resume mode; None elsewhere)."""
     return {"turn": turn + 1, "asked_depth": case.depths[case.asked[turn]], "answer": case.answer(turn),
             "text": text, "correct": error is None and case.answer(turn) in text, "error": error,
-            "prompt_tokens": prompt_tokens, "cached_tokens": cached, "ttft_s": ttft_s}
+            "prompt_tokens": prompt_tokens, "cached_tokens": cached, "ttft_s": ttft_s, "asked_kept": asked_kept}
 
 
 def _engine_runner(folder: Path, tokenizer, chat: bool, answer_tokens: int, session_bytes: int):
@@ -69,10 +74,17 @@ def _engine_runner(folder: Path, tokenizer, chat: bool, answer_tokens: int, sess
     from snapcompile.engine.engine import Engine
     engine = Engine.from_artifact(folder, session_cache_bytes=session_bytes)
 
+    def asked_kept(case: TurnsCase, turn: int, ids: list[int]) -> float | None:
+        kept = engine.sessions.newest() if engine.sessions is not None else None
+        if kept is None or not engine.backend.manifest.policy.compressed:
+            return None
+        return rows_kept_of(kept, ids, encode_text(tokenizer, case.answer(turn)))
+
     def converse(case: TurnsCase) -> list[dict]:
         later = [case.question(turn) for turn in range(1, FACTS)]
         turns = engine_turns(engine, chat, first_turn(tokenizer, case, chat), later, answer_tokens)
-        return [_turn_record(case, turn, result.text, len(ids), result.cached_tokens, result.ttft_s, result.error)
+        return [_turn_record(case, turn, result.text, len(ids), result.cached_tokens, result.ttft_s, result.error,
+                             asked_kept(case, turn, ids))
                 for turn, (ids, result) in enumerate(turns)]
     return converse
 
