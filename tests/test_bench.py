@@ -174,3 +174,19 @@ def test_a_killed_bench_resumes_from_its_finished_points(tmp_path):
                         eager=False)
     with pytest.raises(SnapcompileError, match="another bench configuration"):
         PointStore(output, other)
+
+
+def test_graph_runtimes_script_times_a_prefill_chunk(tiny_dense_dir):
+    """scripts/graph_runtimes.py, the ONNX Runtime half (OpenVINO lives in the peers' venv)."""
+    import subprocess
+    import sys
+    done = subprocess.run([sys.executable, "scripts/graph_runtimes.py", str(tiny_dense_dir), "--graph", "prefill",
+                           "--start", "64", "--repeats", "2", "--runtime", "ort"], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    row = json.loads(done.stdout)
+    assert (row["runtime"], row["graph"], row["start"], row["repeats"]) == ("ort", "prefill", 64, 2)
+    assert row["chunk_ms"] > 0 and row["compile_s"] >= 0
+    missing = subprocess.run([sys.executable, "scripts/graph_runtimes.py", str(tiny_dense_dir)], capture_output=True,
+                             text=True, timeout=60)
+    assert missing.returncode == 2 and "--ov-python is required" in missing.stderr
