@@ -522,6 +522,29 @@ def test_session_cache_bytes_option(artifact, tmp_path):
         assert process.stop() == 0
 
 
+def test_session_keep_full_resumes_from_every_prompt_row(snap_artifact, tmp_path):
+    """serve --session-keep full on a compressed artifact: the follow-up resumes from the whole
+    first prompt and answers as an engine with the same store does."""
+    from snapcompile import Engine, Request
+    bad = CliRunner().invoke(main, ["serve", str(snap_artifact), "--session-keep", "everything"])
+    assert bad.exit_code == 2 and "'compressed', 'full'" in bad.output
+    engine = Engine.from_artifact(snap_artifact, session_cache_bytes=2**26, session_keep="full")
+    process = ServerProcess(snap_artifact, "--session-keep", "full", log=tmp_path / "full.log").wait_ready()
+    try:
+        body = {"model": "tiny", "prompt": "the lazy dog " * 12, "max_tokens": 4, "temperature": 0}
+        for _ in range(2):
+            reply = httpx.post(process.url + "/v1/completions", json=body, timeout=60).json()
+            assert "choices" in reply, reply
+            ids = engine.tokenizer.encode(body["prompt"], add_special_tokens=False)
+            expected, = engine.generate([Request(ids, max_new_tokens=4)])
+            assert reply["choices"][0]["text"] == expected.text
+            assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] == expected.cached_tokens
+            body["prompt"] += reply["choices"][0]["text"] + " and the quick brown fox " * 4
+        assert expected.cached_tokens > len(engine.sessions.newest().token_ids) // 2, "resumed from the first"
+    finally:
+        assert process.stop() == 0
+
+
 def test_bench_serve_conversations_report_ttft_and_resumed_tokens_per_turn(server, artifact, tmp_path):
     """--turns 3: each client resends its conversation; the server's prompt and resumed token counts
     per turn are those of `run` on the saved conversations (the same prompts, the same store rule)."""

@@ -200,3 +200,51 @@ def test_a_prefix_that_matches_only_partly_resumes_up_to_the_divergence(tiny_lla
     for _ in range(7):
         out.append(int(ref.feed([out[-1]]).argmax()))
     assert second.output_ids == out
+
+
+# ---------------------------------------------------------------- session_keep="full"
+
+
+def test_full_keep_resumes_a_shared_prefix_as_its_own_prefill(tiny_snap_dir):
+    """A full entry holds every prompt row, so a request resumed from it is selected from the same
+    rows as when it is prefilled whole: the same answer, with only the suffix prefilled."""
+    document, question = random_prompts([300, 30], seed=12)
+    full = _engine(tiny_snap_dir, session_cache_bytes=2**26, session_keep="full")
+    full.generate([Request(document, max_new_tokens=1)])
+    kept = full.sessions.newest()
+    assert kept.rows == 300 and kept.compressed_at == 0
+    assert all(np.array_equal(p, np.broadcast_to(np.arange(300), p.shape)) for p in kept.positions)
+    resumed, = full.generate([Request(document + question, max_new_tokens=8, ignore_eos=True)])
+    alone, = _engine(tiny_snap_dir).generate([Request(document + question, max_new_tokens=8, ignore_eos=True)])
+    assert resumed.cached_tokens == 300 and resumed.output_ids == alone.output_ids
+
+
+def test_full_keep_holds_the_answer_while_the_ring_does_and_the_prompt_after(tiny_snap_dir):
+    prompt, follow_up = random_prompts([200, 20], seed=13)
+    ring = TINY_SNAPSTREAM.budget - TINY_SNAPSTREAM.resolved_prompt_share
+    engine = _engine(tiny_snap_dir, session_cache_bytes=2**26, session_keep="full")
+    short, = engine.generate([Request(prompt, max_new_tokens=ring, ignore_eos=True)])
+    kept = engine.sessions.newest()
+    assert kept.rows == len(kept.token_ids) == 200 + ring - 1, "every fed answer token is still in the ring"
+    second, = engine.generate([Request(prompt + short.output_ids + follow_up, max_new_tokens=4, ignore_eos=True)])
+    assert second.cached_tokens == 200 + ring - 1
+    assert engine.sessions.newest().rows == len(prompt + short.output_ids + follow_up) + 3
+    long, = engine.generate([Request(prompt, max_new_tokens=ring + 10, ignore_eos=True)])
+    assert engine.sessions.newest().rows == len(engine.sessions.newest().token_ids) == 200, \
+        "the ring overwrote part of the answer: the prompt alone is kept"
+
+
+def test_full_keep_follows_a_sequence_moved_to_a_lower_slot(tiny_snap_dir):
+    engine = _engine(tiny_snap_dir, session_cache_bytes=2**26, session_keep="full")
+    short, long = random_prompts([40, 150], seed=14)
+    engine.generate([Request(short, max_new_tokens=2, ignore_eos=True), Request(long, max_new_tokens=12,
+                                                                                ignore_eos=True)])
+    kept = engine.sessions.newest()
+    assert kept.rows == len(kept.token_ids) == 150 + 11 and not engine.backend._full_prompts
+
+
+def test_session_keep_is_checked_and_off_without_a_store(tiny_snap_dir):
+    from snapcompile.errors import SnapcompileError
+    with pytest.raises(SnapcompileError, match="--session-keep must be one of compressed, full"):
+        _engine(tiny_snap_dir, session_cache_bytes=2**26, session_keep="all")
+    assert not _engine(tiny_snap_dir, session_keep="full").backend.keep_full_prompt

@@ -84,9 +84,10 @@ def run_texts(artifact):
 
 
 def test_repository_layout(artifact, tmp_path):
-    info = write_repository(artifact, tmp_path / "repo", "tiny", instances=3, slots=2, threads=1)
+    info = write_repository(artifact, tmp_path / "repo", "tiny", instances=3, slots=2, threads=1, session_keep="full")
     config = (tmp_path / "repo" / "tiny" / "config.pbtxt").read_text()
     assert 'key: "threads" value: { string_value: "1" }' in config and info["threads"] == 1
+    assert 'key: "session_keep" value: { string_value: "full" }' in config and info["session_keep"] == "full"
     assert 'backend: "python"' in config and "decoupled: true" in config and "count: 3 kind: KIND_CPU" in config
     assert 'name: "text_input" data_type: TYPE_STRING' in config and 'name: "text_output"' in config
     copied = tmp_path / "repo" / "tiny" / "1" / "artifact"

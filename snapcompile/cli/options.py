@@ -64,9 +64,19 @@ def parse_session_cache(ctx, param, value):
     return int(number) * BYTE_UNITS[unit]
 
 
+SESSION_KEEP_HELP = ("What the store keeps of a compressed artifact's sequence: 'compressed', its B rows per layer "
+                     "(fixed memory; a resumed turn prefills its new tokens against them); 'full', every prompt row "
+                     "and the answer, as a dense prefix cache does (memory grows with the conversation; each turn "
+                     "re-selects from the whole of it, as accurate as prefilling it whole).")
+
+
 def session_cache_option():
-    return click.option("--session-cache-bytes", "session_cache_bytes", default="auto", show_default=True,
-                        callback=parse_session_cache, help=SESSION_CACHE_HELP)
+    """--session-cache-bytes and --session-keep (the engine's session store)."""
+    return option_group(
+        click.option("--session-cache-bytes", "session_cache_bytes", default="auto", show_default=True,
+                     callback=parse_session_cache, help=SESSION_CACHE_HELP),
+        click.option("--session-keep", type=click.Choice(("compressed", "full")), default="compressed",
+                     show_default=True, help=SESSION_KEEP_HELP))
 
 
 def kernel_option():

@@ -65,8 +65,8 @@ def _percentile(values: list[float], q: float) -> float | None:
 @click.option("--force", is_flag=True, help="Replace the --output file if it exists.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (results and summary).")
 def run(artifact, prompt, prompts_file, demo, max_new_tokens, temperature, top_k, top_p, seed, stop, top_logprobs,
-        raw, ignore_eos, provider, backend, max_slots, prefill_tokens_per_step, session_cache_bytes, output, force,
-        as_json):
+        raw, ignore_eos, provider, backend, max_slots, prefill_tokens_per_step, session_cache_bytes, session_keep,
+        output, force, as_json):
     """Generate for prompts with continuous batching over the artifact's static slots.
 
     Every request value (command line and prompts file) is checked before the artifact loads; a
@@ -87,7 +87,8 @@ def run(artifact, prompt, prompts_file, demo, max_new_tokens, temperature, top_k
                for index, record in enumerate(records)]
     _refuse_duplicate_ids(pending, records)
     engine = Engine.from_artifact(artifact, provider=provider, prefill_tokens_per_step=prefill_tokens_per_step,
-                                  backend=backend, max_slots=max_slots, session_cache_bytes=session_cache_bytes)
+                                  backend=backend, max_slots=max_slots, session_cache_bytes=session_cache_bytes,
+                                  session_keep=session_keep)
     chat = engine.backend.manifest.chat and not raw
     conversations = [Conversation(replace(request, ignore_eos=ignore_eos), record.turns)
                      for request, record in zip(pending, records)]

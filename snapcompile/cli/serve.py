@@ -62,7 +62,7 @@ LOOPBACK = ("localhost",)
 @session_cache_option()
 def serve(artifact, host, port, slots, max_waiting, api_key, served_model_name, backend, drain_timeout, log_level,
           max_body_bytes, body_timeout, head_timeout, keep_alive, max_connections, render_timeout,
-          max_prompts_per_request, prefill_tokens_per_step, session_cache_bytes):
+          max_prompts_per_request, prefill_tokens_per_step, session_cache_bytes, session_keep):
     """Serve ARTIFACT over an OpenAI-compatible HTTP API.
 
     POST /v1/chat/completions and /v1/completions (streamed or not), GET /v1/models, /health
@@ -86,7 +86,8 @@ def serve(artifact, host, port, slots, max_waiting, api_key, served_model_name, 
                           keep_alive_s=keep_alive, max_connections=max_connections, render_timeout_s=render_timeout,
                           max_prompts=max_prompts_per_request)
     settings = ServerSettings(Path(artifact), served_model_name or Path(artifact).resolve().name, api_key,
-                              max_waiting, slots, backend, limits, prefill_tokens_per_step, session_cache_bytes)
+                              max_waiting, slots, backend, limits, prefill_tokens_per_step, session_cache_bytes,
+                              session_keep)
     run_server(settings, host, port, drain_timeout, log_level)
 
 

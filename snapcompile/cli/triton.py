@@ -31,7 +31,7 @@ from snapcompile.runtime import BACKENDS
 @click.option("--json", "as_json", is_flag=True, help="Print what was written as one JSON object.")
 @session_cache_option()
 def triton_repo(artifact, output, model_name, instances, backend, slots, threads, link, force, session_cache_bytes,
-                as_json):
+                session_keep, as_json):
     """Write a Triton Inference Server model repository that serves ARTIFACT.
 
     The model is a decoupled Python-backend model: inputs text_input (BYTES) and optional
@@ -43,7 +43,7 @@ def triton_repo(artifact, output, model_name, instances, backend, slots, threads
     from snapcompile.triton.repository import write_repository
     name = model_name or Path(artifact).resolve().name
     info = write_repository(artifact, output, name, instances, backend, slots, link, force, threads,
-                            session_cache_bytes)
+                            session_cache_bytes, session_keep)
     if as_json:
         click.echo(json.dumps(info))
     else:

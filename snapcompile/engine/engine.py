@@ -24,6 +24,7 @@ from snapcompile.runtime.memory import available_host_memory
 log = logging.getLogger("snapcompile.engine")
 STEP_TIMES_KEPT = 100_000      # decode step durations kept for percentiles (a server runs forever)
 OUTCOMES = {"eos": "stop", "stop": "stop", "length": "length", "context": "length"}   # OpenAI's finish_reason
+SESSION_KEEP = ("compressed", "full")   # what the session store keeps of a compressed sequence
 
 
 @dataclass(frozen=True)
@@ -90,10 +91,15 @@ class Engine:
     """Serves requests on a backend (see snapcompile.runtime.ort_backend.OrtBackend)."""
 
     def __init__(self, backend, tokenizer, eos_ids: Iterable[int], prefill_tokens_per_step: int | None = None,
-                 clock=time.perf_counter, max_slots: int | None = None, session_cache_bytes: int | None = 0):
+                 clock=time.perf_counter, max_slots: int | None = None, session_cache_bytes: int | None = 0,
+                 session_keep: str = "compressed"):
         """max_slots: use at most this many of the backend's static slots (the others stay idle).
         session_cache_bytes: keep finished sequences' caches up to this many bytes, so a request
-        that begins with one resumes from it (0: off; None: an eighth of the host memory available now)."""
+        that begins with one resumes from it (0: off; None: an eighth of the host memory available now).
+        session_keep (compressed artifacts): "compressed" keeps the slot's B rows; "full" keeps the
+        whole prompt cache (every position, as a dense prefix cache does) plus the answer, so a
+        resumed turn re-selects from the whole conversation (docs/design.md, "Conversations that
+        keep their cache")."""
         self.backend, self.tokenizer, self.eos_ids = backend, tokenizer, set(eos_ids)
         self.clock = clock
         if max_slots is not None and not 1 <= max_slots <= backend.slots:
@@ -110,18 +116,23 @@ class Engine:
             session_cache_bytes = available_host_memory() // 8
         self.sessions = SessionStore(session_cache_bytes, policy.selection_window, backend.max_prompt_len(),
                                      backend.chunk) if session_cache_bytes else None
+        if session_keep not in SESSION_KEEP:
+            raise SnapcompileError(f"--session-keep must be one of {', '.join(SESSION_KEEP)}, got {session_keep!r}")
+        self.session_keep = session_keep
+        backend.keep_full_prompt = self.sessions is not None and policy.compressed and session_keep == "full"
 
     @classmethod
     def from_artifact(cls, folder, provider: str = "cpu", threads: int | None = None,
                       prefill_tokens_per_step: int | None = None, backend: str = "ort",
-                      max_slots: int | None = None, session_cache_bytes: int | None = 0) -> Engine:
+                      max_slots: int | None = None, session_cache_bytes: int | None = 0,
+                      session_keep: str = "compressed") -> Engine:
         """An engine on an artifact folder (backend "ort") or a TensorRT engine folder ("trt")."""
         from snapcompile.artifact.files import artifact_tokenizer
         from snapcompile.runtime import open_backend
         backend = open_backend(folder, backend, provider=provider, threads=threads)
         tokenizer = artifact_tokenizer(folder, backend.manifest)
         return cls(backend, tokenizer, backend.manifest.eos_token_ids, prefill_tokens_per_step,
-                   max_slots=max_slots, session_cache_bytes=session_cache_bytes)
+                   max_slots=max_slots, session_cache_bytes=session_cache_bytes, session_keep=session_keep)
 
     # ------------------------------------------------------------------ API
     def encode(self, text: str, chat: bool | None = None) -> list[int]:
@@ -132,7 +143,7 @@ class Engine:
     @property
     def prompt_limit(self) -> int:
         """The longest prompt `check_prompt` accepts (tokens)."""
-        if self.sessions is None or not self.backend.manifest.policy.compressed:
+        if self.sessions is None or not self.backend.manifest.policy.compressed or self.session_keep == "full":
             return self.backend.max_prompt_len()
         return self.max_positions - 1
 
@@ -349,5 +360,7 @@ class Engine:
                 self._keep(seq)
             except Exception:        # the answer stands; only its reuse is lost
                 log.exception("request %s: its cache could not be kept", seq.request.request_id)
+        if seq.slot is not None:
+            self.backend.forget(seq.slot)
         seq.finish(reason, self.clock(), error)
         self.scheduler.release(seq)

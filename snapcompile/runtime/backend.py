@@ -138,6 +138,10 @@ class SlotBackend:
         self._init_prefill()
         self._init_decode()
         self.last_prefill_seconds = {"chunks": 0.0, "select": 0.0}   # of the latest prefill, for benchmarks
+        # keep_full_prompt (session store, mode "full"): a compressed slot's whole prompt cache is
+        # copied to host at its prefill (slot -> per-layer K, V [Hkv, T, D]) for `keep`
+        self.keep_full_prompt = False
+        self._full_prompts: dict[int, tuple[list[np.ndarray], list[np.ndarray]]] = {}
 
     def _kv(self, batch: int, rows: int):
         return self.device.zeros((batch, self.manifest.spec.num_kv_heads, rows, self.manifest.spec.head_dim), "float32")
@@ -322,11 +326,22 @@ class SlotBackend:
             rows = self.prefill_rows(filled)
             if rows in self.select_buckets and rows != synced:
                 self._copy_rows(targets, self._bucket_cache(rows), filled)
+            self._copy_full_prompt(slot, targets, filled, plan)
             kept = self._compress_into_slot(slot, layout, filled, rows)
             if plan:
                 kept = _positions_of_rows(plan, len(token_ids), kept, layout.kept)
         self.last_prefill_seconds = {"chunks": compressed_at - began, "select": time.perf_counter() - compressed_at}
         return PrefillResult(self.device.download(self.p_logits)[0].copy(), layout, kept)
+
+    def _copy_full_prompt(self, slot: int, targets, filled: int, plan: ResumePlan | None) -> None:
+        """With keep_full_prompt, the prompt's `filled` rows (every position, in order) to host
+        for `keep`; a resume from rows that are not every position before it (a compressed entry)
+        keeps nothing."""
+        self._full_prompts.pop(slot, None)
+        if not self.keep_full_prompt or (plan is not None and plan.rows != plan.resume_at):
+            return
+        self._full_prompts[slot] = ([self.device.download(k[0])[:, :filled].copy() for k in targets[0]],
+                                    [self.device.download(v[0])[:, :filled].copy() for v in targets[1]])
 
     def _load_kept(self, targets, plan: ResumePlan) -> None:
         """The plan's first kept rows into rows [0, plan.rows) of the prompt's cache."""
@@ -431,6 +446,8 @@ class SlotBackend:
         """The cache of a finished sequence in `slot` as host arrays in position order: its kept
         prompt rows (`kept_positions`, as PrefillResult gives them) and the `fed` decode tokens the
         slot still holds. token_ids: the prompt and the fed output tokens (len = positions covered)."""
+        if slot in self._full_prompts:
+            return self._keep_full(slot, layout, fed, token_ids)
         hkv = self.manifest.spec.num_kv_heads
         decoded = layout.fed_rows(fed)
         prompt_rows = np.broadcast_to(np.arange(layout.kept), (hkv, layout.kept))
@@ -449,11 +466,34 @@ class SlotBackend:
         return KeptCache(np.array(token_ids, np.int64), tuple(keys), tuple(values), tuple(positions),
                          layout.prompt_len if layout.compressed else 0)
 
+    def _keep_full(self, slot: int, layout: SlotLayout, fed: int, token_ids: list[int]) -> KeptCache:
+        """The whole prompt cache copied at prefill, and the fed decode tokens after it while the
+        ring still holds every one of them (else the prompt alone): every position, in order."""
+        keys, values = self._full_prompts.pop(slot)
+        decoded = layout.fed_rows(fed)
+        if len(decoded) != fed:
+            decoded, token_ids = [], token_ids[:layout.prompt_len]
+        rows = np.array([r for r, _ in decoded], np.int64)
+        for i in self._layers:
+            if len(rows):
+                keys[i] = np.concatenate([keys[i], self.device.download(self.keys[i][slot])[:, rows]], axis=1)
+                values[i] = np.concatenate([values[i], self.device.download(self.values[i][slot])[:, rows]], axis=1)
+        hkv, n = keys[0].shape[:2]
+        positions = np.broadcast_to(np.arange(n, dtype=np.int64), (hkv, n)).copy()
+        return KeptCache(np.array(token_ids, np.int64), tuple(keys), tuple(values),
+                         tuple(positions.copy() for _ in self._layers), 0)
+
+    def forget(self, slot: int) -> None:
+        """Drop what the slot's sequence held for `keep` (it ended without being kept)."""
+        self._full_prompts.pop(slot, None)
+
     def move_slot(self, source: int, target: int, rows: int) -> None:
         """Copy the first `rows` cache rows of slot `source` into slot `target` (the engine moves a
         sequence to a lower slot so that its steps run on a smaller decode graph)."""
         for cache in (*self.keys, *self.values):
             cache[target, :, :rows] = cache[source, :, :rows]
+        if source in self._full_prompts:
+            self._full_prompts[target] = self._full_prompts.pop(source)
 
     def kv_bytes_allocated(self) -> int:
         """Bytes of the slot caches (allocated once, independent of prompt lengths)."""

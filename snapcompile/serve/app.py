@@ -37,6 +37,7 @@ class ServerSettings:
     limits: ServerLimits = field(default_factory=ServerLimits)
     prefill_tokens_per_step: int | None = None   # prompt tokens between two decode steps (None: one chunk)
     session_cache_bytes: int | None = None       # kept conversations' caches (None: sized at load; 0: off)
+    session_keep: str = "compressed"             # what the store keeps of a compressed sequence (Engine)
 
 
 @dataclass
@@ -70,7 +71,8 @@ def load_engine(state: ServerState) -> None:
     settings = state.settings
     engine = Engine.from_artifact(settings.artifact, backend=settings.backend, max_slots=settings.slots,
                                   prefill_tokens_per_step=settings.prefill_tokens_per_step,
-                                  session_cache_bytes=settings.session_cache_bytes)
+                                  session_cache_bytes=settings.session_cache_bytes,
+                                  session_keep=settings.session_keep)
     state.metrics.set_totals(engine.scheduler.pool.num_slots, engine.kv_bytes_allocated())
     engine_loop = EngineLoop(engine, state.metrics)
     engine_loop.start()

@@ -36,7 +36,8 @@ class TritonPythonModel:
         threads = int(params["threads"]) if params.get("threads") else None
         cache = params.get("session_cache_bytes", "auto")
         self.worker = TritonWorker(pb_utils, folder, params["fingerprint"], slots, params.get("backend", "ort"),
-                                   threads, None if cache == "auto" else int(cache))
+                                   threads, None if cache == "auto" else int(cache),
+                                   params.get("session_keep", "compressed"))
 
     def execute(self, requests):
         for request in requests:

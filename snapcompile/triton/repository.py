@@ -51,9 +51,11 @@ def config_pbtxt(name: str, instances: int, parameters: dict[str, str]) -> str:
 
 def write_repository(artifact: Path, output: Path, name: str, instances: int = 1, backend: str = "ort",
                      slots: int | None = None, link: bool = False, force: bool = False,
-                     threads: int | None = None, session_cache_bytes: int | None = None) -> dict:
+                     threads: int | None = None, session_cache_bytes: int | None = None,
+                     session_keep: str = "compressed") -> dict:
     """Write the repository atomically; returns what was written (for the CLI and tests).
-    session_cache_bytes: each instance's store of kept conversations (None: sized at load; 0: off)."""
+    session_cache_bytes: each instance's store of kept conversations (None: sized at load; 0: off);
+    session_keep: what it keeps of a compressed sequence (Engine)."""
     if not NAME_RULE.fullmatch(name) or len(name) > MAX_NAME_CHARS:
         raise SnapcompileError(f"model name {name[:40]!r}{'...' if len(name) > 40 else ''} must be 1 to "
                                f"{MAX_NAME_CHARS} letters, digits, '_', '-' or '.', starting with a letter or digit")
@@ -70,7 +72,8 @@ def write_repository(artifact: Path, output: Path, name: str, instances: int = 1
     check_fits(instances * one, f"{instances} instances of this artifact ({gib(one)} each)", "use fewer --instances")
     params = {"artifact": "artifact", "fingerprint": manifest.fingerprint(), "backend": backend,
               "slots": "" if slots is None else str(slots), "threads": "" if threads is None else str(threads),
-              "session_cache_bytes": "auto" if session_cache_bytes is None else str(session_cache_bytes)}
+              "session_cache_bytes": "auto" if session_cache_bytes is None else str(session_cache_bytes),
+              "session_keep": session_keep}
     with atomic_directory(Path(output), force=force, marker=MARKER) as staging:
         version = staging / name / "1"
         version.mkdir(parents=True)
@@ -79,7 +82,7 @@ def write_repository(artifact: Path, output: Path, name: str, instances: int = 1
         _place_artifact(artifact, manifest, version / "artifact", link)
         info = {"model": name, "artifact": str(artifact), "artifact_placed": "linked" if link else "copied",
                 "instances": instances, "backend": backend, "slots": slots, "threads": threads,
-                "session_cache_bytes": session_cache_bytes}
+                "session_cache_bytes": session_cache_bytes, "session_keep": session_keep}
         (staging / MARKER).write_text(json.dumps(info, indent=2) + "\n")
     return info
 

@@ -40,10 +40,12 @@ class _Pending:
 
 class TritonWorker:
     def __init__(self, pb_utils, artifact: Path, fingerprint: str, slots: int | None, backend: str = "ort",
-                 threads: int | None = None, session_cache_bytes: int | None = None):
+                 threads: int | None = None, session_cache_bytes: int | None = None,
+                 session_keep: str = "compressed"):
         """pb_utils: the Python backend's `triton_python_backend_utils` module. threads: ONNX Runtime
         intra-op threads of this instance (default: all cores; size K instances x threads to the cores).
-        session_cache_bytes: this instance's store of kept conversations (None: sized at load; 0: off)."""
+        session_cache_bytes: this instance's store of kept conversations (None: sized at load; 0: off);
+        session_keep: what it keeps of a compressed sequence (Engine)."""
         from snapcompile.artifact.manifest import read_manifest
         from snapcompile.engine.engine import Engine
         self.pb = pb_utils
@@ -52,7 +54,7 @@ class TritonWorker:
             raise SnapcompileError(f"{artifact} is not the artifact this repository was written for "
                                    "(its manifest's configuration differs); write the repository again")
         self.engine = Engine.from_artifact(artifact, backend=backend, max_slots=slots, threads=threads,
-                                           session_cache_bytes=session_cache_bytes)
+                                           session_cache_bytes=session_cache_bytes, session_keep=session_keep)
         self.max_prompt_chars = max_prompt_chars(self.engine.tokenizer, self.engine.prompt_limit)
         self.loop = EngineLoop(self.engine, Metrics())
         self._pending: dict[str, _Pending] = {}
