@@ -66,7 +66,8 @@ def test_eval_turns_runs_every_mode(tmp_path):
     assert result.exit_code == 0, result.output
     payload = json.loads((tmp_path / "turns.json").read_text())
     by_mode = {r["mode"]: r["turns"] for r in payload["records"]}
-    assert sorted(by_mode) == ["dense", "reprefill", "resume", "ring"] and all(len(t) == 5 for t in by_mode.values())
+    assert sorted(by_mode) == ["dense", "reprefill", "resume", "resume-full", "ring"]
+    assert all(len(t) == 5 for t in by_mode.values())
     assert by_mode["reprefill"][0]["text"] == by_mode["resume"][0]["text"] == by_mode["ring"][0]["text"]
     assert all(t["cached_tokens"] == 0 for mode in ("dense", "reprefill") for t in by_mode[mode])
     resumed = [t["cached_tokens"] for t in by_mode["resume"]]
@@ -75,7 +76,10 @@ def test_eval_turns_runs_every_mode(tmp_path):
     assert all(cached < tokens for cached, tokens in zip(resumed, prompts))
     assert {(r["mode"], r["turn"]) for r in payload["retention"]} == {(m, t) for m in by_mode for t in range(1, 6)}
     assert all(0.0 <= t["asked_kept"] <= 1.0 for t in by_mode["resume"]), "the asked number's rows, per turn"
-    assert all(t["asked_kept"] is None for mode in ("dense", "reprefill", "ring") for t in by_mode[mode])
+    assert all(t["asked_kept"] is None for mode in ("dense", "reprefill", "ring", "resume-full") for t in by_mode[mode])
+    full = [t["cached_tokens"] for t in by_mode["resume-full"]]
+    assert full[0] == 0 and all(c > 0 for c in full[1:]), "every later turn resumed from the full entry"
+    assert by_mode["resume-full"][0]["text"] == by_mode["reprefill"][0]["text"]
     assert not (tmp_path / "turns.json.partial.jsonl").exists() and (tmp_path / "turns.md").is_file()
 
 

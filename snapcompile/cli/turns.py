@@ -29,7 +29,7 @@ from snapcompile.evaluation.turns import MODES, TurnsConfig
 @click.option("--weights", type=click.Choice(WEIGHT_FORMATS), default="fp32", show_default=True)
 @click.option("--chunk", default=config_default(TurnsConfig, "chunk"), show_default=True, type=click.IntRange(min=1))
 @click.option("--modes", default=",".join(MODES), show_default=True, callback=csv_option(str),
-              help="Which of dense, reprefill, resume, ring to run (dense is the reference of the shares).")
+              help="Which of dense, reprefill, resume, ring, resume-full to run (dense: the reference).")
 @kernel_option()
 @click.option("--scope", type=click.Choice(SCOPES), default=config_default(TurnsConfig, "scope"), show_default=True,
               help="SnapStream selection scope.")
@@ -42,13 +42,14 @@ from snapcompile.evaluation.turns import MODES, TurnsConfig
                 "of the same configuration resumes from OUTPUT.partial.jsonl.")
 def eval_turns(model_or_dir, lengths, samples, seed, ratio, policy, weights, chunk, modes, kernel, scope,
                prompt_share, reference, cache_dir, output, as_json):
-    """Multi-turn accuracy: 5 facts in a document, one asked per turn, four ways.
+    """Multi-turn accuracy: 5 facts in a document, one asked per turn, five ways.
 
     Turn 1 is the document (about LENGTH tokens) and a question about one fact; turns 2..5 each
     ask about another, every turn sending the conversation so far. Modes: dense (every turn
     prefilled whole, the reference), reprefill (the compressed artifact, every turn prefilled
     whole), resume (each turn resumed from the kept cache and re-selected with its own window:
-    what serve does) and ring (each turn's tokens fed through decode steps, no re-selection).
+    what serve does), ring (each turn's tokens fed through decode steps, no re-selection) and
+    resume-full (resumed from a store that keeps every prompt row: serve --session-keep full).
     Reports accuracy per mode and turn, its share of dense's, and of the answers dense got right
     the share each mode kept.
     """

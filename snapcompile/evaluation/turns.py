@@ -12,6 +12,8 @@ and the chat template's tokens of the next user message. How each turn reaches t
              re-selected with the new turn's window (what `serve` and `run` do)
   ring       the compressed artifact, each turn's new tokens fed through decode steps after the
              kept cache, as generated tokens are (the ring; no re-selection)
+  resume-full  the compressed artifact resumed from a store that keeps every prompt row and the
+             answer (`--session-keep full`): each turn re-selected from the whole conversation
 """
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ from snapcompile.evaluation.store import append_partial, partial_path, read_part
 from snapcompile.evaluation.tasks import WORDS, facts_text, fit_text
 from snapcompile.prompts import encode, encode_text
 
-MODES = ("dense", "reprefill", "resume", "ring")
+MODES = ("dense", "reprefill", "resume", "ring", "resume-full")
 FACTS = 5
 MARK = "\u2063"           # stands for an answer while the template renders the turn after it
 

@@ -51,7 +51,8 @@ def run_turns(config: TurnsConfig, output: Path, cache_dir: Path, progress: Call
                 continue
             converse = _ring_runner(folders[mode], tokenizer, chat, config.answer_tokens) if mode == "ring" else \
                 _engine_runner(folders[mode], tokenizer, chat, config.answer_tokens,
-                               STORE_BYTES if mode == "resume" else 0)
+                               STORE_BYTES if mode.startswith("resume") else 0,
+                               "full" if mode == "resume-full" else "compressed")
             for case in todo:
                 store.add({"id": f"{mode}/{case.key}", "mode": mode, "case": case.key, "length": length,
                            "budget": None if mode == "dense" else config.budget(length), "turns": converse(case)})
@@ -69,14 +70,15 @@ def _turn_record(case: TurnsCase, turn: int, text: str, prompt_tokens: int, cach
             "prompt_tokens": prompt_tokens, "cached_tokens": cached, "ttft_s": ttft_s, "asked_kept": asked_kept}
 
 
-def _engine_runner(folder: Path, tokenizer, chat: bool, answer_tokens: int, session_bytes: int):
+def _engine_runner(folder: Path, tokenizer, chat: bool, answer_tokens: int, session_bytes: int,
+                   session_keep: str = "compressed"):
     """A function running one conversation through an Engine (with a session store when session_bytes)."""
     from snapcompile.engine.engine import Engine
-    engine = Engine.from_artifact(folder, session_cache_bytes=session_bytes)
+    engine = Engine.from_artifact(folder, session_cache_bytes=session_bytes, session_keep=session_keep)
 
     def asked_kept(case: TurnsCase, turn: int, ids: list[int]) -> float | None:
         kept = engine.sessions.newest() if engine.sessions is not None else None
-        if kept is None or not engine.backend.manifest.policy.compressed:
+        if kept is None or not engine.backend.manifest.policy.compressed or session_keep == "full":
             return None
         return rows_kept_of(kept, ids, encode_text(tokenizer, case.answer(turn)))
 
