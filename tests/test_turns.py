@@ -90,14 +90,15 @@ def test_bench_turns_reports_ttft_per_turn_and_kept_bytes(tmp_path):
     assert result.exit_code == 0, result.output
     payload = json.loads((tmp_path / "b.json").read_text())
     rows = {(r["mode"], r["turn"]): r for r in payload["medians"]}
-    assert len(rows) == 4 * 3 and all(r["ttft_median_s"] > 0 for r in rows.values())
+    assert len(rows) == 5 * 3 and all(r["ttft_median_s"] > 0 for r in rows.values())
     for mode in ("dense", "reprefill"):
         assert all(rows[(mode, t)]["cached_tokens"] == 0 for t in (1, 2, 3))
-    for mode in ("dense-resume", "resume"):
+    for mode in ("dense-resume", "resume", "resume-full"):
         cached = [rows[(mode, t)]["cached_tokens"] for t in (1, 2, 3)]
         assert cached[0] == 0 and cached[2] > cached[1] > 0
     kept = {r["mode"]: r["kept_bytes"] for r in payload["runs"]}
     assert kept["resume"] < kept["dense-resume"] and kept["dense"] is None
+    assert kept["resume-full"] > kept["resume"], "every prompt row, not B"
     assert "TTFT of turn 3 / turn 1" in (tmp_path / "b.md").read_text()
 
 

@@ -8,6 +8,7 @@ turn is one request on an idle engine, so its TTFT is its prefill (or resumed pr
   dense-resume   the dense artifact with a session store: exact prefix caching
   reprefill      the compressed artifact, every turn prefilled whole
   resume         the compressed artifact with a session store: each turn resumed from the kept cache
+  resume-full    the same with a store that keeps every prompt row (`--session-keep full`)
 
 The modes alternate within each repeat, so a change in the machine's load falls on all of them.
 """
@@ -20,7 +21,7 @@ from pathlib import Path
 from snapcompile.evaluation.turns import engine_turns
 from snapcompile.prompts import FILLER, encode, encode_text
 
-MODES = ("dense", "dense-resume", "reprefill", "resume")
+MODES = ("dense", "dense-resume", "reprefill", "resume", "resume-full")
 STORE_BYTES = 2**31
 
 
@@ -83,6 +84,8 @@ def medians(runs: list[dict]) -> list[dict]:
 def open_engines(dense: Path, compressed: Path) -> dict:
     """One engine per mode (a store only for the resume modes)."""
     from snapcompile.engine.engine import Engine
-    folders = {"dense": dense, "dense-resume": dense, "reprefill": compressed, "resume": compressed}
-    return {mode: Engine.from_artifact(folders[mode], session_cache_bytes=STORE_BYTES if "resume" in mode else 0)
+    folders = {"dense": dense, "dense-resume": dense, "reprefill": compressed, "resume": compressed,
+               "resume-full": compressed}
+    return {mode: Engine.from_artifact(folders[mode], session_cache_bytes=STORE_BYTES if "resume" in mode else 0,
+                                       session_keep="full" if mode == "resume-full" else "compressed")
             for mode in MODES}
