@@ -248,3 +248,5 @@ def test_session_keep_is_checked_and_off_without_a_store(tiny_snap_dir):
     with pytest.raises(SnapcompileError, match="--session-keep must be one of compressed, full"):
         _engine(tiny_snap_dir, session_cache_bytes=2**26, session_keep="all")
     assert not _engine(tiny_snap_dir, session_keep="full").backend.keep_full_prompt
+    full = _engine(tiny_snap_dir, session_cache_bytes=2**26, session_keep="full")
+    assert full.prompt_limit == full.backend.max_prompt_len(), "every row is kept: the conversation must fit"
