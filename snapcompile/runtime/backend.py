@@ -479,9 +479,8 @@ class SlotBackend:
                 keys[i] = np.concatenate([keys[i], self.device.download(self.keys[i][slot])[:, rows]], axis=1)
                 values[i] = np.concatenate([values[i], self.device.download(self.values[i][slot])[:, rows]], axis=1)
         hkv, n = keys[0].shape[:2]
-        positions = np.broadcast_to(np.arange(n, dtype=np.int64), (hkv, n)).copy()
-        return KeptCache(np.array(token_ids, np.int64), tuple(keys), tuple(values),
-                         tuple(positions.copy() for _ in self._layers), 0)
+        positions = tuple(np.broadcast_to(np.arange(n, dtype=np.int64), (hkv, n)).copy() for _ in self._layers)
+        return KeptCache(np.array(token_ids, np.int64), tuple(keys), tuple(values), positions, 0)
 
     def forget(self, slot: int) -> None:
         """Drop what the slot's sequence held for `keep` (it ended without being kept)."""
