@@ -80,10 +80,12 @@ class EvalConfig:
         return policy == "dense" or budget in self.budgets_for(case.length)
 
 
-def policy_for(name: str, budget: int | None, scope: str = "head", kernel: int = PolicyConfig.kernel) -> PolicyConfig:
-    """The policy of one cell of the grid (the selection scope and kernel apply to snapstream only)."""
+def policy_for(name: str, budget: int | None, scope: str = "head", kernel: int = PolicyConfig.kernel,
+               prompt_share: int | None = None) -> PolicyConfig:
+    """The policy of one cell of the grid (the selection scope and kernel apply to snapstream only;
+    prompt_share None: B minus a ring of B/4)."""
     if name == "dense":
         return PolicyConfig(policy="dense")
     snapstream = name == "snapstream"
     return PolicyConfig(policy=name, budget=budget, scope=scope if snapstream else "head",
-                        kernel=kernel if snapstream else PolicyConfig.kernel)
+                        kernel=kernel if snapstream else PolicyConfig.kernel, prompt_share=prompt_share)

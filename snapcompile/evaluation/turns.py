@@ -26,6 +26,7 @@ import numpy as np
 
 from snapcompile.config import PolicyConfig
 from snapcompile.errors import SnapcompileError
+from snapcompile.evaluation.config import policy_for
 from snapcompile.evaluation.store import append_partial, partial_path, read_partial
 from snapcompile.evaluation.tasks import WORDS, facts_text, fit_text
 from snapcompile.prompts import encode, encode_text
@@ -134,14 +135,12 @@ class TurnsConfig:
     chunk: int = 256
     answer_tokens: int = 24           # "The special number for WORD is NNNNNN." with room to spare
     modes: tuple[str, ...] = MODES
-    kernel: int = 15                  # the policy's pooling kernel K
+    kernel: int = PolicyConfig.kernel  # the policy's pooling kernel K
     scope: str = "head"               # SnapStream selection scope
     prompt_share: int | None = None   # P (None: B minus a ring of B/4)
 
     def policy_at(self, length: int) -> PolicyConfig:
-        return PolicyConfig(policy=self.policy, budget=self.budget(length), kernel=self.kernel,
-                            scope=self.scope if self.policy == "snapstream" else "head",
-                            prompt_share=self.prompt_share)
+        return policy_for(self.policy, self.budget(length), self.scope, self.kernel, self.prompt_share)
 
     def final_length(self, length: int) -> int:
         """An upper bound on a conversation's tokens after its last turn."""
