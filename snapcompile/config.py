@@ -94,6 +94,9 @@ class ExportConfig:
         return asdict(self)
 
 
+SESSION_KEEP = ("compressed", "full")   # what a session store keeps of a compressed sequence (Engine)
+
+
 @dataclass(frozen=True)
 class PolicyConfig:
     """The SnapStream cache policy (docs/design.md, "The cache policy").

@@ -6,6 +6,8 @@ from pathlib import Path
 
 import click
 
+from snapcompile.config import SESSION_KEEP, PolicyConfig
+
 
 def csv_option(kind):
     """A click callback parsing "a,b,c" into a tuple of `kind`."""
@@ -75,13 +77,12 @@ def session_cache_option():
     return option_group(
         click.option("--session-cache-bytes", "session_cache_bytes", default="auto", show_default=True,
                      callback=parse_session_cache, help=SESSION_CACHE_HELP),
-        click.option("--session-keep", type=click.Choice(("compressed", "full")), default="compressed",
+        click.option("--session-keep", type=click.Choice(SESSION_KEEP), default=SESSION_KEEP[0],
                      show_default=True, help=SESSION_KEEP_HELP))
 
 
 def kernel_option():
     """--kernel of the evaluation commands: SnapStream's pooling kernel K."""
-    from snapcompile.config import PolicyConfig
     return click.option("--kernel", default=config_default(PolicyConfig, "kernel"), show_default=True,
                         type=click.IntRange(min=1), help="SnapStream's pooling kernel K (odd); 31 spans a whole "
                         "fact line (docs/results/conversations.md).")

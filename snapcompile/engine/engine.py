@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from snapcompile.config import SESSION_KEEP
 from snapcompile.engine.request import Request, Sequence
 from snapcompile.engine.sampling import sample, token_logprob, top_logprobs
 from snapcompile.engine.scheduler import Scheduler
@@ -24,7 +25,6 @@ from snapcompile.runtime.memory import available_host_memory
 log = logging.getLogger("snapcompile.engine")
 STEP_TIMES_KEPT = 100_000      # decode step durations kept for percentiles (a server runs forever)
 OUTCOMES = {"eos": "stop", "stop": "stop", "length": "length", "context": "length"}   # OpenAI's finish_reason
-SESSION_KEEP = ("compressed", "full")   # what the session store keeps of a compressed sequence
 
 
 @dataclass(frozen=True)
