@@ -20,7 +20,7 @@ def compress_decode(model: onnx.ModelProto, num_layers: int, budget: int,
                     name: str = "decode") -> tuple[onnx.ModelProto, dict]:
     """name: the decode graph's name ("decode", or "decode_<slots>"), for errors and the report."""
     graph = gs.import_onnx(model)
-    blocks = find_attention_blocks(graph, num_layers, name)
+    blocks = find_attention_blocks(graph, num_layers, name, split_only=True)
     edit = GraphEditor(graph, "compress_decode")
     slots = edit.input("cache_len").shape[0]
     mask = _ring_mask(edit, slots, budget)

@@ -16,12 +16,12 @@ from snapcompile.plugins.contracts import DECODE_ATTENTION, DOMAIN
 def lower_decode(model: onnx.ModelProto, num_layers: int, name: str = "decode") -> tuple[onnx.ModelProto, dict]:
     """name: the decode graph's name ("decode", or "decode_<slots>"), for errors and the report."""
     graph = gs.import_onnx(model)
-    blocks = find_attention_blocks(graph, num_layers, name)
+    blocks = find_attention_blocks(graph, num_layers, name, split_only=True)
     edit = GraphEditor(graph, "lower_plugin")
     write_index, cache_len = edit.input("write_index"), edit.input("cache_len")
     for block in blocks:
-        result = block.output_add.outputs[0]
-        block.output_add.outputs = []
+        result = block.output.outputs[0]
+        block.output.outputs = []
         inputs = DECODE_ATTENTION.node_inputs(query=block.q, key=block.k_new, value=block.v_new,
                                               key_cache=block.k_cache, value_cache=block.v_cache,
                                               write_index=write_index, cache_len=cache_len)

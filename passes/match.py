@@ -1,11 +1,16 @@
 """Find cached-attention blocks by graph structure (never by tensor name).
 
-The pattern (see snapcompile.graphs.attention.emit_cached_attention):
+The two forms of snapcompile.graphs.attention:
 
+    split (decode):
     s_cache = Add(Mul(MatMul(q, Transpose(k_cache)), scale), cache_mask)
     s_new   = Mul(MatMul(q, Transpose(k_new)), scale) [+ new_mask]
     p_cache, p_new = Split(Softmax(Concat(s_cache, s_new)))
     out     = Add(MatMul(p_cache, v_cache), MatMul(p_new, v_new))
+
+    joined (prefill):
+    keys    = Unsqueeze(Concat(k_cache, k_new)); values = Unsqueeze(Concat(v_cache, v_new))
+    out     = MatMul(Softmax(Add(Mul(MatMul(q, Transpose(keys)), scale), mask)), values)
 
 Every Softmax in the graph is a candidate; one that does not fit says why.
 """
@@ -28,10 +33,14 @@ class AttentionBlock:
     v_cache: gs.Tensor
     k_new: gs.Tensor
     v_new: gs.Tensor
-    cache_mask_add: gs.Node      # Add(scores, cache_mask); its input 1 is the mask
-    split: gs.Node
-    output_add: gs.Node
+    cache_mask_add: gs.Node      # split: Add(cache scores, cache_mask); joined: Add(scores, mask)
+    split: gs.Node | None        # split form only
+    output: gs.Node              # split: Add of the two value products; joined: the value MatMul
     scale: float
+
+    @property
+    def joined(self) -> bool:
+        return self.split is None
 
 
 def _producer(tensor: gs.Tensor, op: str, where: str) -> gs.Node:
@@ -55,13 +64,25 @@ def _scaled_scores(tensor: gs.Tensor, where: str) -> tuple[gs.Tensor, gs.Tensor,
         raise MatchFailure(f"{where}: the score scale is not a constant scalar")
     matmul = _producer(mul.inputs[0], "MatMul", where)
     transpose = _producer(matmul.inputs[1], "Transpose", where)
-    if list(transpose.attrs.get("perm", [])) != [0, 1, 3, 2]:
+    perm = list(transpose.attrs.get("perm", []))
+    if len(perm) < 2 or perm != [*range(len(perm) - 2), len(perm) - 1, len(perm) - 2]:
         raise MatchFailure(f"{where}: keys are not transposed on their last two axes")
     return matmul.inputs[0], transpose.inputs[0], float(scale.values.reshape(-1)[0])
 
 
+def _joined_rows(tensor: gs.Tensor, what: str, where: str) -> tuple[gs.Tensor, gs.Tensor]:
+    """Unsqueeze(Concat(cache, new)) -> (cache, new)."""
+    concat = _producer(_producer(tensor, "Unsqueeze", where).inputs[0], "Concat", where)
+    if len(concat.inputs) != 2:
+        raise MatchFailure(f"{where}: {what} are not Concat(cache, new tokens)")
+    return concat.inputs[0], concat.inputs[1]
+
+
 def match_block(softmax: gs.Node) -> AttentionBlock:
+    """The block around `softmax`, in the form its producer shows (Add: joined, else split)."""
     where = f"Softmax node {softmax.name!r}"
+    if softmax.inputs[0].inputs and softmax.inputs[0].inputs[0].op == "Add":
+        return _match_joined(softmax, where)
     concat = _producer(softmax.inputs[0], "Concat", where)
     if len(concat.inputs) != 2:
         raise MatchFailure(f"{where}: scores are not Concat(cache scores, new-token scores)")
@@ -85,15 +106,30 @@ def match_block(softmax: gs.Node) -> AttentionBlock:
                           mask_add, split, out_add, scale)
 
 
-def find_attention_blocks(graph: gs.Graph, expected: int, graph_name: str) -> list[AttentionBlock]:
-    """All attention blocks in topological order; fewer than `expected` is an error naming why."""
+def _match_joined(softmax: gs.Node, where: str) -> AttentionBlock:
+    mask_add = softmax.inputs[0].inputs[0]
+    q, keys, scale = _scaled_scores(mask_add.inputs[0], where)
+    k_cache, k_new = _joined_rows(keys, "keys", where)
+    pv = _only_consumer(softmax.outputs[0], "MatMul", where)
+    v_cache, v_new = _joined_rows(pv.inputs[1], "values", where)
+    return AttentionBlock(softmax, q, k_cache, v_cache, k_new, v_new, mask_add, None, pv, scale)
+
+
+def find_attention_blocks(graph: gs.Graph, expected: int, graph_name: str,
+                          split_only: bool = False) -> list[AttentionBlock]:
+    """All attention blocks in topological order; fewer than `expected` is an error naming why.
+    split_only: a joined block is not a match (the decode passes rewrite the split form)."""
     graph.toposort()
     blocks, failures = [], []
     for node in graph.nodes:
         if node.op != "Softmax":
             continue
         try:
-            blocks.append(match_block(node))
+            block = match_block(node)
+            if split_only and block.joined:
+                raise MatchFailure(f"Softmax node {node.name!r}: a joined (prefill) attention block, "
+                                   f"not the split form this pass rewrites")
+            blocks.append(block)
         except MatchFailure as failure:
             failures.append(str(failure))
     if len(blocks) != expected:

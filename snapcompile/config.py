@@ -69,15 +69,23 @@ class ExportConfig:
         return self.weight_format in ("int8", "int4")
 
     def prefill_buckets(self) -> list[int]:
-        """Cache rows of the bucket prefill graphs: 2C, 4C, 8C, ... up to 3/4 of max_context
+        """Cache rows of the bucket prefill graphs: 2C, 4C, ... while below half a step, then every
+        step (L/8 rounded up to whole chunks, at least 2C) up to half a step below max_context
         (a bucket closer to max_context would save too little to be worth its graph).
 
-        A prompt of T tokens runs on the smallest bucket >= T, so its chunks attend over fewer than
-        2T rows (or 2C) instead of max_context: prefill cost no longer grows with --max-context."""
+        A prompt of T tokens runs on the smallest bucket >= T, and each chunk on the smallest
+        bucket holding the rows filled before it, so a prompt's chunks follow the causal triangle
+        within one step of rows: a 4096-token prompt at C = 64, L = 4320 attends over 1.11x the
+        triangle's rows (doubling buckets: 1.37x; docs/results/performance.md)."""
+        step = max(2 * self.chunk, -(-self.max_context // (8 * self.chunk)) * self.chunk)
         buckets, rows = [], 2 * self.chunk
-        while rows <= 3 * self.max_context // 4:
+        while rows <= step // 2:
             buckets.append(rows)
             rows *= 2
+        rows = step
+        while rows <= self.max_context - step // 2:
+            buckets.append(rows)
+            rows += step
         return buckets
 
     def decode_sizes(self) -> list[int]:

@@ -50,14 +50,17 @@ def test_weights_are_stored_once(tiny_dense_dir, tiny_llama):
         assert (tiny_dense_dir / graph).stat().st_size < 100_000
 
 
-def test_prefill_buckets_double_from_two_chunks_below_max_context(tiny_dense_dir):
-    assert ExportConfig(max_context=8224, chunk=256).prefill_buckets() == [512, 1024, 2048, 4096]
+def test_prefill_buckets_double_then_step_by_an_eighth_of_max_context(tiny_dense_dir):
+    assert ExportConfig(max_context=8224, chunk=256).prefill_buckets() == [512, 1280, 2560, 3840, 5120, 6400]
+    assert ExportConfig(max_context=4320, chunk=64).prefill_buckets() == [128, 256, 576, 1152, 1728, 2304,
+                                                                          2880, 3456, 4032]
     assert ExportConfig(max_context=512, chunk=256).prefill_buckets() == []
     from snapcompile.artifact.naming import bucket_rows, is_prefill_graph
     assert [bucket_rows(n) for n in ("prefill_128", "prefill", "decode", "select")] == [128, None, None, None]
     assert [is_prefill_graph(n) for n in ("prefill", "prefill_128", "decode")] == [True, True, False]
     manifest = read_manifest(tiny_dense_dir)
-    assert sorted(manifest.graphs) == ["decode", "decode_1", "decode_2", "prefill", "prefill_128", "prefill_256"]
+    assert sorted(manifest.graphs) == ["decode", "decode_1", "decode_2", "prefill", "prefill_128", "prefill_256",
+                                       "prefill_384"]
     past = {i["name"]: i["shape"] for i in manifest.graphs["prefill_128"]["inputs"]}["past_key.0"]
     assert past == [1, 2, 128, 16]
 
@@ -68,8 +71,8 @@ def test_each_chunk_runs_on_the_smallest_bucket_that_holds_the_rows_filled_so_fa
     from snapcompile.runtime.ort_backend import OrtBackend
     from tests.conftest import random_prompts
     backend = OrtBackend(tiny_dense_dir)
-    assert [backend.prefill_rows(n) for n in (1, 128, 129, 256, 257, 511)] == [128, 128, 256, 256, 512, 512]
-    assert [backend.chunk_rows(s) for s in chunk_starts(500, 64)] == [128, 128, 128, 256, 256, 512, 512, 512]
+    assert [backend.prefill_rows(n) for n in (1, 128, 129, 256, 257, 385, 511)] == [128, 128, 256, 256, 384, 512, 512]
+    assert [backend.chunk_rows(s) for s in chunk_starts(500, 64)] == [128, 128, 128, 256, 256, 384, 384, 512]
     full_only = OrtBackend(tiny_dense_dir)
     full_only.bucket_graphs = {}                        # as an artifact exported without buckets
     for length in (200, 500):                           # ends on a bucket; crosses both into the full graph
@@ -166,7 +169,7 @@ def _convert_peak_rss(model_dir, out, *args) -> int:
 
 def test_convert_memory_does_not_grow_with_slots_and_context(tmp_path):
     """The weights go to weights.bin while each graph is built: 8x the slots and 16x the context
-    (4 more bucket graphs) cost well under one copy of the weights (each graph used to hold one)."""
+    (8 more bucket graphs) cost well under one copy of the weights (each graph used to hold one)."""
     import dataclasses
 
     from transformers import AutoModelForCausalLM
@@ -183,3 +186,36 @@ def test_convert_memory_does_not_grow_with_slots_and_context(tmp_path):
     small = _convert_peak_rss(folder, tmp_path / "small", "--slots", "1", "--max-context", "256")
     large = _convert_peak_rss(folder, tmp_path / "large", "--slots", "8", "--max-context", "4096")
     assert large - small < weight_bytes, (small, large, weight_bytes)
+
+
+@pytest.mark.parametrize("filled", [0, 5, 40])
+def test_joined_attention_equals_the_split_form(filled):
+    """The prefill form (cache and chunk K/V concatenated) computes what the decode form does."""
+    import onnxruntime as ort
+
+    from snapcompile.graphs.attention import additive_mask, emit_cached_attention, emit_joined_attention, joined_mask
+    from snapcompile.graphs.builder import GraphBuilder
+    hkv, g, c, rows, d = 2, 3, 8, 48, 16
+    rng = np.random.default_rng(filled)
+    feeds = {"q": rng.standard_normal((1, hkv, g, c, d), dtype=np.float32),
+             **{n: rng.standard_normal((1, hkv, c, d), dtype=np.float32) for n in ("kn", "vn")},
+             **{n: rng.standard_normal((1, hkv, rows, d), dtype=np.float32) for n in ("kc", "vc")},
+             "start": np.array([filled], np.int64)}
+    outputs = []
+    for joined in (True, False):
+        b = GraphBuilder("attention")
+        q = b.input("q", np.float32, [1, hkv, g, c, d])
+        kn, vn = (b.input(n, np.float32, [1, hkv, c, d]) for n in ("kn", "vn"))
+        kc, vc = (b.input(n, np.float32, [1, hkv, rows, d]) for n in ("kc", "vc"))
+        visible = b.op("Less", b.const(np.arange(rows)), b.input("start", np.int64, [1]))
+        if joined:
+            out = emit_joined_attention(b, q, kn, vn, kc, vc, joined_mask(b, visible, rows, c), d ** -0.5)
+        else:
+            causal = additive_mask(b, b.const(np.arange(c)[None] <= (np.arange(g * c) % c)[:, None], np.bool_))
+            out = emit_cached_attention(b, b.op("Reshape", q, b.const([1, hkv, g * c, d])), kn, vn, kc, vc,
+                                        b.op("Reshape", additive_mask(b, visible), b.const([1, 1, 1, rows])),
+                                        causal, d ** -0.5, rows, c)
+        b.output(b.op("Reshape", out, b.const([1, hkv * g, c, d])), "out", np.float32, [1, hkv * g, c, d])
+        session = ort.InferenceSession(b.model().SerializeToString(), providers=["CPUExecutionProvider"])
+        outputs.append(session.run(None, feeds)[0])
+    np.testing.assert_allclose(outputs[0], outputs[1], atol=1e-5)

@@ -32,6 +32,12 @@ def test_matches_every_layer(dense_graphs, tiny_llama):
         assert len(blocks) == 2
         assert [b.k_cache.name for b in blocks] == ["past_key.0", "past_key.1"]
         assert blocks[0].scale == pytest.approx(16 ** -0.5)
+        assert all(b.joined == (name == "prefill") for b in blocks)
+
+
+def test_decode_passes_refuse_the_joined_prefill_form(dense_graphs):
+    with pytest.raises(MatchFailure, match="joined .prefill. attention block, not the split form"):
+        compress_decode(dense_graphs["prefill"], 2, 32)
 
 
 def _break_layer(model: onnx.ModelProto, layer: int) -> onnx.ModelProto:

@@ -41,7 +41,7 @@ def test_plugin_nodes_carry_what_tensorrt_parser_needs(plugin_dir):
         assert attrs["plugin_version"] == b"1" and attrs["plugin_namespace"] == b"snapcompile"
         assert attrs["scale"] == pytest.approx(0.25)
         assert list(node.input)[-2:] == ["write_index", "cache_len"]
-    for name in ("select", "select_128", "select_256"):      # the full graph and one per bucket
+    for name in ("select", "select_128", "select_256", "select_384"):      # the full graph and one per bucket
         select = [n for n in _ops(plugin_dir / f"{name}.onnx") if n.op_type == SELECT.name]
         assert len(select) == 2 and len(select[0].output) == 3, name
     assert read_manifest(plugin_dir).lowering == "plugin"

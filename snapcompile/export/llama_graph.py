@@ -25,7 +25,7 @@ from snapcompile.artifact.naming import graph_name
 from snapcompile.config import ExportConfig
 from snapcompile.export.quantize import emit_matmul
 from snapcompile.export.weights import Weights
-from snapcompile.graphs.attention import additive_mask, emit_cached_attention
+from snapcompile.graphs.attention import additive_mask, emit_cached_attention, emit_joined_attention, joined_mask
 from snapcompile.graphs.builder import GraphBuilder
 from snapcompile.models.spec import ModelSpec
 
@@ -121,19 +121,15 @@ class PrefillWriter(LlamaGraphWriter):
         caches = self._cache_inputs(b, 1, L)
         positions = b.op("Add", b.op("Unsqueeze", b.const(np.arange(c)), b.const([0])), first_position)  # [1, C]
         cos, sin = self._rope_tables(b, positions, [1, 1, c, d // 2])
-        cache_visible = b.op("Less", b.const(np.arange(L)), start)                      # [L]
-        cache_mask = b.op("Reshape", additive_mask(b, cache_visible), b.const([1, 1, 1, L]))
-        rows = b.const((np.arange(g * c) % c)[:, None])                                  # [G*C, 1]
-        new_mask = additive_mask(b, b.op("LessOrEqual", b.const(np.arange(c)[None, :]), rows))
+        mask = joined_mask(b, b.op("Less", b.const(np.arange(L)), start), L, c)          # [C, L + C]
         x = self._embed(b, ids)                                                          # [1, C, hidden]
         for i, layer in enumerate(self.w.layers):
             h = self._rms_norm(b, x, layer["in_norm"])
             q = self._heads(b, self._linear(b, h, layer, "q"), s.num_heads, cos, sin)    # [1, H, C, D]
             k = self._heads(b, self._linear(b, h, layer, "k"), hkv, cos, sin)            # [1, Hkv, C, D]
             v = self._heads(b, self._linear(b, h, layer, "v"), hkv, None, None)
-            q = b.op("Reshape", q, b.const([1, hkv, g * c, d]))
-            attn = emit_cached_attention(b, q, k, v, *caches[i], cache_mask, new_mask,
-                                         s.head_dim ** -0.5, L, c)                       # [1,Hkv,G*C,D]
+            q = b.op("Reshape", q, b.const([1, hkv, g, c, d]))
+            attn = emit_joined_attention(b, q, k, v, *caches[i], mask, s.head_dim ** -0.5)  # [1,Hkv,G,C,D]
             attn = b.op("Reshape", attn, b.const([1, s.num_heads, c, d]))
             attn = b.op("Reshape", b.op("Transpose", attn, perm=[0, 2, 1, 3]), b.const([1, c, s.num_heads * d]))
             x = b.op("Add", x, self._linear(b, attn, layer, "o"))
