@@ -20,10 +20,12 @@ from snapcompile.models.spec import ModelSpec
 
 MANIFEST = "manifest.json"
 WEIGHTS = "weights.bin"
-FORMAT_VERSION = 4      # 2: every file's size and sha256 in the manifest; 3: export.weight_format;
-                        # 4: prefill graphs take `position` apart from `start` (resumed conversations)
-GRAPHS_REVISION = 7     # bumped whenever the artifacts change (2: prefill buckets, 3: select buckets, 4: checksums,
-                        # 5: opset 21, --weights, 6: deterministic node names, 7: decode slot buckets)
+FORMAT_VERSION = 5      # 2: every file's size and sha256 in the manifest; 3: export.weight_format;
+                        # 4: prefill graphs take `position` apart from `start` (resumed conversations);
+                        # 5: prefill buckets step by L/8 above the doubling ones (another set of graphs)
+GRAPHS_REVISION = 8     # bumped whenever the artifacts change (2: prefill buckets, 3: select buckets, 4: checksums,
+                        # 5: opset 21, --weights, 6: deterministic node names, 7: decode slot buckets,
+                        # 8: joined prefill attention, finer prefill buckets)
 METADATA_KEY = "snapcompile.config"
 
 
