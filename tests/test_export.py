@@ -3,6 +3,8 @@ import json
 import numpy as np
 import onnx
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from snapcompile.artifact.manifest import MANIFEST, read_manifest
 from snapcompile.config import ExportConfig
@@ -48,6 +50,18 @@ def test_weights_are_stored_once(tiny_dense_dir, tiny_llama):
     assert external <= size < sum(sizes) * 1.1
     for graph in ("prefill.onnx", "prefill_128.onnx", "prefill_256.onnx", "decode.onnx"):
         assert (tiny_dense_dir / graph).stat().st_size < 100_000
+
+
+@given(chunk=st.integers(1, 512), max_context=st.integers(2, 40_000))
+def test_prefill_buckets_hold_whole_chunks_and_leave_no_gap_wider_than_a_step(chunk, max_context):
+    if chunk > max_context:
+        return
+    buckets = ExportConfig(chunk=chunk, max_context=max_context).prefill_buckets()
+    step = max(2 * chunk, -(-max_context // (8 * chunk)) * chunk)
+    assert buckets == sorted(set(buckets)) and all(b % chunk == 0 and 2 * chunk <= b < max_context for b in buckets)
+    for below, above in zip([0, *buckets], [*buckets, max_context]):
+        assert above - below <= max(below, 2 * chunk, step + step // 2), (below, above)
+    assert len(buckets) <= 8 + max(0, (step // 2 // chunk).bit_length())
 
 
 def test_prefill_buckets_double_then_step_by_an_eighth_of_max_context(tiny_dense_dir):
