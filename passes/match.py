@@ -4,7 +4,7 @@ The two forms of snapcompile.graphs.attention:
 
     split (decode):
     s_cache = Add(Mul(MatMul(q, Transpose(k_cache)), scale), cache_mask)
-    s_new   = Mul(MatMul(q, Transpose(k_new)), scale) [+ new_mask]
+    s_new   = Mul(MatMul(q, Transpose(k_new)), scale)
     p_cache, p_new = Split(Softmax(Concat(s_cache, s_new)))
     out     = Add(MatMul(p_cache, v_cache), MatMul(p_new, v_new))
 
@@ -88,10 +88,7 @@ def match_block(softmax: gs.Node) -> AttentionBlock:
         raise MatchFailure(f"{where}: scores are not Concat(cache scores, new-token scores)")
     mask_add = _producer(concat.inputs[0], "Add", where)
     q, k_cache, scale = _scaled_scores(mask_add.inputs[0], where)
-    new_scores = concat.inputs[1]
-    if new_scores.inputs and new_scores.inputs[0].op == "Add":
-        new_scores = new_scores.inputs[0].inputs[0]
-    q_new, k_new, _ = _scaled_scores(new_scores, where)
+    q_new, k_new, _ = _scaled_scores(concat.inputs[1], where)
     if q_new is not q:
         raise MatchFailure(f"{where}: cache and new-token scores use different queries")
     split = _only_consumer(softmax.outputs[0], "Split", where)

@@ -1,4 +1,5 @@
-"""The prefill attention subgraph (standard ops, graphs/attention.py) against ONNX Runtime's
+"""The split-form attention subgraph (standard ops, graphs/attention.py; what prefill ran until the
+joined form of 2026-12-02, which docs/results/performance.md measures apart) against ONNX Runtime's
 com.microsoft.GroupQueryAttention at SmolLM2-135M's shapes (docs/results/performance.md): one chunk
 of 64 queries, 9 query / 3 KV heads, D = 64, against L cache rows of which `start` are filled (GQA
 writes into a past buffer shared with its output through IOBinding); prints the median
@@ -26,7 +27,7 @@ def _value(name: str, shape, dtype=TensorProto.FLOAT):
 
 
 def standard_graph(rows: int):
-    """The shape of emit_cached_attention: scores against cache and chunk, one softmax, two products."""
+    """The split form with a causal chunk mask: scores against cache and chunk, one softmax, two products."""
     node = helper.make_node
     nodes = [node("Transpose", ["kc"], ["kct"], perm=[0, 1, 3, 2]), node("MatMul", ["q", "kct"], ["sc0"]),
              node("Mul", ["sc0", "scale"], ["sc1"]), node("Add", ["sc1", "cm"], ["sc"]),

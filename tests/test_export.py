@@ -203,33 +203,30 @@ def test_convert_memory_does_not_grow_with_slots_and_context(tmp_path):
 
 
 @pytest.mark.parametrize("filled", [0, 5, 40])
-def test_joined_attention_equals_the_split_form(filled):
-    """The prefill form (cache and chunk K/V concatenated) computes what the decode form does."""
+def test_joined_attention_is_causal_gqa_over_the_filled_rows_and_the_chunk(filled):
+    """The prefill form (cache and chunk K/V concatenated) equals attention computed in numpy: query
+    head kv * G + g of chunk token t reads the first `filled` cache rows and chunk tokens <= t."""
     import onnxruntime as ort
 
-    from snapcompile.graphs.attention import additive_mask, emit_cached_attention, emit_joined_attention, joined_mask
+    from snapcompile.graphs.attention import emit_joined_attention, joined_mask
     from snapcompile.graphs.builder import GraphBuilder
     hkv, g, c, rows, d = 2, 3, 8, 48, 16
     rng = np.random.default_rng(filled)
-    feeds = {"q": rng.standard_normal((1, hkv, g, c, d), dtype=np.float32),
-             **{n: rng.standard_normal((1, hkv, c, d), dtype=np.float32) for n in ("kn", "vn")},
-             **{n: rng.standard_normal((1, hkv, rows, d), dtype=np.float32) for n in ("kc", "vc")},
-             "start": np.array([filled], np.int64)}
-    outputs = []
-    for joined in (True, False):
-        b = GraphBuilder("attention")
-        q = b.input("q", np.float32, [1, hkv, g, c, d])
-        kn, vn = (b.input(n, np.float32, [1, hkv, c, d]) for n in ("kn", "vn"))
-        kc, vc = (b.input(n, np.float32, [1, hkv, rows, d]) for n in ("kc", "vc"))
-        visible = b.op("Less", b.const(np.arange(rows)), b.input("start", np.int64, [1]))
-        if joined:
-            out = emit_joined_attention(b, q, kn, vn, kc, vc, joined_mask(b, visible, rows, c), d ** -0.5)
-        else:
-            causal = additive_mask(b, b.const(np.arange(c)[None] <= (np.arange(g * c) % c)[:, None], np.bool_))
-            out = emit_cached_attention(b, b.op("Reshape", q, b.const([1, hkv, g * c, d])), kn, vn, kc, vc,
-                                        b.op("Reshape", additive_mask(b, visible), b.const([1, 1, 1, rows])),
-                                        causal, d ** -0.5, rows, c)
-        b.output(b.op("Reshape", out, b.const([1, hkv * g, c, d])), "out", np.float32, [1, hkv * g, c, d])
-        session = ort.InferenceSession(b.model().SerializeToString(), providers=["CPUExecutionProvider"])
-        outputs.append(session.run(None, feeds)[0])
-    np.testing.assert_allclose(outputs[0], outputs[1], atol=1e-5)
+    q = rng.standard_normal((1, hkv, g, c, d), dtype=np.float32)
+    kn, vn = (rng.standard_normal((1, hkv, c, d), dtype=np.float32) for _ in range(2))
+    kc, vc = (rng.standard_normal((1, hkv, rows, d), dtype=np.float32) for _ in range(2))
+    b = GraphBuilder("attention")
+    inputs = {name: b.input(name, np.float32, list(value.shape))
+              for name, value in (("q", q), ("kn", kn), ("vn", vn), ("kc", kc), ("vc", vc))}
+    visible = b.op("Less", b.const(np.arange(rows)), b.input("start", np.int64, [1]))
+    out = emit_joined_attention(b, *inputs.values(), joined_mask(b, visible, rows, c), d ** -0.5)
+    b.output(out, "out", np.float32, [1, hkv, g, c, d])
+    session = ort.InferenceSession(b.model().SerializeToString(), providers=["CPUExecutionProvider"])
+    ours = session.run(None, {"q": q, "kn": kn, "vn": vn, "kc": kc, "vc": vc,
+                              "start": np.array([filled], np.int64)})[0]
+    keys, values = np.concatenate([kc[:, :, :filled], kn], 2), np.concatenate([vc[:, :, :filled], vn], 2)
+    scores = np.einsum("bhgtd,bhsd->bhgts", q, keys) * d ** -0.5
+    scores[..., filled:] += np.where(np.arange(c)[None, :] <= np.arange(c)[:, None], 0.0, -np.inf)
+    probs = np.exp(scores - scores.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    np.testing.assert_allclose(ours, np.einsum("bhgts,bhsd->bhgtd", probs, values), atol=1e-5)

@@ -173,7 +173,7 @@ class DecodeWriter(LlamaGraphWriter):
             q = self._rotate(b, b.op("Reshape", self._linear(b, h, layer, "q"), b.const([n, hkv, g, d])), cos, sin)
             k = self._rotate(b, b.op("Reshape", self._linear(b, h, layer, "k"), b.const([n, hkv, 1, d])), cos, sin)
             v = b.op("Reshape", self._linear(b, h, layer, "v"), b.const([n, hkv, 1, d]))
-            attn = emit_cached_attention(b, q, k, v, *caches[i], cache_mask, None, s.head_dim ** -0.5, L, 1)
+            attn = emit_cached_attention(b, q, k, v, *caches[i], cache_mask, s.head_dim ** -0.5, L, 1)
             x = b.op("Add", x, self._linear(b, b.op("Reshape", attn, b.const([n, s.num_heads * d])), layer, "o"))
             x = b.op("Add", x, self._mlp(b, self._rms_norm(b, x, layer["post_norm"]), layer))
             b.output(k, f"key.{i}", np.float32, [n, hkv, 1, d])
