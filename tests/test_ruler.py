@@ -177,6 +177,8 @@ def test_eval_ruler_runs_lm_eval_against_serve_and_resumes(tiny_smol_tokenizer_m
             (task, doc) for task in TASK_ANSWER_TOKENS for doc in (0, 1))
         assert all(0.0 <= s["score"] <= 1.0 for s in unit["samples"])
     assert [s["input_sha"] for s in dense["samples"]] == [s["input_sha"] for s in snap["samples"]]
+    assert all(item["margin"]["replayed"] for item in payload["lost"]), "every lost sample's dense margin measured"
+    _check_the_samples_are_drawn_again(cache, dense)
     assert (out.with_suffix(".md")).is_file() and (tmp_path / "ruler-fp32.png").is_file()
     assert not (tmp_path / "ruler.json.partial.jsonl").exists()
     _check_answers_are_the_artifacts(cache)
@@ -188,6 +190,20 @@ def test_eval_ruler_runs_lm_eval_against_serve_and_resumes(tiny_smol_tokenizer_m
     assert json.loads(again.stdout)["seconds_this_run"] < 5
     other = CliRunner().invoke(main, [*args, "--limit", "3"])
     assert other.exit_code != 0 and "holds RULER results of another configuration" in other.output
+
+
+def _check_the_samples_are_drawn_again(cache, unit):
+    """A task built alone, in a random state the run has moved on, gets the samples it got in the run."""
+    import hashlib
+    import random
+
+    from snapcompile.evaluation.ruler import build_tasks
+    random.seed()
+    task, = build_tasks(("ruler_vt",), cache / "ruler-work" / "tokenizer", 1024)
+    again = [hashlib.sha256((d["input"] + d.get("gen_prefix", "")).encode()).hexdigest()[:16]
+             for d in list(task.eval_docs)[:2]]
+    ran = sorted((s["doc_id"], s["input_sha"]) for s in unit["samples"] if s["task"] == "ruler_vt")
+    assert again == [sha for _, sha in ran]
 
 
 def _check_answers_are_the_artifacts(cache):
@@ -205,3 +221,89 @@ def _check_answers_are_the_artifacts(cache):
                     for task, entry in sorted(firsts.items())]
         for (task, entry), result in zip(sorted(firsts.items()), engine.generate(requests)):
             assert entry["answer"] == result.text, (log.name, task)
+
+
+def test_parting_char_and_the_step_that_writes_it(tiny_dense_dir):
+    from snapcompile import Engine
+    from snapcompile.evaluation.ruler_margin import parting_char, step_at
+    assert parting_char("12345", "12945") == 2 and parting_char("123", "12345") == 3 and parting_char("", "x") == 0
+    tokenizer = Engine.from_artifact(tiny_dense_dir).tokenizer
+    ids = tokenizer.encode("hello world again", add_special_tokens=False)
+    text = tokenizer.decode(ids)
+    for char in (0, 5, len(text) - 1):
+        step = step_at(tokenizer, ids, char)
+        assert len(tokenizer.decode(ids[:step + 1])) > char >= len(tokenizer.decode(ids[:step]))
+    assert step_at(tokenizer, ids, len(text)) is None
+
+
+def _greedy(engine, context, tokens):
+    from snapcompile import Request
+    from snapcompile.prompts import encode_text
+    return engine.generate([Request(encode_text(engine.tokenizer, context), max_new_tokens=tokens, top_logprobs=2)])[0]
+
+
+def test_dense_margin_is_read_where_the_lost_answer_parts_from_dense(tiny_dense_dir):
+    """The margin is dense's p1 - p2 at the step that writes the first character the cell got
+    otherwise; a recorded dense answer the artifact does not write gets no margin."""
+    import math
+
+    from snapcompile import Engine
+    from snapcompile.evaluation.ruler_margin import margin_id, measure, step_at
+    engine = Engine.from_artifact(tiny_dense_dir)
+    context = "alpha beta gamma delta " * 6
+    reference = _greedy(engine, context, 12)
+    char = len(engine.tokenizer.decode(reference.output_ids[:3], skip_special_tokens=True))
+    assert 0 < char < len(reference.text)
+    dense_log = {("t", 0): {"task": "t", "doc_id": 0, "context": context, "gen_kwargs": {"max_gen_toks": 12},
+                            "answer": reference.text},
+                 ("t", 1): {"task": "t", "doc_id": 1, "context": context, "gen_kwargs": {"max_gen_toks": 12},
+                            "answer": "not what dense writes"}}
+    cell_log = {("t", 0): {"answer": reference.text[:char] + "\u2603"}, ("t", 1): {"answer": "not what I wrote"}}
+    lost = [{"weights": "fp32", "cell": "snapstream/4", "length": 1024, "task": "t", "doc_id": d} for d in (0, 1)]
+    margins = measure(engine, dense_log, lost, {"snapstream/4": cell_log})
+    first = margins[margin_id(lost[0])]
+    step = step_at(engine.tokenizer, reference.output_ids, char)
+    (_, lp1), (_, lp2) = reference.top_logprobs[step][:2]
+    assert first["parting_step"] == step == 3 and first["replayed"]
+    assert abs(first["dense_margin"] - (math.exp(lp1) - math.exp(lp2))) < 1e-6
+    assert len(first["dense_choices"]) == 2
+    other = margins[margin_id(lost[1])]
+    assert other["dense_margin"] is None and other["replayed"] is False
+
+
+def test_dense_margin_at_an_eos_that_ended_dense_first():
+    """Dense stopped (EOS) where the cell wrote on: the margin is read at the EOS step."""
+    import math
+
+    from snapcompile.engine.engine import Result
+    from snapcompile.evaluation.ruler_margin import margin_at
+
+    class Letters:
+        def decode(self, ids, skip_special_tokens=True):
+            return "".join(chr(i) for i in ids if not (skip_special_tokens and i == 0))
+    ids, top = [ord("4"), ord("2"), 0], [[(52, -0.1), (53, -3.0)], [(50, -0.2), (51, -2.0)], [(0, -0.9), (49, -1.0)]]
+    result = Result("r", 5, ids, "42", "eos", None, 0.1, 0.2, top)
+    margin = margin_at(Letters(), result, "42", 2)
+    assert margin["parting_step"] == 2 and abs(margin["dense_margin"] - (math.exp(-0.9) - math.exp(-1.0))) < 1e-9
+    assert margin["dense_choices"] == ["", "1"]
+
+
+def test_margins_resume_from_the_partial_file_and_the_results_file(tmp_path):
+    from snapcompile.evaluation.ruler_run import UnitStore
+    out, config = tmp_path / "ruler.json", RulerConfig("m", lengths=(1024,))
+    dense = _unit("dense", {("a", 0): 1.0})
+    snap = _unit("snapstream/4", {("a", 0): 0.0}, {("a", 0): "wrong"})
+    store = UnitStore(out, config)
+    store.add(dense)
+    store.add(snap)
+    margin = {"dense_margin": 0.04, "parting_step": 2, "replayed": True, "dense_choices": ["7", "9"]}
+    store.add_margin("margin|fp32|snapstream/4|1024|a|0", margin)
+    again = UnitStore(out, config)
+    assert sorted(again.units) == ["fp32|dense|1024", "fp32|snapstream/4|1024"] and len(again.margins) == 1
+    lost = ruler_report.lost_samples([dense, snap], again.margins)
+    assert lost[0]["margin"] == margin
+    assert "| 0.04 (step 2: '7' / '9') |" in ruler_report.lost_markdown(lost)
+    (tmp_path / "ruler.json.partial.jsonl").unlink()
+    out.write_text(json.dumps({"config": json.loads(store.config_json), "units": [dense, snap], "lost": lost}))
+    assert UnitStore(out, config).margins == again.margins
+    assert "| ? |" in ruler_report.lost_markdown(ruler_report.lost_samples([dense, snap]))

@@ -52,9 +52,9 @@ class ArtifactCache:
     def dense(self, export: ExportConfig) -> Path:
         """A dense artifact of these shapes (the source itself where it is a dense artifact that
         holds them)."""
-        if self._source_export(export) is not None:
-            return Path(self.source)
-        folder = self.dir / artifact_key(self.source, export, PolicyConfig(policy="dense"))
+        folder = self.folder_of(export, PolicyConfig(policy="dense"))
+        if folder == Path(self.source):
+            return folder
         if not (folder / MANIFEST).is_file():
             from snapcompile.export import export_model
             self.log(f"exporting {self.source} to {folder} ({export.slots} slots, max context {export.max_context}, "
@@ -62,11 +62,18 @@ class ArtifactCache:
             export_model(self.loaded, export, folder, force=True)
         return folder
 
+    def folder_of(self, export: ExportConfig, policy: PolicyConfig) -> Path:
+        """Where `get` keeps the artifact of these shapes and this policy (built or not)."""
+        own = self._source_export(export)
+        if not policy.compressed and own is not None:
+            return Path(self.source)
+        return self.dir / artifact_key(self.source, own or export, policy)
+
     def get(self, export: ExportConfig, policy: PolicyConfig) -> Path:
         """An artifact of these shapes and this policy."""
         if not policy.compressed:
             return self.dense(export)
-        folder = self.dir / artifact_key(self.source, self._source_export(export) or export, policy)
+        folder = self.folder_of(export, policy)
         if not (folder / MANIFEST).is_file():
             from snapcompile.passes.pipeline import compress_artifact
             self.log(f"compressing for {policy.policy} budget {policy.budget} into {folder}")

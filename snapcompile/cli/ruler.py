@@ -44,7 +44,8 @@ def eval_ruler(model_or_dir, tasks, lengths, cells, weights, limit, slots, chunk
     `snapcompile serve` and points `lm_eval --model local-completions` at it: lm-eval makes the data
     (offline, with the artifact's tokenizer), sends the prompts and scores the answers. Writes
     OUTPUT (JSON: every sample's score and answer), OUTPUT.md (score per task and cell, retention
-    of dense's score, the samples lost) and a plot per weight format. Needs lm-eval[ruler]
+    of dense's score, the samples lost with dense's own margin where the answers part: dense's
+    request replayed through the dense artifact) and a plot per weight format. Needs lm-eval[ruler]
     (installed by scripts/setup.sh).
     """
     from tqdm import tqdm
@@ -60,11 +61,11 @@ def eval_ruler(model_or_dir, tasks, lengths, cells, weights, limit, slots, chunk
     cache = cache_dir or cache_root() / "eval"
     started = time.perf_counter()
     with tqdm(desc="eval-ruler", unit="run", total=len(config.units()), file=sys.stderr, disable=as_json) as bar:
-        units = run_ruler(config, output, cache, cache / "ruler-work", progress=bar.update,
-                          log=lambda msg: tqdm.write(msg, file=sys.stderr))
+        units, margins = run_ruler(config, output, cache, cache / "ruler-work", progress=bar.update,
+                                   log=lambda msg: tqdm.write(msg, file=sys.stderr))
     seconds = time.perf_counter() - started
     rows = ruler_report.summarize(units)
-    lost = ruler_report.lost_samples(units)
+    lost = ruler_report.lost_samples(units, margins)
     payload = {"config": json.loads(json.dumps(config.__dict__)), "summary": rows, "lost": lost, "units": units,
                "seconds_this_run": seconds}
     table = ruler_report.markdown(rows, config.cells) + ruler_report.lost_markdown(lost)

@@ -17,6 +17,7 @@ from pathlib import Path
 from snapcompile.artifact.atomic import write_text_atomic
 
 RULER_TASKS = ("niah_single_1", "niah_multikey_2", "niah_multikey_3", "ruler_vt", "ruler_cwe", "ruler_fwe")
+DATA_SEED = 42                   # RULER's own data scripts' default random_seed
 PREDICTION_CHARS = 400           # of each answer kept in the records
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 
@@ -63,12 +64,23 @@ def tokenizer_folder(artifact: Path, folder: Path) -> Path:
 def build_tasks(names: tuple[str, ...], tokenizer: Path, length: int) -> list:
     """lm-eval Task objects of `names`, their data made at `length` tokens (RULER's max_seq_length:
     prompt and answer together) with `tokenizer`. Made once per length and reused for every
-    artifact, so that every artifact answers the same samples."""
+    artifact, so that every artifact answers the same samples.
+
+    lm-eval's RULER generators draw from Python's and numpy's global random state when the task is
+    loaded; each task is loaded alone with both seeded (DATA_SEED), so the same task at the same
+    length gets the same samples in every run, whatever else the run holds."""
+    import random
+
+    import numpy as np
     from lm_eval.tasks import TaskManager
     logging.getLogger("lm_eval").setLevel(logging.WARNING)
     manager = TaskManager(metadata={"tokenizer": str(tokenizer), "max_seq_lengths": [length]})
-    tasks = manager.load(list(names))["tasks"]
-    return [tasks[name] for name in names]
+    tasks = []
+    for name in names:
+        random.seed(DATA_SEED)
+        np.random.seed(DATA_SEED)
+        tasks.append(manager.load([name])["tasks"][name])
+    return tasks
 
 
 def evaluate_served(tasks: list, url: str, model: str, tokenizer: Path, length: int, max_length: int,

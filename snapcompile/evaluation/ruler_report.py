@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections import defaultdict
 from pathlib import Path
 
+from snapcompile.evaluation.ruler_margin import margin_id
+
 ALL_TASKS = "mean"
 
 
@@ -48,8 +50,10 @@ def _mean(values) -> float:
     return sum(values) / len(values) if values else 0.0
 
 
-def lost_samples(units: list[dict]) -> list[dict]:
-    """Each sample a compressed cell scored below dense on: both answers and the target."""
+def lost_samples(units: list[dict], margins: dict[str, dict] | None = None) -> list[dict]:
+    """Each sample a compressed cell scored below dense on: both answers and the target, and
+    `margin` (ruler_margin.margin_at: dense's own margin where the answers part) where `margins`
+    has it."""
     dense = _dense_samples(units)
     lost = []
     for unit in units:
@@ -63,6 +67,8 @@ def lost_samples(units: list[dict]) -> list[dict]:
                              "task": key[0], "doc_id": key[1], "score": sample["score"], "dense_score": base["score"],
                              "prediction": sample["prediction"], "dense_prediction": base["prediction"],
                              "target": sample["target"]})
+                if margins and margin_id(lost[-1]) in margins:
+                    lost[-1]["margin"] = margins[margin_id(lost[-1])]
     return lost
 
 
@@ -96,12 +102,22 @@ def lost_markdown(lost: list[dict]) -> str:
     if not lost:
         return "\nNo sample scored below dense.\n"
     lines = ["\n### Samples scored below dense\n", "| weights | length | cell | task | doc | score | dense | "
-             "answer | dense's answer | target |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "dense's margin where they part | answer | dense's answer | target |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for item in lost:
         lines.append(f"| {item['weights']} | {item['length']} | {item['cell']} | {item['task']} | {item['doc_id']} | "
-                     f"{item['score']:.2f} | {item['dense_score']:.2f} | {_short(item['prediction'])} | "
-                     f"{_short(item['dense_prediction'])} | {_short(', '.join(item['target']))} |")
-    return "\n".join(lines) + "\n"
+                     f"{item['score']:.2f} | {item['dense_score']:.2f} | {_margin_text(item.get('margin'))} | "
+                     f"{_short(item['prediction'])} | {_short(item['dense_prediction'])} | "
+                     f"{_short(', '.join(item['target']))} |")
+    return "\n".join(lines) + ("\n\nDense's margin: p1 - p2 of dense's two likeliest tokens at the step where the "
+                               "cell's answer leaves dense's (step, dense's two choices); ? where not measured.\n")
+
+
+def _margin_text(margin: dict | None) -> str:
+    if not margin or margin.get("dense_margin") is None:
+        return "?" if not margin or margin.get("replayed", True) else "? (replay differs)"
+    first, second = (_short(repr(c), 12) for c in margin["dense_choices"])
+    return f"{margin['dense_margin']:.2f} (step {margin['parting_step']}: {first} / {second})"
 
 
 def _short(text: str, chars: int = 60) -> str:

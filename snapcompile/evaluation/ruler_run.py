@@ -21,6 +21,8 @@ from snapcompile.config import POLICIES, SCOPES, WEIGHT_FORMATS, ExportConfig, P
 from snapcompile.errors import SnapcompileError, first_line
 from snapcompile.evaluation import ruler
 from snapcompile.evaluation.config import policy_for
+from snapcompile.evaluation.ruler_margin import margin_id, measure, read_log
+from snapcompile.evaluation.ruler_report import lost_samples
 from snapcompile.evaluation.store import append_partial, config_defaults, read_partial, read_results
 
 DEFAULT_CELLS = ("dense", "snapstream/4", "snapstream/8", "streamingllm/4")
@@ -92,33 +94,48 @@ def unit_id(weights: str, cell: str, length: int) -> str:
 
 
 class UnitStore:
-    """Finished units of an interrupted run of the same configuration (OUTPUT.partial.jsonl), and
-    those of OUTPUT itself (another configuration's results are refused, not overwritten)."""
+    """Finished units, and dense's margins on the samples they lost (ruler_margin), of an
+    interrupted run of the same configuration (OUTPUT.partial.jsonl) and of OUTPUT itself (another
+    configuration's results are refused, not overwritten)."""
 
     def __init__(self, results_path: Path, config: RulerConfig):
         from snapcompile.evaluation.store import partial_path
         self.path = partial_path(results_path)
         self.config_json = json.dumps(asdict(config), sort_keys=True)
         self.units: dict[str, dict] = {}
+        self.margins: dict[str, dict] = {}
         if Path(results_path).is_file():
             self._load_results(Path(results_path), config)
         for record in read_partial(self.path, self.config_json, "RULER"):
-            self.units[record["id"]] = record
+            self._file(record)
 
     def _load_results(self, path: Path, config: RulerConfig) -> None:
         stored, units = read_results(path, "units", "eval-ruler")
         if {**config_defaults(RulerConfig), **stored} != json.loads(self.config_json):
             raise SnapcompileError(f"{path} holds RULER results of another configuration: delete it or change -o")
         self.units.update((unit["id"], unit) for unit in units)
+        _, lost = read_results(path, "lost", "eval-ruler")
+        self.margins.update((margin_id(item), item["margin"]) for item in lost if "margin" in item)
+
+    def _file(self, record: dict) -> None:
+        if "margin" in record:
+            self.margins[record["id"]] = record["margin"]
+        else:
+            self.units[record["id"]] = record
 
     def add(self, unit: dict) -> None:
-        self.units[unit["id"]] = unit
+        self._file(unit)
         append_partial(self.path, self.config_json, unit)
+
+    def add_margin(self, key: str, margin: dict) -> None:
+        self.add({"id": key, "margin": margin})
 
 
 def run_ruler(config: RulerConfig, results_path: Path, cache_dir: Path, work_dir: Path,
-              progress: Callable[[int], None] | None = None, log: Callable[[str], None] = print) -> list[dict]:
-    """Run every unit not yet in the store; returns all units in config.units() order."""
+              progress: Callable[[int], None] | None = None,
+              log: Callable[[str], None] = print) -> tuple[list[dict], dict[str, dict]]:
+    """Run every unit not yet in the store, then measure dense's margin on the samples they lost;
+    returns all units in config.units() order and the margins by ruler_margin.margin_id."""
     from snapcompile.artifact.cache import ArtifactCache
     store = UnitStore(results_path, config)
     pending = [u for u in config.units() if unit_id(*u) not in store.units]
@@ -132,16 +149,48 @@ def run_ruler(config: RulerConfig, results_path: Path, cache_dir: Path, work_dir
         tasks = _TaskData(config, folders, work_dir)
         for folder, units in folders.items():
             _serve_and_run(config, folder, units, tasks, store, work_dir, progress, log)
-    return [store.units[unit_id(*u)] for u in config.units()]
+    units = [store.units[unit_id(*u)] for u in config.units()]
+    _measure_margins(config, units, store, cache_dir, work_dir, log)
+    return units, store.margins
+
+
+def _measure_margins(config: RulerConfig, units: list[dict], store: UnitStore, cache_dir: Path, work_dir: Path,
+                     log) -> None:
+    """Dense's margin on every lost sample not measured yet whose lm-eval logs are at hand, one
+    dense engine per (weights, length)."""
+    from snapcompile.artifact.cache import ArtifactCache
+    from snapcompile.engine.engine import Engine
+    pending = [item for item in lost_samples(units) if margin_id(item) not in store.margins]
+    cache = ArtifactCache(config.source, cache_dir, log)
+    for weights, length in sorted({(item["weights"], item["length"]) for item in pending}):
+        mine = [item for item in pending if (item["weights"], item["length"]) == (weights, length)]
+        cells = {"dense", *(item["cell"] for item in mine)}
+        folders = {cell: _folder(config, cache, weights, cell, length) for cell in cells}
+        logs = {cell: read_log(work_dir / "samples" / f"{folders[cell].name}-{length}.jsonl") for cell in cells}
+        if not logs["dense"]:
+            log(f"no lm-eval log of dense at {length} tokens ({weights}): its margins are not measured")
+            continue
+        log(f"dense's margin on {len(mine)} lost samples at {length} tokens ({weights})")
+        engine = Engine.from_artifact(folders["dense"])
+        for key, margin in measure(engine, logs["dense"], mine, logs).items():
+            store.add_margin(key, margin)
+
+
+def _folder(config: RulerConfig, cache, weights: str, cell: str, length: int) -> Path:
+    """Where the artifact of (weights, cell, length) is kept (ArtifactCache.folder_of)."""
+    return cache.folder_of(config.export(weights), _policy(config, cell, length))
+
+
+def _policy(config: RulerConfig, cell: str, length: int) -> PolicyConfig:
+    policy, _ = parse_cell(cell)
+    return policy_for(policy, budget_of(cell, length), config.scope, config.kernel)
 
 
 def _artifacts(config: RulerConfig, pending, cache) -> dict[Path, list[tuple[str, str, int]]]:
     """The artifact of each pending unit (built or reused), grouped so each is served once."""
     folders: dict[Path, list] = {}
     for weights, cell, length in pending:
-        policy, _ = parse_cell(cell)
-        policy_config = policy_for(policy, budget_of(cell, length), config.scope, config.kernel)
-        folder = cache.get(config.export(weights), policy_config)
+        folder = cache.get(config.export(weights), _policy(config, cell, length))
         folders.setdefault(folder, []).append((weights, cell, length))
     return folders
 
