@@ -210,7 +210,7 @@ def _check_answers_are_the_artifacts(cache):
     """Each answer lm-eval recorded is the artifact's own greedy continuation of the prompt lm-eval sent."""
     from snapcompile import Engine, Request
     from snapcompile.prompts import encode_text
-    for log in sorted((cache / "ruler-work" / "samples").glob("*.jsonl")):
+    for log in sorted((cache / "ruler-work" / "samples").glob("*/*.jsonl")):
         folder = cache / log.stem.rsplit("-", 1)[0]
         engine = Engine.from_artifact(folder)
         entries = [json.loads(line) for line in log.read_text().splitlines()]
@@ -254,12 +254,15 @@ def test_dense_margin_is_read_where_the_lost_answer_parts_from_dense(tiny_dense_
     reference = _greedy(engine, context, 12)
     char = len(engine.tokenizer.decode(reference.output_ids[:3], skip_special_tokens=True))
     assert 0 < char < len(reference.text)
-    dense_log = {("t", 0): {"task": "t", "doc_id": 0, "context": context, "gen_kwargs": {"max_gen_toks": 12},
-                            "answer": reference.text},
-                 ("t", 1): {"task": "t", "doc_id": 1, "context": context, "gen_kwargs": {"max_gen_toks": 12},
-                            "answer": "not what dense writes"}}
-    cell_log = {("t", 0): {"answer": reference.text[:char] + "\u2603"}, ("t", 1): {"answer": "not what I wrote"}}
-    lost = [{"weights": "fp32", "cell": "snapstream/4", "length": 1024, "task": "t", "doc_id": d} for d in (0, 1)]
+    entry = {"task": "t", "context": context, "gen_kwargs": {"max_gen_toks": 12}, "input_sha": "h"}
+    dense_log = {("t", 0): {**entry, "doc_id": 0, "answer": reference.text},
+                 ("t", 1): {**entry, "doc_id": 1, "answer": "not what dense writes"},
+                 ("t", 2): {**entry, "doc_id": 2, "answer": reference.text, "input_sha": "another run's prompt"}}
+    cell_log = {("t", 0): {"answer": reference.text[:char] + "\u2603", "input_sha": "h"},
+                ("t", 1): {"answer": "not what I wrote", "input_sha": "h"},
+                ("t", 2): {"answer": "x", "input_sha": "h"}}
+    lost = [{"weights": "fp32", "cell": "snapstream/4", "length": 1024, "task": "t", "doc_id": d, "input_sha": "h"}
+            for d in (0, 1, 2)]
     margins = measure(engine, dense_log, lost, {"snapstream/4": cell_log})
     first = margins[margin_id(lost[0])]
     step = step_at(engine.tokenizer, reference.output_ids, char)
@@ -269,6 +272,7 @@ def test_dense_margin_is_read_where_the_lost_answer_parts_from_dense(tiny_dense_
     assert len(first["dense_choices"]) == 2
     other = margins[margin_id(lost[1])]
     assert other["dense_margin"] is None and other["replayed"] is False
+    assert margin_id(lost[2]) not in margins, "a log entry of another prompt is not replayed"
 
 
 def test_dense_margin_at_an_eos_that_ended_dense_first():

@@ -107,15 +107,20 @@ def _log_entry(task: str, sample: dict, length: int) -> dict:
     """What lm-eval sent and got for one sample: the prompt (text lm-eval tokenized), the generation
     arguments, the raw answer and the score."""
     (context, gen_kwargs), = sample["arguments"]
-    return {"task": task, "doc_id": sample["doc_id"], "context": context, "gen_kwargs": gen_kwargs,
-            "answer": sample["resps"][0][0], "score": float(sample[str(length)]), "target": sample["doc"]["outputs"]}
+    return {"task": task, "doc_id": sample["doc_id"], "input_sha": _input_sha(sample["doc"]), "context": context,
+            "gen_kwargs": gen_kwargs, "answer": sample["resps"][0][0], "score": float(sample[str(length)]),
+            "target": sample["doc"]["outputs"]}
 
 
 def _record(task: str, sample: dict, length: int) -> dict:
     doc = sample["doc"]
-    prompt = doc["input"] + doc.get("gen_prefix", "")
     answer = sample["filtered_resps"][0] if sample.get("filtered_resps") else ""
     answer = answer[0] if isinstance(answer, list) else answer
     return {"task": task, "doc_id": sample["doc_id"], "score": float(sample[str(length)]),
             "prediction": str(answer)[:PREDICTION_CHARS], "target": list(doc["outputs"]),
-            "input_sha": hashlib.sha256(prompt.encode()).hexdigest()[:16]}
+            "input_sha": _input_sha(doc)}
+
+
+def _input_sha(doc: dict) -> str:
+    """A short hash of a sample's prompt: what tells that two cells (or a log and a record) hold the same sample."""
+    return hashlib.sha256((doc["input"] + doc.get("gen_prefix", "")).encode()).hexdigest()[:16]

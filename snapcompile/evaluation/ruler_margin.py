@@ -65,14 +65,14 @@ def measure(engine, dense_log: dict, lost: list[dict], cell_logs: dict[str, dict
     """Dense's margin on each `lost` sample (ruler_report.lost_samples items of one weights and
     length), keyed by `margin_id`. `dense_log`: dense's per-sample log; `cell_logs`: each cell's.
     One replay per (task, doc_id), shared by every cell that lost it; a sample whose prompt or
-    answers are not in the logs gets no entry."""
+    answers are not in the logs, or whose log entries hold another prompt (input_sha), gets no entry."""
     from snapcompile.engine.request import Request
     from snapcompile.prompts import encode_text
     wanted: dict[tuple[str, int], list[tuple[dict, int]]] = {}
     for item in lost:
         key = (item["task"], item["doc_id"])
-        dense, mine = dense_log.get(key), cell_logs.get(item["cell"], {}).get(key)
-        if dense is not None and mine is not None:
+        dense, mine = dense_log.get(key, {}), cell_logs.get(item["cell"], {}).get(key, {})
+        if dense and mine and dense.get("input_sha") == mine.get("input_sha") == item["input_sha"]:
             wanted.setdefault(key, []).append((item, parting_char(dense["answer"], mine["answer"])))
     requests = {}
     for key, items in wanted.items():

@@ -66,7 +66,7 @@ def lost_samples(units: list[dict], margins: dict[str, dict] | None = None) -> l
                 lost.append({"weights": unit["weights"], "length": unit["length"], "cell": unit["cell"],
                              "task": key[0], "doc_id": key[1], "score": sample["score"], "dense_score": base["score"],
                              "prediction": sample["prediction"], "dense_prediction": base["prediction"],
-                             "target": sample["target"]})
+                             "target": sample["target"], "input_sha": sample.get("input_sha")})
                 if margins and margin_id(lost[-1]) in margins:
                     lost[-1]["margin"] = margins[margin_id(lost[-1])]
     return lost

@@ -11,6 +11,7 @@ server's to serve-<artifact>.log.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import re
 from collections.abc import Callable
@@ -166,7 +167,7 @@ def _measure_margins(config: RulerConfig, units: list[dict], store: UnitStore, c
         mine = [item for item in pending if (item["weights"], item["length"]) == (weights, length)]
         cells = {"dense", *(item["cell"] for item in mine)}
         folders = {cell: _folder(config, cache, weights, cell, length) for cell in cells}
-        logs = {cell: read_log(work_dir / "samples" / f"{folders[cell].name}-{length}.jsonl") for cell in cells}
+        logs = {cell: read_log(samples_path(config, work_dir, folders[cell].name, length)) for cell in cells}
         if not logs["dense"]:
             log(f"no lm-eval log of dense at {length} tokens ({weights}): its margins are not measured")
             continue
@@ -174,6 +175,13 @@ def _measure_margins(config: RulerConfig, units: list[dict], store: UnitStore, c
         engine = Engine.from_artifact(folders["dense"])
         for key, margin in measure(engine, logs["dense"], mine, logs).items():
             store.add_margin(key, margin)
+
+
+def samples_path(config: RulerConfig, work_dir: Path, artifact: str, length: int) -> Path:
+    """lm-eval's per-sample log of one artifact at one length, in a folder of this configuration's
+    own (another run on the same artifact writes its own), read back by the margins."""
+    key = hashlib.sha256(json.dumps(asdict(config), sort_keys=True).encode()).hexdigest()[:12]
+    return work_dir / "samples" / key / f"{artifact}-{length}.jsonl"
 
 
 def _folder(config: RulerConfig, cache, weights: str, cell: str, length: int) -> Path:
@@ -247,7 +255,7 @@ def _run_unit(config, server, tasks: _TaskData, name: str, weights: str, length:
             return ruler.evaluate_served(lm_eval_tasks, server.url, "ruler", tasks.tokenizer, length,
                                          config.export(weights).max_context, config.limit, config.slots,
                                          work_dir / "lm-eval-cache" / f"{name}-{length}",
-                                         work_dir / "samples" / f"{name}-{length}.jsonl")
+                                         samples_path(config, work_dir, name, length))
     except Exception as err:
         raise SnapcompileError(f"lm-eval failed at {length} tokens on {name}: {first_line(err)} (lm-eval's "
                                f"output: {tasks.log}; the server's: {server.log_path})") from None
