@@ -9,7 +9,6 @@ tipped); near 1, dense was sure and the compression lost something it needed.
 """
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
@@ -54,10 +53,12 @@ def margin_at(tokenizer, result, dense_answer: str, char: int) -> dict:
 
 def read_log(path: Path) -> dict[tuple[str, int], dict]:
     """lm-eval's per-sample log (ruler.evaluate_served) by (task, doc_id); empty when absent."""
+    from snapcompile.errors import parse_json
     path = Path(path)
     if not path.is_file():
         return {}
-    entries = (json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip())
+    lines = path.read_text(encoding="utf-8").splitlines()
+    entries = (parse_json(line, f"{path} line {n}") for n, line in enumerate(lines, 1) if line.strip())
     return {(e["task"], e["doc_id"]): e for e in entries}
 
 
