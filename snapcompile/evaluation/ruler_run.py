@@ -111,11 +111,10 @@ class UnitStore:
             self._file(record)
 
     def _load_results(self, path: Path, config: RulerConfig) -> None:
-        stored, units = read_results(path, "units", "eval-ruler")
+        stored, units, lost = read_results(path, "eval-ruler", "units", "lost")
         if {**config_defaults(RulerConfig), **stored} != json.loads(self.config_json):
             raise SnapcompileError(f"{path} holds RULER results of another configuration: delete it or change -o")
         self.units.update((unit["id"], unit) for unit in units)
-        _, lost = read_results(path, "lost", "eval-ruler")
         self.margins.update((margin_id(item), item["margin"]) for item in lost if "margin" in item)
 
     def _file(self, record: dict) -> None:

@@ -17,11 +17,11 @@ def partial_path(results_path: Path) -> Path:
     return Path(str(results_path) + ".partial.jsonl")
 
 
-def read_results(path: Path, items: str, command: str) -> tuple[dict, list]:
-    """The configuration and the `items` list stored in a results file that `command` wrote."""
+def read_results(path: Path, command: str, *items: str) -> tuple:
+    """The configuration and each of the `items` lists stored in a results file that `command` wrote."""
     try:
         payload = json.loads(Path(path).read_text(encoding="utf-8"))
-        return payload["config"], payload[items]
+        return (payload["config"], *(payload[item] for item in items))
     except (ValueError, TypeError, KeyError):
         raise SnapcompileError(f"{path} exists and is not a results file of `snapcompile {command}`; "
                                "choose another -o") from None
@@ -88,7 +88,7 @@ class ResultStore:
     def _load_results(self, path: Path, config: EvalConfig) -> None:
         if not path.is_file():
             return
-        stored, records = read_results(path, "records", "eval")
+        stored, records = read_results(path, "eval", "records")
         self._check_config(stored, config, path)
         self.records.update((record["id"], record) for record in records)
 

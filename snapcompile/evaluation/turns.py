@@ -190,7 +190,7 @@ def reference_records(path: Path, config: TurnsConfig) -> list[dict]:
     """The dense records of an earlier eval-turns run on the same conversations (the dense mode
     does not depend on the compression policy), so a policy variant need not rerun them."""
     from snapcompile.evaluation.store import read_results
-    stored, records = read_results(path, "records", "eval-turns")
+    stored, records = read_results(path, "eval-turns", "records")
     current = asdict(config)
     differ = [k for k in SAME_CONVERSATIONS if json.dumps(stored.get(k)) != json.dumps(current[k])]
     if differ:
