@@ -141,27 +141,24 @@ def run_ruler(config: RulerConfig, results_path: Path, cache_dir: Path, work_dir
     pending = [u for u in config.units() if unit_id(*u) not in store.units]
     if progress:
         progress(len(config.units()) - len(pending))
+    cache = ArtifactCache(config.source, cache_dir, log)
     if pending:
         ruler.go_offline()
         ruler.offline_nltk(work_dir)
-        cache = ArtifactCache(config.source, cache_dir, log)
         folders = _artifacts(config, pending, cache)
         tasks = _TaskData(config, folders, work_dir)
         for folder, units in folders.items():
             _serve_and_run(config, folder, units, tasks, store, work_dir, progress, log)
     units = [store.units[unit_id(*u)] for u in config.units()]
-    _measure_margins(config, units, store, cache_dir, work_dir, log)
+    _measure_margins(config, units, store, cache, work_dir, log)
     return units, store.margins
 
 
-def _measure_margins(config: RulerConfig, units: list[dict], store: UnitStore, cache_dir: Path, work_dir: Path,
-                     log) -> None:
+def _measure_margins(config: RulerConfig, units: list[dict], store: UnitStore, cache, work_dir: Path, log) -> None:
     """Dense's margin on every lost sample not measured yet whose lm-eval logs are at hand, one
     dense engine per (weights, length)."""
-    from snapcompile.artifact.cache import ArtifactCache
     from snapcompile.engine.engine import Engine
     pending = [item for item in lost_samples(units) if margin_id(item) not in store.margins]
-    cache = ArtifactCache(config.source, cache_dir, log)
     for weights, length in sorted({(item["weights"], item["length"]) for item in pending}):
         mine = [item for item in pending if (item["weights"], item["length"]) == (weights, length)]
         cells = {"dense", *(item["cell"] for item in mine)}
