@@ -116,3 +116,64 @@ def test_eval_turns_takes_dense_from_a_reference_run(tmp_path):
     other = invoke("eval-turns", "tiny-llama", "--lengths", 700, "--samples", 2, "--cache-dir", tmp_path / "cache",
                    "--modes", "resume", "--reference", tmp_path / "dense.json", "-o", tmp_path / "x.json")
     assert_one_line_error(other, "ran other conversations (samples differ)")
+
+
+def _resume_study():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("resume_study", "scripts/resume_study.py")
+    study = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(study)
+    return study
+
+
+def test_a_summary_row_weighs_as_the_rows_it_stands_for_when_they_share_a_key():
+    import torch
+    study = _resume_study()
+    torch.manual_seed(0)
+    hkv, group, dim, kept, new, copies = 2, 3, 8, 5, 4, 6
+    query = torch.randn(1, hkv * group, new, dim)
+    keys, values = torch.randn(hkv, kept + new, dim), torch.randn(hkv, kept + new, dim)
+    dropped_k = torch.randn(hkv, 1, dim).expand(-1, copies, -1)         # one key, `copies` rows
+    dropped_v = torch.randn(hkv, copies, dim)
+    visible = torch.cat([torch.ones(new, copies + kept, dtype=torch.bool), torch.ones(new, new).tril().bool()], 1)
+    exact = study_exact_attention(query, torch.cat([dropped_k, keys], 1), torch.cat([dropped_v, values], 1), visible)
+    bias = torch.full((hkv, 1), float(copies)).log()
+    summary = study.summary_attention(query, keys, values, kept, dim ** -0.5, dropped_k[:, :1],
+                                      dropped_v.mean(1, keepdim=True), bias)
+    torch.testing.assert_close(summary, exact)
+    unweighted = study.summary_attention(query, keys, values, kept, dim ** -0.5, dropped_k[:, :1],
+                                         dropped_v.mean(1, keepdim=True), torch.zeros(hkv, 1))
+    assert not torch.allclose(unweighted, exact)
+    empty = study.summary_attention(query, keys, values, kept, dim ** -0.5, dropped_k[:, :1],
+                                    dropped_v.mean(1, keepdim=True), torch.full((hkv, 1), float("-inf")))
+    torch.testing.assert_close(empty, study_exact_attention(query, keys, values, visible[:, copies:]))
+
+
+def study_exact_attention(query, keys, values, visible):
+    from snapcompile.reference.oracle import _attend
+    return _attend(query, keys[None], values[None], query.shape[-1] ** -0.5, visible)
+
+
+def test_all_rows_resume_attends_like_a_dense_prefill_of_the_whole_conversation(tiny_llama):
+    import torch
+
+    from snapcompile.config import PolicyConfig
+    from snapcompile.reference.oracle import ReferenceSequence
+    study = _resume_study()
+    prompt, more = [5 + i % 200 for i in range(200)], [7 + i % 50 for i in range(40)]
+    policy = PolicyConfig(budget=96, kernel=7)
+    dense = ReferenceSequence(tiny_llama.model, PolicyConfig(policy="dense"), 260).feed(prompt + more)
+    for variant, equal in (("all-rows", True), ("resume", False), ("summary", False)):
+        sequence = study.study_sequence_type(variant, 16)(tiny_llama.model, policy, policy.budget)
+        sequence.feed(prompt)
+        resumed = sequence.resume(prompt + more, len(prompt))
+        assert torch.allclose(resumed, dense, atol=1e-4) == equal, variant
+        assert len(sequence.caches[0].row_positions[0]) == policy.budget
+
+
+def test_resume_study_refuses_unknown_variants():
+    import subprocess
+    import sys
+    bad = subprocess.run([sys.executable, "scripts/resume_study.py", "--variants", "dense,colour"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "colour" in bad.stderr and "Traceback" not in bad.stderr

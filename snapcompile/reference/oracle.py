@@ -112,15 +112,21 @@ class _LayerCache:
         over the kept rows and causally over themselves; the rows are then kept as a prompt."""
         kept_k, kept_v, kept_pos, first = self.resume_rows
         self.resume_rows = None
-        n0, new = kept_k.shape[1], key.shape[2]
+        new = key.shape[2]
         keys, values = torch.cat([kept_k, key[0]], dim=1), torch.cat([kept_v, value[0]], dim=1)
-        visible = torch.cat([torch.ones(new, n0, dtype=torch.bool), torch.ones(new, new).tril().bool()], dim=1)
-        out = _attend(query, keys[None], values[None], scale, visible)
+        out = self.attend_resumed(query, keys, values, kept_k.shape[1], scale)
         new_pos = torch.arange(first, first + new).expand(kept_pos.shape[0], -1)
         positions = torch.cat([kept_pos, new_pos], dim=1)
         self.load(query[0, :, -self.policy.window:], keys, values, scale, positions)
         self.generated = 0
         return out
+
+    def attend_resumed(self, query, keys, values, kept: int, scale):
+        """query [1, H, C, D] of a resumed turn's new tokens over keys/values [Hkv, kept + C, D]
+        (the kept rows, then the new tokens): every kept row, and the new tokens causally."""
+        new = keys.shape[1] - kept
+        visible = torch.cat([torch.ones(new, kept, dtype=torch.bool), torch.ones(new, new).tril().bool()], dim=1)
+        return _attend(query, keys[None], values[None], scale, visible)
 
     def decode(self, query, key, value, scale):
         """query [1, H, 1, D], key/value [1, Hkv, 1, D]: write into the ring, then attend."""
@@ -176,12 +182,14 @@ class ReferenceSequence:
     policies can start from this prefill (`from_prefill`).
     """
 
+    cache_type = _LayerCache     # a study may subclass it (scripts/resume_study.py)
+
     def __init__(self, model, policy: PolicyConfig, rows_per_slot: int,
                  forced_selection: list[torch.Tensor] | None = None, record_window: int = 0):
         _register()
         self.model = model
         layers = model.model.layers
-        self.caches = [_LayerCache(policy, rows_per_slot, forced_selection[i] if forced_selection else None,
+        self.caches = [self.cache_type(policy, rows_per_slot, forced_selection[i] if forced_selection else None,
                                    record_window) for i in range(len(layers))]
         self.position = 0
 

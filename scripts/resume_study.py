@@ -1,0 +1,241 @@
+#!/usr/bin/env python3
+"""What a resumed turn's new tokens attend over: eval-turns' conversations in the PyTorch oracle.
+
+A study, not a policy the engine runs. Each conversation of `snapcompile eval-turns` (a document
+with five facts in turn 1, turns 2..5 asking about the others) is run greedily in the oracle
+(no artifacts built) under these variants:
+
+  dense     every turn prefilled whole, dense attention: the reference
+  resume    each turn resumed from the B kept rows and re-selected (the engine's policy)
+  all-rows  the new tokens attend over every row the conversation ever had (kept or dropped);
+            the re-selection and every decode step still see only the B kept rows and the new
+            tokens, as in resume: what the new question lacks when resumed, measured alone
+  summary   the rows each selection drops are summed per KV head and position segment
+            (--segment positions): one row of mean key and mean value whose logit gets
+            log(rows summed), so that it weighs as the rows it stands for when they have one key;
+            visible to a resumed turn's new tokens only. Counted within B: the prompt share P is
+            lowered by the most segments the final conversation can have.
+
+    python scripts/resume_study.py --samples 8 --kernel 31 --variants dense,resume,all-rows,summary \\
+        --json resume-study.json
+
+Correct: the asked number appears in the answer. Printed per variant: turns 2..5 answered, and of
+the turns dense answered those this variant answered too.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+
+VARIANTS = ("dense", "resume", "all-rows", "summary")
+
+
+def study_sequence_type(variant: str, segment: int):
+    """The ReferenceSequence subclass of a variant (the oracle's own for dense and resume)."""
+    import torch
+
+    from snapcompile.reference import oracle
+
+    class AllRowsCache(oracle._LayerCache):
+        """Keeps every row computed ([Hkv, positions, D], in position order) for resumed tokens."""
+
+        def prefill(self, query, key, value, scale):
+            self.all_keys, self.all_values = key[0].clone(), value[0].clone()
+            return super().prefill(query, key, value, scale)
+
+        def decode(self, query, key, value, scale):
+            self.all_keys = torch.cat([self.all_keys, key[0]], dim=1)
+            self.all_values = torch.cat([self.all_values, value[0]], dim=1)
+            return super().decode(query, key, value, scale)
+
+        def attend_resumed(self, query, keys, values, kept, scale):
+            first = self.resume_at            # every position before the new tokens, one row each
+            self.all_keys = torch.cat([self.all_keys[:, :first], keys[:, kept:]], dim=1)
+            self.all_values = torch.cat([self.all_values[:, :first], values[:, kept:]], dim=1)
+            return super().attend_resumed(query, self.all_keys, self.all_values, first, scale)
+
+        def start_resume(self, resume_at):
+            super().start_resume(resume_at)
+            self.resume_at = resume_at
+
+    class SummaryCache(oracle._LayerCache):
+        """Sums of the dropped rows' keys and values and their counts, [Hkv, segments(, D)]."""
+
+        sums_k = sums_v = counts = None
+
+        def load(self, window_query, key, value, scale, positions=None):
+            super().load(window_query, key, value, scale, positions)
+            hkv, rows, dim = key.shape
+            positions = torch.arange(rows).expand(hkv, -1) if positions is None else positions
+            kept = self.row_positions[:, : self.layout.kept]
+            dropped = torch.stack([~torch.isin(positions[h], kept[h]) for h in range(hkv)])       # [Hkv, rows]
+            self._add(positions // segment, dropped, key, value)
+
+        def _add(self, segments, dropped, key, value):
+            hkv, _, dim = key.shape
+            size = int(segments.max()) + 1
+            if self.counts is None or self.counts.shape[1] < size:
+                grown = [torch.zeros(hkv, size, dim), torch.zeros(hkv, size, dim), torch.zeros(hkv, size)]
+                if self.counts is not None:
+                    old = self.counts.shape[1]
+                    for new, previous in zip(grown, (self.sums_k, self.sums_v, self.counts)):
+                        new[:, :old] = previous
+                self.sums_k, self.sums_v, self.counts = grown
+            weight = dropped.float()
+            self.sums_k.scatter_add_(1, segments[..., None].expand(-1, -1, dim), key * weight[..., None])
+            self.sums_v.scatter_add_(1, segments[..., None].expand(-1, -1, dim), value * weight[..., None])
+            self.counts.scatter_add_(1, segments, weight)
+
+        def attend_resumed(self, query, keys, values, kept, scale):
+            if self.counts is None:
+                return super().attend_resumed(query, keys, values, kept, scale)
+            return summary_attention(query, keys, values, kept, scale, *self.summaries())
+
+        def summaries(self):
+            """[Hkv, S, D] mean keys and values of the dropped rows per segment, [Hkv, S] log counts."""
+            n = self.counts.clamp(min=1)[..., None]
+            bias = torch.where(self.counts > 0, self.counts.clamp(min=1).log(), torch.tensor(float("-inf")))
+            return self.sums_k / n, self.sums_v / n, bias
+
+    cache_type = {"all-rows": AllRowsCache, "summary": SummaryCache}.get(variant, oracle._LayerCache)
+    return type(f"{variant}Sequence", (oracle.ReferenceSequence,), {"cache_type": cache_type})
+
+
+def summary_attention(query, keys, values, kept: int, scale: float, summary_k, summary_v, bias):
+    """Attention of new tokens (query [1, H, C, D]) over summary rows (summary_k / summary_v
+    [Hkv, S, D], logit bias [Hkv, S]; -inf: empty), then keys/values [Hkv, kept + C, D] (the kept
+    rows, visible to all, and the new tokens, causally). Returns [1, H, C, D]."""
+    import torch
+    heads, new = query.shape[1], keys.shape[1] - kept
+    group = heads // keys.shape[0]
+    all_k = torch.cat([summary_k, keys], dim=1).repeat_interleave(group, dim=0)
+    all_v = torch.cat([summary_v, values], dim=1).repeat_interleave(group, dim=0)
+    row_bias = torch.cat([bias, torch.zeros(keys.shape[0], keys.shape[1])], dim=1).repeat_interleave(group, dim=0)
+    logits = torch.matmul(query[0], all_k.transpose(1, 2)) * scale + row_bias[:, None, :]     # [H, C, S+kept+C]
+    causal = torch.ones(new, new).tril().bool()
+    visible = torch.cat([torch.ones(new, summary_k.shape[1] + kept, dtype=torch.bool), causal], dim=1)
+    logits = logits.masked_fill(~visible, float("-inf"))
+    return torch.matmul(torch.softmax(logits, dim=-1), all_v)[None]
+
+
+def greedy(sequence, logits, eos: set[int], limit: int) -> list[int]:
+    tokens = [int(logits.argmax())]
+    while tokens[-1] not in eos and len(tokens) < limit:
+        tokens.append(int(sequence.feed([tokens[-1]]).argmax()))
+    return tokens
+
+
+def converse(loaded, case, variant: str, policy, rows: int, segment: int, answer_tokens: int) -> list[dict]:
+    """Greedy answers of every turn of `case` under `variant`."""
+    from snapcompile.config import PolicyConfig
+    from snapcompile.evaluation.turns import FACTS, first_turn, next_turn_tokens
+    from snapcompile.export.dense import eos_ids
+    from snapcompile.reference.oracle import ReferenceSequence
+    tokenizer, chat, eos = loaded.tokenizer, loaded.chat, set(eos_ids(loaded.tokenizer))
+    ids, turns = first_turn(tokenizer, case, chat), []
+    sequence_type = study_sequence_type(variant, segment)
+    sequence, fed = None, 0
+    for turn in range(FACTS):
+        if variant == "dense":
+            sequence = ReferenceSequence(loaded.model, PolicyConfig(policy="dense"), len(ids) + answer_tokens + 1)
+            logits = sequence.feed(ids)
+        elif sequence is None:
+            sequence = sequence_type(loaded.model, policy, rows)
+            logits = sequence.feed(ids)
+        else:
+            logits = sequence.resume(ids, min(fed, len(ids) - policy.selection_window))
+        tokens = greedy(sequence, logits, eos, answer_tokens)
+        text = tokenizer.decode(tokens, skip_special_tokens=True)
+        turns.append({"turn": turn + 1, "text": text, "correct": case.answer(turn) in text})
+        fed = len(ids) + len(tokens) - 1                 # the last sampled token is never fed
+        if turn + 1 < FACTS:
+            ids = ids + tokens + next_turn_tokens(tokenizer, case.question(turn + 1), chat, tokens[-1] in eos)
+    return turns
+
+
+def policy_of(config, variant: str, segment: int):
+    """The variant's policy at the suite's length: summary rows come out of the prompt share."""
+    from snapcompile.config import PolicyConfig
+    from snapcompile.evaluation.config import policy_for
+    policy = config.policy_at(config.lengths[0])
+    if variant == "dense":
+        return PolicyConfig(policy="dense")
+    if variant != "summary":
+        return policy
+    segments = math.ceil(config.final_length(config.lengths[0]) / segment)
+    return policy_for(config.policy, policy.budget, config.scope, config.kernel,
+                      policy.resolved_prompt_share - segments)
+
+
+def summarize(records: list[dict], variants: list[str]) -> dict:
+    dense = {(r["case"], t["turn"]): t["correct"] for r in records if r["variant"] == "dense" for t in r["turns"]}
+    summary = {}
+    for variant in variants:
+        later = [(r["case"], t["turn"], t["correct"]) for r in records if r["variant"] == variant
+                 for t in r["turns"] if t["turn"] > 1]
+        paired = [c for case, turn, c in later if dense.get((case, turn))]
+        summary[variant] = {"later_correct": sum(c for *_, c in later), "later_turns": len(later),
+                            "kept_of_dense_correct": sum(paired) if dense else None,
+                            "dense_correct": len(paired) if dense else None}
+    return summary
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--length", type=int, default=3000, help="turn 1's tokens")
+    parser.add_argument("--samples", type=int, default=8)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--ratio", type=int, default=4, help="B = the final conversation's length // ratio")
+    parser.add_argument("--kernel", type=int, default=31)
+    parser.add_argument("--answer-tokens", type=int, default=24)
+    parser.add_argument("--segment", type=int, default=128, help="positions per summary row (summary)")
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--json", dest="json_path", help="also write records and summary here")
+    args = parser.parse_args()
+    variants = [v for v in args.variants.split(",") if v]
+    unknown = sorted(set(variants) - set(VARIANTS))
+    if unknown or not variants:
+        parser.error(f"--variants must be among {', '.join(VARIANTS)}; got {', '.join(unknown) or 'none'}")
+    if args.segment < 1:
+        parser.error("--segment must be >= 1")
+
+    import torch
+
+    from snapcompile.errors import SnapcompileError
+    from snapcompile.evaluation.turns import FACTS, TurnsConfig, check_config, make_case
+    from snapcompile.models import load_model
+    torch.manual_seed(0)
+    config = TurnsConfig(args.model, lengths=(args.length,), samples=args.samples, seed=args.seed, ratio=args.ratio,
+                         kernel=args.kernel, answer_tokens=args.answer_tokens)
+    try:
+        check_config(config)
+        policies = {v: policy_of(config, v, args.segment) for v in variants}
+        loaded = load_model(args.model)
+        cases = [make_case(loaded.tokenizer, args.length, s, args.seed, loaded.chat) for s in range(args.samples)]
+    except SnapcompileError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    records = []
+    for sample, case in enumerate(cases):
+        for variant in variants:
+            policy = policies[variant]
+            turns = converse(loaded, case, variant, policy, policy.budget, args.segment, args.answer_tokens)
+            records.append({"variant": variant, "case": case.key, "turns": turns})
+            marks = "".join("+" if t["correct"] else "." for t in turns)
+            print(f"[{sample + 1}/{args.samples}] {case.key} {variant:>8} {marks}", file=sys.stderr, flush=True)
+    summary = summarize(records, variants)
+    for variant, s in summary.items():
+        paired = f", of dense's right answers {s['kept_of_dense_correct']}/{s['dense_correct']}" \
+            if s["dense_correct"] is not None else ""
+        print(f"{variant:>8}  turns 2-{FACTS}: {s['later_correct']}/{s['later_turns']}{paired}")
+    if args.json_path:
+        from snapcompile.artifact.atomic import write_json_atomic
+        write_json_atomic(args.json_path, {"args": vars(args), "policies": {v: str(p) for v, p in policies.items()},
+                                           "summary": summary, "records": records})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
