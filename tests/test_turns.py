@@ -126,6 +126,11 @@ def _resume_study():
     return study
 
 
+def _exact_attention(query, keys, values, visible):
+    from snapcompile.reference.oracle import _attend
+    return _attend(query, keys[None], values[None], query.shape[-1] ** -0.5, visible)
+
+
 def test_a_summary_row_weighs_as_the_rows_it_stands_for_when_they_share_a_key():
     import torch
     study = _resume_study()
@@ -136,7 +141,7 @@ def test_a_summary_row_weighs_as_the_rows_it_stands_for_when_they_share_a_key():
     dropped_k = torch.randn(hkv, 1, dim).expand(-1, copies, -1)         # one key, `copies` rows
     dropped_v = torch.randn(hkv, copies, dim)
     visible = torch.cat([torch.ones(new, copies + kept, dtype=torch.bool), torch.ones(new, new).tril().bool()], 1)
-    exact = study_exact_attention(query, torch.cat([dropped_k, keys], 1), torch.cat([dropped_v, values], 1), visible)
+    exact = _exact_attention(query, torch.cat([dropped_k, keys], 1), torch.cat([dropped_v, values], 1), visible)
     bias = torch.full((hkv, 1), float(copies)).log()
     summary = study.summary_attention(query, keys, values, kept, dim ** -0.5, dropped_k[:, :1],
                                       dropped_v.mean(1, keepdim=True), bias)
@@ -146,12 +151,7 @@ def test_a_summary_row_weighs_as_the_rows_it_stands_for_when_they_share_a_key():
     assert not torch.allclose(unweighted, exact)
     empty = study.summary_attention(query, keys, values, kept, dim ** -0.5, dropped_k[:, :1],
                                     dropped_v.mean(1, keepdim=True), torch.full((hkv, 1), float("-inf")))
-    torch.testing.assert_close(empty, study_exact_attention(query, keys, values, visible[:, copies:]))
-
-
-def study_exact_attention(query, keys, values, visible):
-    from snapcompile.reference.oracle import _attend
-    return _attend(query, keys[None], values[None], query.shape[-1] ** -0.5, visible)
+    torch.testing.assert_close(empty, _exact_attention(query, keys, values, visible[:, copies:]))
 
 
 def test_all_rows_resume_attends_like_a_dense_prefill_of_the_whole_conversation(tiny_llama):
@@ -169,6 +169,8 @@ def test_all_rows_resume_attends_like_a_dense_prefill_of_the_whole_conversation(
         resumed = sequence.resume(prompt + more, len(prompt))
         assert torch.allclose(resumed, dense, atol=1e-4) == equal, variant
         assert len(sequence.caches[0].row_positions[0]) == policy.budget
+    for cache in sequence.caches:       # summary: every position is kept or summed once
+        assert cache.counts.sum(dim=1).tolist() == [len(prompt + more) - cache.layout.kept] * cache.counts.shape[0]
 
 
 def test_resume_study_refuses_unknown_variants():
