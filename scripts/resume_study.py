@@ -15,12 +15,15 @@ with five facts in turn 1, turns 2..5 asking about the others) is run greedily i
             log(rows summed), so that it weighs as the rows it stands for when they have one key;
             visible to a resumed turn's new tokens only. Counted within B: the prompt share P is
             lowered by the most segments the final conversation can have.
+  summary-decode  summary, with every decode step attending over the summaries too (turn 1's
+            answers included)
 
     python scripts/resume_study.py --samples 8 --kernel 31 --variants dense,resume,all-rows,summary \\
         --json resume-study.json
 
 Correct: the asked number appears in the answer. Printed per variant: turns 2..5 answered, and of
-the turns dense answered those this variant answered too.
+the turns dense answered those this variant answered too. `--reference` takes dense's answers from
+an earlier run's JSON on the same conversations instead of running dense again.
 """
 from __future__ import annotations
 
@@ -28,7 +31,8 @@ import argparse
 import math
 import sys
 
-VARIANTS = ("dense", "resume", "all-rows", "summary")
+VARIANTS = ("dense", "resume", "all-rows", "summary", "summary-decode")
+SAME_CONVERSATIONS = ("model", "length", "samples", "seed", "answer_tokens")
 
 
 def study_sequence_type(variant: str, segment: int):
@@ -92,13 +96,28 @@ def study_sequence_type(variant: str, segment: int):
                 return super().attend_resumed(query, keys, values, kept, scale)
             return summary_attention(query, keys, values, kept, scale, *self.summaries())
 
+        def decode(self, query, key, value, scale):
+            if variant != "summary-decode" or self.counts is None:
+                return super().decode(query, key, value, scale)
+            step = self.layout.step(self.generated)
+            self.generated += 1
+            rows = [r for r in range(step.cache_len) if r != step.write_index]
+            keys = torch.cat([self.keys[:, rows], key[0]], dim=1)
+            values = torch.cat([self.values[:, rows], value[0]], dim=1)
+            out = summary_attention(query, keys, values, len(rows), scale, *self.summaries())
+            self.keys[:, step.write_index] = key[0, :, 0]
+            self.values[:, step.write_index] = value[0, :, 0]
+            self.row_positions[:, step.write_index] = step.position
+            return out
+
         def summaries(self):
             """[Hkv, S, D] mean keys and values of the dropped rows per segment, [Hkv, S] log counts."""
             n = self.counts.clamp(min=1)[..., None]
             bias = torch.where(self.counts > 0, self.counts.clamp(min=1).log(), torch.tensor(float("-inf")))
             return self.sums_k / n, self.sums_v / n, bias
 
-    cache_type = {"all-rows": AllRowsCache, "summary": SummaryCache}.get(variant, oracle._LayerCache)
+    cache_type = {"all-rows": AllRowsCache, "summary": SummaryCache, "summary-decode": SummaryCache}.get(
+        variant, oracle._LayerCache)
     return type(f"{variant}Sequence", (oracle.ReferenceSequence,), {"cache_type": cache_type})
 
 
@@ -161,11 +180,30 @@ def policy_of(config, variant: str, segment: int):
     policy = config.policy_at(config.lengths[0])
     if variant == "dense":
         return PolicyConfig(policy="dense")
-    if variant != "summary":
+    if not variant.startswith("summary"):
         return policy
     segments = math.ceil(config.final_length(config.lengths[0]) / segment)
     return policy_for(config.policy, policy.budget, config.scope, config.kernel,
                       policy.resolved_prompt_share - segments)
+
+
+def reference_records(path: str, args) -> list[dict]:
+    """Dense's records of an earlier run of this script on the same conversations; ValueError
+    naming the file when it is not one."""
+    import json
+    from pathlib import Path
+    try:
+        earlier = json.loads(Path(path).read_text(encoding="utf-8"))
+        stored, records = earlier["args"], earlier["records"]
+        differ = [k for k in SAME_CONVERSATIONS if stored.get(k) != getattr(args, k)]
+        dense = [r for r in records if r["variant"] == "dense"]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+        raise ValueError(f"--reference {path}: not a JSON of this script ({err})") from None
+    if differ:
+        raise ValueError(f"--reference {path} ran other conversations ({', '.join(differ)} differ)")
+    if not dense:
+        raise ValueError(f"--reference {path} holds no dense records")
+    return dense
 
 
 def summarize(records: list[dict], variants: list[str]) -> dict:
@@ -192,6 +230,7 @@ def main() -> int:
     parser.add_argument("--answer-tokens", type=int, default=24)
     parser.add_argument("--segment", type=int, default=128, help="positions per summary row (summary)")
     parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--reference", help="dense's records from an earlier run's JSON (same conversations)")
     parser.add_argument("--json", dest="json_path", help="also write records and summary here")
     args = parser.parse_args()
     variants = [v for v in args.variants.split(",") if v]
@@ -200,6 +239,10 @@ def main() -> int:
         parser.error(f"--variants must be among {', '.join(VARIANTS)}; got {', '.join(unknown) or 'none'}")
     if args.segment < 1:
         parser.error("--segment must be >= 1")
+    try:
+        records = reference_records(args.reference, args) if args.reference and "dense" not in variants else []
+    except ValueError as err:
+        parser.error(str(err))
 
     import torch
 
@@ -217,7 +260,6 @@ def main() -> int:
     except SnapcompileError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    records = []
     for sample, case in enumerate(cases):
         for variant in variants:
             policy = policies[variant]
@@ -225,7 +267,7 @@ def main() -> int:
             records.append({"variant": variant, "case": case.key, "turns": turns})
             marks = "".join("+" if t["correct"] else "." for t in turns)
             print(f"[{sample + 1}/{args.samples}] {case.key} {variant:>8} {marks}", file=sys.stderr, flush=True)
-    summary = summarize(records, variants)
+    summary = summarize(records, ["dense"] * bool(records and "dense" not in variants) + variants)
     for variant, s in summary.items():
         paired = f", of dense's right answers {s['kept_of_dense_correct']}/{s['dense_correct']}" \
             if s["dense_correct"] is not None else ""

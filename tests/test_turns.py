@@ -179,3 +179,38 @@ def test_resume_study_refuses_unknown_variants():
     bad = subprocess.run([sys.executable, "scripts/resume_study.py", "--variants", "dense,colour"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "colour" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_resume_study_takes_dense_only_from_a_run_of_the_same_conversations(tmp_path):
+    import subprocess
+    import sys
+    common = [sys.executable, "scripts/resume_study.py", "--model", "tiny-llama", "--length", "700", "--kernel", "7"]
+    dense = tmp_path / "dense.json"
+    done = subprocess.run([*common, "--samples", "1", "--variants", "dense", "--json", str(dense)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    again = subprocess.run([*common, "--samples", "1", "--variants", "summary-decode", "--reference", str(dense),
+                            "--json", str(tmp_path / "s.json")], capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr
+    payload = json.loads((tmp_path / "s.json").read_text())
+    assert {r["variant"] for r in payload["records"]} == {"dense", "summary-decode"}
+    assert payload["summary"]["dense"] == json.loads(dense.read_text())["summary"]["dense"]
+    other = subprocess.run([*common, "--samples", "2", "--variants", "summary", "--reference", str(dense)],
+                           capture_output=True, text=True, timeout=300)
+    assert other.returncode == 2 and "samples differ" in other.stderr and "Traceback" not in other.stderr
+
+
+def test_summary_decode_without_dropped_rows_decodes_as_the_oracle(tiny_llama):
+    import torch
+
+    from snapcompile.config import PolicyConfig
+    study = _resume_study()
+    prompt, policy = [5 + i % 200 for i in range(120)], PolicyConfig(budget=160, kernel=7, prompt_share=124)
+    plain, summed = (study.study_sequence_type(v, 16)(tiny_llama.model, policy, policy.budget)
+                     for v in ("resume", "summary-decode"))
+    logits = [plain.feed(prompt), summed.feed(prompt)]
+    assert summed.caches[0].counts.sum() == 0, "the prompt fits: nothing dropped, every summary empty"
+    for _ in range(6):
+        token = int(logits[0].argmax())
+        logits = [plain.feed([token]), summed.feed([token])]
+        torch.testing.assert_close(logits[1], logits[0], atol=1e-4, rtol=1e-4)
