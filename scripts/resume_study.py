@@ -126,16 +126,13 @@ def summary_attention(query, keys, values, kept: int, scale: float, summary_k, s
     [Hkv, S, D], logit bias [Hkv, S]; -inf: empty), then keys/values [Hkv, kept + C, D] (the kept
     rows, visible to all, and the new tokens, causally). Returns [1, H, C, D]."""
     import torch
-    heads, new = query.shape[1], keys.shape[1] - kept
-    group = heads // keys.shape[0]
-    all_k = torch.cat([summary_k, keys], dim=1).repeat_interleave(group, dim=0)
-    all_v = torch.cat([summary_v, values], dim=1).repeat_interleave(group, dim=0)
-    row_bias = torch.cat([bias, torch.zeros(keys.shape[0], keys.shape[1])], dim=1).repeat_interleave(group, dim=0)
-    logits = torch.matmul(query[0], all_k.transpose(1, 2)) * scale + row_bias[:, None, :]     # [H, C, S+kept+C]
-    causal = torch.ones(new, new).tril().bool()
-    visible = torch.cat([torch.ones(new, summary_k.shape[1] + kept, dtype=torch.bool), causal], dim=1)
-    logits = logits.masked_fill(~visible, float("-inf"))
-    return torch.matmul(torch.softmax(logits, dim=-1), all_v)[None]
+
+    from snapcompile.reference.oracle import _attend
+    new, seen = keys.shape[1] - kept, summary_k.shape[1] + kept
+    visible = torch.cat([torch.ones(new, seen, dtype=torch.bool), torch.ones(new, new).tril().bool()], dim=1)
+    row_bias = torch.cat([bias, torch.zeros(keys.shape[0], keys.shape[1])], dim=1)
+    return _attend(query, torch.cat([summary_k, keys], dim=1)[None], torch.cat([summary_v, values], dim=1)[None],
+                   scale, visible, row_bias)
 
 
 def greedy(sequence, logits, eos: set[int], limit: int) -> list[int]:

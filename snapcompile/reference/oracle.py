@@ -142,12 +142,15 @@ class _LayerCache:
         return out.reshape(1, heads, 1, dim)
 
 
-def _attend(query, key, value, scale, visible):
-    """GQA attention: query [1, H, Q, D], key/value [1, Hkv, K, D], visible [Q, K] bool."""
+def _attend(query, key, value, scale, visible, bias=None):
+    """GQA attention: query [1, H, Q, D], key/value [1, Hkv, K, D], visible [Q, K] bool;
+    bias: optional [Hkv, K] added to each key's logits."""
     group = query.shape[1] // key.shape[1]
     key = key.repeat_interleave(group, dim=1)
     value = value.repeat_interleave(group, dim=1)
     scores = torch.matmul(query, key.transpose(-1, -2)) * scale
+    if bias is not None:
+        scores = scores + bias.repeat_interleave(group, dim=0)[None, :, None, :]
     scores = scores.masked_fill(~visible, float("-inf"))
     return torch.matmul(torch.softmax(scores, dim=-1), value)
 
