@@ -96,19 +96,13 @@ def study_sequence_type(variant: str, segment: int):
                 return super().attend_resumed(query, keys, values, kept, scale)
             return summary_attention(query, keys, values, kept, scale, *self.summaries())
 
-        def decode(self, query, key, value, scale):
+        def attend_decoded(self, query, key, value, step, scale):
             if variant != "summary-decode" or self.counts is None:
-                return super().decode(query, key, value, scale)
-            step = self.layout.step(self.generated)
-            self.generated += 1
+                return super().attend_decoded(query, key, value, step, scale)
             rows = [r for r in range(step.cache_len) if r != step.write_index]
             keys = torch.cat([self.keys[:, rows], key[0]], dim=1)
             values = torch.cat([self.values[:, rows], value[0]], dim=1)
-            out = summary_attention(query, keys, values, len(rows), scale, *self.summaries())
-            self.keys[:, step.write_index] = key[0, :, 0]
-            self.values[:, step.write_index] = value[0, :, 0]
-            self.row_positions[:, step.write_index] = step.position
-            return out
+            return summary_attention(query, keys, values, len(rows), scale, *self.summaries())
 
         def summaries(self):
             """[Hkv, S, D] mean keys and values of the dropped rows per segment, [Hkv, S] log counts."""

@@ -129,16 +129,22 @@ class _LayerCache:
         return _attend(query, keys[None], values[None], scale, visible)
 
     def decode(self, query, key, value, scale):
-        """query [1, H, 1, D], key/value [1, Hkv, 1, D]: write into the ring, then attend."""
+        """query [1, H, 1, D], key/value [1, Hkv, 1, D]: attend, then write into the ring."""
         step = self.layout.step(self.generated)
         self.generated += 1
+        out = self.attend_decoded(query, key, value, step, scale)
+        self.keys[:, step.write_index] = key[0, :, 0]
+        self.values[:, step.write_index] = value[0, :, 0]
+        self.row_positions[:, step.write_index] = step.position
+        return out
+
+    def attend_decoded(self, query, key, value, step, scale):
+        """One decode step's attention [1, H, 1, D]: the cache rows `step` (a layout step) leaves
+        visible, and the new token itself; the cache is not written yet."""
         heads, kv_heads, dim = query.shape[1], key.shape[1], query.shape[3]
         out = ring_decode_attention(
             query.reshape(1, kv_heads, heads // kv_heads, dim), key, value, self.keys[None], self.values[None],
             torch.tensor([step.write_index]), torch.tensor([step.cache_len]), scale)
-        self.keys[:, step.write_index] = key[0, :, 0]
-        self.values[:, step.write_index] = value[0, :, 0]
-        self.row_positions[:, step.write_index] = step.position
         return out.reshape(1, heads, 1, dim)
 
 
