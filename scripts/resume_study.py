@@ -106,9 +106,9 @@ def study_sequence_type(variant: str, segment: int):
 
         def summaries(self):
             """[Hkv, S, D] mean keys and values of the dropped rows per segment, [Hkv, S] log counts."""
-            n = self.counts.clamp(min=1)[..., None]
-            bias = torch.where(self.counts > 0, self.counts.clamp(min=1).log(), torch.tensor(float("-inf")))
-            return self.sums_k / n, self.sums_v / n, bias
+            n = self.counts.clamp(min=1)
+            bias = torch.where(self.counts > 0, n.log(), torch.tensor(float("-inf")))
+            return self.sums_k / n[..., None], self.sums_v / n[..., None], bias
 
     cache_type = {"all-rows": AllRowsCache, "summary": SummaryCache, "summary-decode": SummaryCache}.get(
         variant, oracle._LayerCache)
@@ -136,7 +136,7 @@ def greedy(sequence, logits, eos: set[int], limit: int) -> list[int]:
     return tokens
 
 
-def converse(loaded, case, variant: str, policy, rows: int, segment: int, answer_tokens: int) -> list[dict]:
+def converse(loaded, case, variant: str, policy, segment: int, answer_tokens: int) -> list[dict]:
     """Greedy answers of every turn of `case` under `variant`."""
     from snapcompile.config import PolicyConfig
     from snapcompile.evaluation.turns import FACTS, first_turn, next_turn_tokens
@@ -151,7 +151,7 @@ def converse(loaded, case, variant: str, policy, rows: int, segment: int, answer
             sequence = ReferenceSequence(loaded.model, PolicyConfig(policy="dense"), len(ids) + answer_tokens + 1)
             logits = sequence.feed(ids)
         elif sequence is None:
-            sequence = sequence_type(loaded.model, policy, rows)
+            sequence = sequence_type(loaded.model, policy, policy.budget)
             logits = sequence.feed(ids)
         else:
             logits = sequence.resume(ids, min(fed, len(ids) - policy.selection_window))
@@ -253,8 +253,7 @@ def main() -> int:
         return 2
     for sample, case in enumerate(cases):
         for variant in variants:
-            policy = policies[variant]
-            turns = converse(loaded, case, variant, policy, policy.budget, args.segment, args.answer_tokens)
+            turns = converse(loaded, case, variant, policies[variant], args.segment, args.answer_tokens)
             records.append({"variant": variant, "case": case.key, "turns": turns})
             marks = "".join("+" if t["correct"] else "." for t in turns)
             print(f"[{sample + 1}/{args.samples}] {case.key} {variant:>8} {marks}", file=sys.stderr, flush=True)
