@@ -15,6 +15,7 @@ from snapcompile.artifact.onnx_io import load_graph, save_graphs
 from snapcompile.config import LOWERINGS, PolicyConfig
 from snapcompile.errors import SnapcompileError
 from snapcompile.graphs.select import SelectionWriter, plugin_select_graph
+from snapcompile.passes.cache_bias import add_cache_bias
 from snapcompile.passes.compress_decode import compress_decode
 from snapcompile.passes.match import MatchFailure
 from snapcompile.passes.snapkv_prefill import add_window_queries
@@ -55,6 +56,8 @@ def compress_graphs(graphs: dict[str, onnx.ModelProto], manifest: Manifest,
     out = dict(graphs)
     try:
         _compress_decode(out, manifest, policy, lowering)
+        if policy.summaries:
+            _add_cache_bias(out, manifest)
         if policy.policy == "snapstream":
             _add_selection(out, manifest, policy, lowering)
     except MatchFailure as failure:
@@ -68,12 +71,19 @@ def _compress_decode(graphs: dict[str, onnx.ModelProto], manifest: Manifest, pol
     """Every decode graph (one per slot bucket) gets the ring cache, and the plugin nodes."""
     layers = manifest.spec.num_layers
     for name in filter(is_decode_graph, list(graphs)):
-        graphs[name], report = compress_decode(graphs[name], layers, policy.budget, name)
+        graphs[name], report = compress_decode(graphs[name], layers, policy.slot_rows, name)
         manifest.passes.append(report)
         if lowering == "plugin":
             from snapcompile.passes.lower_plugin import lower_decode
             graphs[name], report = lower_decode(graphs[name], layers, name)
             manifest.passes.append(report)
+
+
+def _add_cache_bias(graphs: dict[str, onnx.ModelProto], manifest: Manifest) -> None:
+    """Every prefill graph takes the summary rows' logit bias (standard ops in both lowerings)."""
+    for name in filter(is_prefill_graph, list(graphs)):
+        graphs[name], report = add_cache_bias(graphs[name], manifest.spec, name)
+        manifest.passes.append(report)
 
 
 def _add_selection(graphs: dict[str, onnx.ModelProto], manifest: Manifest, policy: PolicyConfig,

@@ -10,13 +10,16 @@ with five facts in turn 1, turns 2..5 asking about the others) is run greedily i
   all-rows  the new tokens attend over every row the conversation ever had (kept or dropped);
             the re-selection and every decode step still see only the B kept rows and the new
             tokens, as in resume: what the new question lacks when resumed, measured alone
-  summary   the rows each selection drops are summed per KV head and position segment
-            (--segment positions): one row of mean key and mean value whose logit gets
-            log(rows summed), so that it weighs as the rows it stands for when they have one key;
+  summary   the oracle's policy with summaries (PolicyConfig.summaries, docs/design.md): the rows
+            each selection drops are summed per KV head and position segment (--segment
+            positions): one row of mean key and mean value whose logit gets log(rows summed),
             visible to a resumed turn's new tokens only. Counted within B: the prompt share P is
             lowered by the most segments the final conversation can have.
   summary-decode  summary, with every decode step attending over the summaries too (turn 1's
             answers included)
+  cluster   summary with the rows grouped by key instead of position: a selection's dropped rows
+            are grouped by k-means on their keys the first time (from the position segments),
+            later ones join the summary of the nearest mean key
 
     python scripts/resume_study.py --samples 8 --kernel 31 --variants dense,resume,all-rows,summary \\
         --json resume-study.json
@@ -31,11 +34,13 @@ import argparse
 import math
 import sys
 
-VARIANTS = ("dense", "resume", "all-rows", "summary", "summary-decode")
-SAME_CONVERSATIONS = ("model", "length", "samples", "seed", "answer_tokens")
+VARIANTS = ("dense", "resume", "all-rows", "summary", "summary-decode", "cluster")
+CLUSTER_ITERATIONS = 8
+SAME_CONVERSATIONS = ("model", "length", "first", "samples", "seed", "answer_tokens")
+EARLIER_DEFAULTS = {"first": 0}       # the value of an argument in a JSON written before it existed
 
 
-def study_sequence_type(variant: str, segment: int):
+def study_sequence_type(variant: str):
     """The ReferenceSequence subclass of a variant (the oracle's own for dense and resume)."""
     import torch
 
@@ -63,70 +68,51 @@ def study_sequence_type(variant: str, segment: int):
             super().start_resume(resume_at)
             self.resume_at = resume_at
 
-    class SummaryCache(oracle._LayerCache):
-        """Sums of the dropped rows' keys and values and their counts, [Hkv, segments(, D)]."""
-
-        sums_k = sums_v = counts = None
-
-        def load(self, window_query, key, value, scale, positions=None):
-            super().load(window_query, key, value, scale, positions)
-            hkv, rows, dim = key.shape
-            positions = torch.arange(rows).expand(hkv, -1) if positions is None else positions
-            kept = self.row_positions[:, : self.layout.kept]
-            dropped = torch.stack([~torch.isin(positions[h], kept[h]) for h in range(hkv)])       # [Hkv, rows]
-            self._add(positions // segment, dropped, key, value)
-
-        def _add(self, segments, dropped, key, value):
-            hkv, _, dim = key.shape
-            size = int(segments.max()) + 1
-            if self.counts is None or self.counts.shape[1] < size:
-                grown = [torch.zeros(hkv, size, dim), torch.zeros(hkv, size, dim), torch.zeros(hkv, size)]
-                if self.counts is not None:
-                    old = self.counts.shape[1]
-                    for new, previous in zip(grown, (self.sums_k, self.sums_v, self.counts)):
-                        new[:, :old] = previous
-                self.sums_k, self.sums_v, self.counts = grown
-            weight = dropped.float()
-            self.sums_k.scatter_add_(1, segments[..., None].expand(-1, -1, dim), key * weight[..., None])
-            self.sums_v.scatter_add_(1, segments[..., None].expand(-1, -1, dim), value * weight[..., None])
-            self.counts.scatter_add_(1, segments, weight)
-
-        def attend_resumed(self, query, keys, values, kept, scale):
-            if self.counts is None:
-                return super().attend_resumed(query, keys, values, kept, scale)
-            return summary_attention(query, keys, values, kept, scale, *self.summaries())
+    class SummaryDecodeCache(oracle._LayerCache):
+        """The oracle's summaries (policy.summaries), seen by every decode step too."""
 
         def attend_decoded(self, query, key, value, step, scale):
-            if variant != "summary-decode" or self.counts is None:
+            summaries = self.summaries()
+            if summaries is None:
                 return super().attend_decoded(query, key, value, step, scale)
             rows = [r for r in range(step.cache_len) if r != step.write_index]
             keys = torch.cat([self.keys[:, rows], key[0]], dim=1)
             values = torch.cat([self.values[:, rows], value[0]], dim=1)
-            return summary_attention(query, keys, values, len(rows), scale, *self.summaries())
+            return oracle.summary_attention(query, keys, values, len(rows), scale, *summaries)
 
-        def summaries(self):
-            """[Hkv, S, D] mean keys and values of the dropped rows per segment, [Hkv, S] log counts."""
-            n = self.counts.clamp(min=1)
-            bias = torch.where(self.counts > 0, n.log(), torch.tensor(float("-inf")))
-            return self.sums_k / n[..., None], self.sums_v / n[..., None], bias
+    class ClusterCache(oracle._LayerCache):
+        """Summaries by key instead of position: the first dropped rows are grouped by k-means on
+        their keys (started from the position segments), later ones join the nearest mean key."""
 
-    cache_type = {"all-rows": AllRowsCache, "summary": SummaryCache, "summary-decode": SummaryCache}.get(
-        variant, oracle._LayerCache)
+        def _summarize_dropped(self, key, value, positions, kept):
+            hkv, _, dim = key.shape
+            weight = torch.ones(positions.shape).scatter(1, kept, 0.0)
+            if self.summary_counts is None or not self.summary_counts.any():
+                index = self.policy.summary_index(positions)
+                for _ in range(CLUSTER_ITERATIONS):
+                    sums = torch.zeros(hkv, self.policy.summaries, dim).scatter_add_(
+                        1, index[..., None].expand(-1, -1, dim), key * weight[..., None])
+                    counts = torch.zeros(hkv, self.policy.summaries).scatter_add_(1, index, weight)
+                    index = nearest(key, sums, counts)
+                self.summary_keys = self.summary_values = self.summary_counts = None
+            else:
+                index = nearest(key, self.summary_keys, self.summary_counts)
+            if self.summary_counts is None:
+                self.summary_keys = torch.zeros(hkv, self.policy.summaries, dim)
+                self.summary_values = torch.zeros(hkv, self.policy.summaries, dim)
+                self.summary_counts = torch.zeros(hkv, self.policy.summaries)
+            self.summary_keys.scatter_add_(1, index[..., None].expand(-1, -1, dim), key * weight[..., None])
+            self.summary_values.scatter_add_(1, index[..., None].expand(-1, -1, dim), value * weight[..., None])
+            self.summary_counts.scatter_add_(1, index, weight)
+
+    def nearest(key, sums, counts):
+        """[Hkv, n] the non-empty summary whose mean key is nearest each key [Hkv, n, D]."""
+        distance = torch.cdist(key, sums / counts.clamp(min=1)[..., None])
+        return distance.masked_fill(counts[:, None, :] == 0, float("inf")).argmin(dim=2)
+
+    cache_type = {"all-rows": AllRowsCache, "summary-decode": SummaryDecodeCache,
+                  "cluster": ClusterCache}.get(variant, oracle._LayerCache)
     return type(f"{variant}Sequence", (oracle.ReferenceSequence,), {"cache_type": cache_type})
-
-
-def summary_attention(query, keys, values, kept: int, scale: float, summary_k, summary_v, bias):
-    """Attention of new tokens (query [1, H, C, D]) over summary rows (summary_k / summary_v
-    [Hkv, S, D], logit bias [Hkv, S]; -inf: empty), then keys/values [Hkv, kept + C, D] (the kept
-    rows, visible to all, and the new tokens, causally). Returns [1, H, C, D]."""
-    import torch
-
-    from snapcompile.reference.oracle import _attend
-    new, seen = keys.shape[1] - kept, summary_k.shape[1] + kept
-    visible = torch.cat([torch.ones(new, seen, dtype=torch.bool), torch.ones(new, new).tril().bool()], dim=1)
-    row_bias = torch.cat([bias, torch.zeros(keys.shape[0], keys.shape[1])], dim=1)
-    return _attend(query, torch.cat([summary_k, keys], dim=1)[None], torch.cat([summary_v, values], dim=1)[None],
-                   scale, visible, row_bias)
 
 
 def greedy(sequence, logits, eos: set[int], limit: int) -> list[int]:
@@ -136,7 +122,7 @@ def greedy(sequence, logits, eos: set[int], limit: int) -> list[int]:
     return tokens
 
 
-def converse(loaded, case, variant: str, policy, segment: int, answer_tokens: int) -> list[dict]:
+def converse(loaded, case, variant: str, policy, answer_tokens: int) -> list[dict]:
     """Greedy answers of every turn of `case` under `variant`."""
     from snapcompile.config import PolicyConfig
     from snapcompile.evaluation.turns import FACTS, first_turn, next_turn_tokens
@@ -144,14 +130,14 @@ def converse(loaded, case, variant: str, policy, segment: int, answer_tokens: in
     from snapcompile.reference.oracle import ReferenceSequence
     tokenizer, chat, eos = loaded.tokenizer, loaded.chat, set(eos_ids(loaded.tokenizer))
     ids, turns = first_turn(tokenizer, case, chat), []
-    sequence_type = study_sequence_type(variant, segment)
+    sequence_type = study_sequence_type(variant)
     sequence, fed = None, 0
     for turn in range(FACTS):
         if variant == "dense":
             sequence = ReferenceSequence(loaded.model, PolicyConfig(policy="dense"), len(ids) + answer_tokens + 1)
             logits = sequence.feed(ids)
         elif sequence is None:
-            sequence = sequence_type(loaded.model, policy, policy.budget)
+            sequence = sequence_type(loaded.model, policy, policy.slot_rows)
             logits = sequence.feed(ids)
         else:
             logits = sequence.resume(ids, min(fed, len(ids) - policy.selection_window))
@@ -165,17 +151,18 @@ def converse(loaded, case, variant: str, policy, segment: int, answer_tokens: in
 
 
 def policy_of(config, variant: str, segment: int):
-    """The variant's policy at the suite's length: summary rows come out of the prompt share."""
+    """The variant's policy at the suite's length: the summary variants' summaries (one per
+    segment of the final conversation) come out of the prompt share."""
+    from dataclasses import replace
+
     from snapcompile.config import PolicyConfig
-    from snapcompile.evaluation.config import policy_for
     policy = config.policy_at(config.lengths[0])
     if variant == "dense":
         return PolicyConfig(policy="dense")
-    if not variant.startswith("summary"):
+    if not variant.startswith("summary") and variant != "cluster":
         return policy
     segments = math.ceil(config.final_length(config.lengths[0]) / segment)
-    return policy_for(config.policy, policy.budget, config.scope, config.kernel,
-                      policy.resolved_prompt_share - segments)
+    return replace(policy, summaries=segments, summary_segment=segment)
 
 
 def reference_records(path: str, args) -> list[dict]:
@@ -186,7 +173,7 @@ def reference_records(path: str, args) -> list[dict]:
     try:
         earlier = json.loads(Path(path).read_text(encoding="utf-8"))
         stored, records = earlier["args"], earlier["records"]
-        differ = [k for k in SAME_CONVERSATIONS if stored.get(k) != getattr(args, k)]
+        differ = [k for k in SAME_CONVERSATIONS if stored.get(k, EARLIER_DEFAULTS.get(k)) != getattr(args, k)]
         dense = [r for r in records if r["variant"] == "dense"]
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
         raise ValueError(f"--reference {path}: not a JSON of this script ({err})") from None
@@ -214,7 +201,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--length", type=int, default=3000, help="turn 1's tokens")
-    parser.add_argument("--samples", type=int, default=8)
+    parser.add_argument("--samples", type=int, default=8, help="conversations --first .. SAMPLES-1 of the seed")
+    parser.add_argument("--first", type=int, default=0, help="the first conversation run (to extend an earlier run)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--ratio", type=int, default=4, help="B = the final conversation's length // ratio")
     parser.add_argument("--kernel", type=int, default=31)
@@ -228,8 +216,8 @@ def main() -> int:
     unknown = sorted(set(variants) - set(VARIANTS))
     if unknown or not variants:
         parser.error(f"--variants must be among {', '.join(VARIANTS)}; got {', '.join(unknown) or 'none'}")
-    if args.segment < 1:
-        parser.error("--segment must be >= 1")
+    if args.segment < 1 or not 0 <= args.first < args.samples:
+        parser.error("--segment must be >= 1 and --first in 0 .. --samples - 1")
     try:
         records = reference_records(args.reference, args) if args.reference and "dense" not in variants else []
     except ValueError as err:
@@ -247,13 +235,14 @@ def main() -> int:
         check_config(config)
         policies = {v: policy_of(config, v, args.segment) for v in variants}
         loaded = load_model(args.model)
-        cases = [make_case(loaded.tokenizer, args.length, s, args.seed, loaded.chat) for s in range(args.samples)]
+        cases = [make_case(loaded.tokenizer, args.length, s, args.seed, loaded.chat)
+                 for s in range(args.first, args.samples)]
     except SnapcompileError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    for sample, case in enumerate(cases):
+    for sample, case in enumerate(cases, start=args.first):
         for variant in variants:
-            turns = converse(loaded, case, variant, policies[variant], args.segment, args.answer_tokens)
+            turns = converse(loaded, case, variant, policies[variant], args.answer_tokens)
             records.append({"variant": variant, "case": case.key, "turns": turns})
             marks = "".join("+" if t["correct"] else "." for t in turns)
             print(f"[{sample + 1}/{args.samples}] {case.key} {variant:>8} {marks}", file=sys.stderr, flush=True)

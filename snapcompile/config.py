@@ -113,6 +113,10 @@ class PolicyConfig:
     queries). kernel: K, pooling width (odd). pooling: "max" | "avg". prompt_share: P, slots
     reserved for the compressed prompt; None means B minus a ring of at least B/4.
     scope: "head" (each KV head selects its own positions) or "layer" (one set per layer).
+    summaries: S, rows per layer and KV head that sum the rows each selection drops, one per
+    summary_segment positions (the last also takes every later position), for a resumed turn's
+    new tokens to attend over (docs/design.md, "Summaries of the dropped rows"); they count in
+    B: a slot holds B - S rows (`slot_rows`) and the default prompt share is lowered by S.
     For policy "dense" the budget is ignored (the cache holds max_context positions).
     """
 
@@ -124,6 +128,8 @@ class PolicyConfig:
     pooling: str = "max"
     prompt_share: int | None = None
     scope: str = "head"
+    summaries: int = 0
+    summary_segment: int = 128
     resolved_prompt_share: int = field(init=False, default=0)
 
     def __post_init__(self):
@@ -133,13 +139,18 @@ class PolicyConfig:
             raise SnapcompileError(f"unknown pooling {self.pooling!r}; choose max or avg")
         if self.scope not in SCOPES:
             raise SnapcompileError(f"unknown selection scope {self.scope!r}; choose head or layer")
+        if self.summaries < 0 or self.summary_segment < 1:
+            raise SnapcompileError(f"--summaries must be >= 0 and --summary-segment >= 1 "
+                                   f"(got {self.summaries}, {self.summary_segment})")
         if self.policy == "dense":
+            if self.summaries:
+                raise SnapcompileError("--summaries needs a compressed policy: dense drops no rows")
             object.__setattr__(self, "resolved_prompt_share", 0)
             return
         self._validate_budget()
 
     def _validate_budget(self):
-        b, s, w = self.budget, self.sinks, self.window
+        b, s, w, rows = self.budget, self.sinks, self.window, self.slot_rows
         if s < 0 or w < 1:
             raise SnapcompileError(f"sinks must be >= 0 and window >= 1 (got sinks={s}, window={w})")
         if self.kernel < 1 or self.kernel % 2 == 0:
@@ -147,26 +158,39 @@ class PolicyConfig:
         if b <= s + w:
             raise SnapcompileError(
                 f"budget {b} must exceed sinks + window = {s + w} (nothing would be left to select)")
-        share = self.prompt_share if self.prompt_share is not None else b - max(1, -(-b // 4))
+        ring = max(1, -(-b // 4))
+        share = self.prompt_share if self.prompt_share is not None else b - ring - self.summaries
         if self.policy == "streamingllm":
             lowest = s + 1
         else:
             lowest = s + w + 1
         if self.prompt_share is None and share < lowest:
-            smallest = next(n for n in range(b, 4 * b + 8) if n - max(1, -(-n // 4)) >= lowest)
+            smallest = next(n for n in range(b, 4 * b + 8 + self.summaries)
+                            if n - max(1, -(-n // 4)) - self.summaries >= lowest)
+            less = f" less {self.summaries} summary rows" if self.summaries else ""
             raise SnapcompileError(
-                f"budget {b} is too small for sinks {s} + window {w}: its prompt share (B minus a ring of B/4) "
+                f"budget {b} is too small for sinks {s} + window {w}: its prompt share (B minus a ring of B/4{less}) "
                 f"would be {share}, below the {lowest} the selection needs; use --budget >= {smallest}, or a smaller "
                 "--window, or set --prompt-share")
-        if not lowest <= share < b:
+        if not lowest <= share < rows:
+            beside = f" ({b} less {self.summaries} summary rows)" if self.summaries else ""
             raise SnapcompileError(
-                f"prompt share {share} must be in [{lowest}, {b - 1}] for budget {b} "
+                f"prompt share {share} must be in [{lowest}, {rows - 1}] for budget {b}{beside} "
                 f"(sinks {s}, window {w}) so that at least one slot is selected and one is left for the ring")
         object.__setattr__(self, "resolved_prompt_share", share)
 
     @property
     def compressed(self) -> bool:
         return self.policy != "dense"
+
+    @property
+    def slot_rows(self) -> int:
+        """Rows of a slot's cache: the budget less the summary rows (B - S)."""
+        return self.budget - self.summaries
+
+    def summary_index(self, positions):
+        """The summary row (0 .. S-1) of each position: position // segment, the last for all later."""
+        return (positions // self.summary_segment).clip(max=self.summaries - 1)
 
     @property
     def selection_window(self) -> int:
@@ -192,9 +216,13 @@ class PolicyConfig:
                 "the observation window must fit in one chunk")
 
     def to_dict(self) -> dict:
+        """The fields (prompt_share resolved); the summary fields only where summaries are on, so
+        the records of artifacts written before them stay what they were."""
         d = asdict(self)
         d["prompt_share"] = self.resolved_prompt_share if self.compressed else None
         d.pop("resolved_prompt_share")
+        if not self.summaries:
+            d.pop("summaries"), d.pop("summary_segment")
         return d
 
     @classmethod

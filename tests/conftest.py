@@ -12,6 +12,8 @@ from snapcompile.models import load_model
 
 TINY_EXPORT = ExportConfig(slots=3, max_context=512, chunk=64)
 TINY_SNAPSTREAM = PolicyConfig(policy="snapstream", budget=64, sinks=4, window=8, kernel=5)
+TINY_SUMMARIES = PolicyConfig(policy="snapstream", budget=64, sinks=4, window=8, kernel=5, summaries=4,
+                              summary_segment=64)
 
 
 @pytest.fixture(scope="session")
@@ -43,6 +45,12 @@ def tiny_dense_dir(tiny_llama, tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_snap_dir(tiny_llama, tmp_path_factory):
     return build_artifact(tiny_llama, tmp_path_factory.mktemp("art") / "snap", policy=TINY_SNAPSTREAM)
+
+
+@pytest.fixture(scope="session")
+def tiny_summary_dir(tiny_llama, tmp_path_factory):
+    """tiny_snap_dir's policy with 4 summary rows of 64 positions (passes/cache_bias.py)."""
+    return build_artifact(tiny_llama, tmp_path_factory.mktemp("art") / "summaries", policy=TINY_SUMMARIES)
 
 
 def write_hf_folder(loaded, folder):

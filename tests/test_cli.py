@@ -151,7 +151,7 @@ def test_validate_fits_its_built_in_prompts_to_a_small_artifact(tiny_dense_dir):
     assert summary["passed"] and max(summary["prompt_tokens"]) <= 512 - 4 - 1
 
 
-@pytest.mark.parametrize("folder", ["tiny_dense_dir", "tiny_snap_dir"])
+@pytest.mark.parametrize("folder", ["tiny_dense_dir", "tiny_snap_dir", "tiny_summary_dir"])
 def test_validate_turns_compares_resumed_turns(request, folder):
     folder = request.getfixturevalue(folder)
     result = invoke("validate", folder, "--prompt", "abc " * 60, "--steps", 20, "--turns", 3, "--json")

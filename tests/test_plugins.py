@@ -15,7 +15,7 @@ from snapcompile.plugins.contracts import DECODE_ATTENTION, DOMAIN, SELECT
 from snapcompile.reference.parity import Validator, summarize
 from snapcompile.runtime.ort_backend import OrtBackend
 from snapcompile.runtime.trt_backend import check_trt_limits
-from tests.conftest import TINY_SNAPSTREAM, random_prompts
+from tests.conftest import TINY_SNAPSTREAM, TINY_SUMMARIES, random_prompts
 
 HAVE_TRT = importlib.util.find_spec("tensorrt") is not None
 
@@ -135,10 +135,16 @@ def test_contract_refuses_inputs_and_attributes_it_does_not_list():
         DECODE_ATTENTION.node_attrs(scale=1.0, budget=4)
 
 
-def test_plugin_artifact_resumes_turns_as_the_oracle_does(plugin_dir, tiny_llama):
-    """The SnapKVSelect node re-selects a resumed cache as the standard graph does: over its rows."""
+@pytest.mark.parametrize("summaries", [False, True])
+def test_plugin_artifact_resumes_turns_as_the_oracle_does(plugin_dir, tiny_dense_dir, tiny_llama, tmp_path, summaries):
+    """The SnapKVSelect node re-selects a resumed cache as the standard graph does: over its rows
+    (with summaries too: their bias is in the prefill graphs, standard ops in both lowerings)."""
+    folder = plugin_dir
+    if summaries:
+        folder = tmp_path / "summaries-plugin"
+        compress_artifact(tiny_dense_dir, folder, TINY_SUMMARIES, lowering="plugin")
     prompts = random_prompts([300], seed=7)
-    reports = Validator(plugin_dir, tiny_llama.model).run_turns(prompts, 24, 3, random_prompts([20], seed=8)[0])
+    reports = Validator(folder, tiny_llama.model).run_turns(prompts, 24, 3, random_prompts([20], seed=8)[0])
     summary = summarize(reports, 24)
     assert summary["resumed_tokens"][0] == 0 and min(summary["resumed_tokens"][1:]) > 300
     assert not summary["selection_mismatches"]

@@ -10,7 +10,7 @@ from snapcompile.engine.sessions import SessionStore
 from snapcompile.errors import PromptError
 from snapcompile.reference.oracle import ReferenceSequence
 from snapcompile.runtime.kept import KeptCache, common_prefix, plan_resume
-from tests.conftest import TINY_SNAPSTREAM, random_prompts
+from tests.conftest import TINY_SNAPSTREAM, TINY_SUMMARIES, random_prompts
 from tests.test_engine import _engine
 
 
@@ -125,7 +125,7 @@ def _oracle_conversation(model, policy, rows, turns, steps):
     return outputs
 
 
-@pytest.mark.parametrize("folder", ["tiny_dense_dir", "tiny_snap_dir"])
+@pytest.mark.parametrize("folder", ["tiny_dense_dir", "tiny_snap_dir", "tiny_summary_dir"])
 def test_resumed_turns_equal_the_oracle_multi_turn_policy(request, tiny_llama, folder):
     folder = request.getfixturevalue(folder)
     engine = _engine(folder, session_cache_bytes=2**26)
@@ -144,21 +144,38 @@ def test_resumed_turns_equal_the_oracle_multi_turn_policy(request, tiny_llama, f
     assert cached == [0, 200 + steps - 1, min(200 + 30 + 2 * steps - 1, 200 + 30 + 2 * steps + 12 - window)]
     assert engine.sessions.counters.hits == 2 and engine.sessions.counters.misses == 1
     if policy.compressed:
-        assert all(kept.rows <= policy.budget for kept in engine.sessions._entries.values())
+        assert all(kept.rows <= policy.slot_rows for kept in engine.sessions._entries.values())
+    if policy.summaries:
+        _check_summaries(sorted(engine.sessions._entries.values(), key=lambda kept: kept.compressed_at))
 
 
-def test_one_entry_serves_concurrent_requests_unchanged(tiny_snap_dir):
-    engine = _engine(tiny_snap_dir, session_cache_bytes=2**26)
+def _check_summaries(entries: list[KeptCache]) -> None:
+    """Turn 1's entry keeps or sums each prompt position once; each later turn's sums only grow
+    (the ring's overwritten decode rows are the one loss: they are not summed)."""
+    first = entries[0]
+    for positions, counts in zip(first.positions, first.summaries.counts):
+        held = (positions < first.compressed_at).sum(axis=1) + counts.sum(axis=1)
+        assert held.tolist() == [first.compressed_at] * len(held)
+    for earlier, later in zip(entries, entries[1:]):
+        for before, after in zip(earlier.summaries.counts, later.summaries.counts):
+            assert (after >= before).all() and after.sum() > before.sum()
+
+
+@pytest.mark.parametrize("folder", ["tiny_snap_dir", "tiny_summary_dir"])
+def test_one_entry_serves_concurrent_requests_unchanged(request, folder):
+    folder = request.getfixturevalue(folder)
+    engine = _engine(folder, session_cache_bytes=2**26)
     document, = random_prompts([300], seed=6)
     first, = engine.generate([Request(document, max_new_tokens=4, ignore_eos=True)])
     kept, = engine.sessions._entries.values()
-    snapshot = [k.copy() for k in kept.keys]
+    held = [*kept.keys, *(kept.summaries.key_sums if kept.summaries else ())]
+    snapshot = [k.copy() for k in held]
     questions = random_prompts([20, 25, 30], seed=7)
     shared = [Request(document + first.output_ids + q, max_new_tokens=8, ignore_eos=True) for q in questions]
     together = engine.generate(shared)
     assert [r.cached_tokens for r in together] == [300 + 3] * 3
-    assert all(np.array_equal(a, b) for a, b in zip(snapshot, kept.keys))
-    alone = [_engine(tiny_snap_dir, session_cache_bytes=2**26) for _ in questions]
+    assert all(np.array_equal(a, b) for a, b in zip(snapshot, held))
+    alone = [_engine(folder, session_cache_bytes=2**26) for _ in questions]
     for solo, request in zip(alone, shared):
         solo.generate([Request(document, max_new_tokens=4, ignore_eos=True)])
         again, = solo.generate([Request(request.prompt_ids, max_new_tokens=8, ignore_eos=True)])
@@ -243,6 +260,21 @@ def test_full_keep_follows_a_sequence_moved_to_a_lower_slot(tiny_snap_dir):
     assert kept.rows == len(kept.token_ids) == 150 + 11 and not engine.backend._full_prompts
 
 
+def test_summaries_follow_a_sequence_moved_to_a_lower_slot(tiny_summary_dir):
+    short, long = random_prompts([40, 150], seed=14)
+    together, alone = (_engine(tiny_summary_dir, session_cache_bytes=2**26) for _ in range(2))
+    together.generate([Request(short, max_new_tokens=2, ignore_eos=True), Request(long, max_new_tokens=12,
+                                                                                   ignore_eos=True)])
+    alone.generate([Request(long, max_new_tokens=12, ignore_eos=True)])
+    moved, solo = together.sessions.newest(), alone.sessions.newest()
+    assert np.array_equal(moved.token_ids, solo.token_ids) and not together.backend._summaries
+    for a, b in zip(moved.summaries.key_sums + moved.summaries.counts, solo.summaries.key_sums + solo.summaries.counts):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+    assert moved.summaries.counts[0].sum() > 0
+    assert moved.rows + moved.summaries.rows <= TINY_SUMMARIES.budget
+    assert moved.nbytes == solo.nbytes > moved.summaries.nbytes > 0
+
+
 def test_session_keep_is_checked_and_off_without_a_store(tiny_snap_dir):
     from snapcompile.errors import SnapcompileError
     with pytest.raises(SnapcompileError, match="--session-keep must be one of compressed, full"):
@@ -250,3 +282,17 @@ def test_session_keep_is_checked_and_off_without_a_store(tiny_snap_dir):
     assert not _engine(tiny_snap_dir, session_keep="full").backend.keep_full_prompt
     full = _engine(tiny_snap_dir, session_cache_bytes=2**26, session_keep="full")
     assert full.prompt_limit == full.backend.max_prompt_len(), "every row is kept: the conversation must fit"
+
+
+def test_an_abandoned_resumed_prefill_leaves_no_summary_bias_behind(tiny_summary_dir):
+    """A request cancelled while its resumed prefill attends over summaries: the next prompt's
+    prefill sees plain rows."""
+    engine = _engine(tiny_summary_dir, session_cache_bytes=2**26)
+    document, question, other = random_prompts([200, 150, 120], seed=21)
+    first, = engine.generate([Request(document, max_new_tokens=4, ignore_eos=True)])
+    ids = document + first.output_ids + question
+    chunks = engine.backend.resume_chunks(0, engine.sessions.lookup(ids), ids)
+    next(chunks)
+    chunks.close()
+    after = engine.backend.prefill(0, other).logits
+    np.testing.assert_allclose(after, _engine(tiny_summary_dir).backend.prefill(0, other).logits, atol=1e-5)

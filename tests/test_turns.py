@@ -102,17 +102,34 @@ def test_bench_turns_reports_ttft_per_turn_and_kept_bytes(tmp_path):
     assert "TTFT of turn 3 / turn 1" in (tmp_path / "b.md").read_text()
 
 
+def test_bench_turns_times_the_modes_asked_with_summaries(tmp_path):
+    from tests.cli_helpers import assert_one_line_error
+    common = ["--turns", 3, "--turn-tokens", 300, "--answer-tokens", 8, "--repeats", 1, "--chunk", 64,
+              "--cache-dir", tmp_path / "cache"]
+    result = invoke("bench-turns", "tiny-llama", *common, "--modes", "resume,reprefill", "--kernel", 7,
+                    "--summaries", 4, "-o", tmp_path / "b.json", "--json")
+    assert result.exit_code == 0, result.output
+    payload = json.loads((tmp_path / "b.json").read_text())
+    assert {r["mode"] for r in payload["medians"]} == {"resume", "reprefill"}
+    kept = {r["mode"]: r["kept_bytes"] for r in payload["runs"]}
+    assert kept["reprefill"] is None and kept["resume"] > 0
+    assert "4 summary rows" in (tmp_path / "b.md").read_text()
+    assert_one_line_error(invoke("bench-turns", "tiny-llama", *common, "--modes", "resume,colour",
+                                 "-o", tmp_path / "x.json"), "--modes must be among")
+
+
 def test_eval_turns_takes_dense_from_a_reference_run(tmp_path):
     from tests.cli_helpers import assert_one_line_error
     common = ["--lengths", 700, "--samples", 1, "--cache-dir", tmp_path / "cache"]
     first = invoke("eval-turns", "tiny-llama", *common, "--modes", "dense", "-o", tmp_path / "dense.json")
     assert first.exit_code == 0, first.output
-    variant = invoke("eval-turns", "tiny-llama", *common, "--modes", "resume", "--kernel", 7,
+    variant = invoke("eval-turns", "tiny-llama", *common, "--modes", "resume", "--kernel", 7, "--summaries", 4,
                      "--reference", tmp_path / "dense.json", "-o", tmp_path / "k7.json", "--json")
     assert variant.exit_code == 0, variant.output
     payload = json.loads((tmp_path / "k7.json").read_text())
     assert {r["mode"] for r in payload["records"]} == {"resume"}
     assert {r["mode"] for r in payload["retention"]} == {"dense", "resume"}
+    assert payload["config"]["summaries"] == 4 and "4 summary rows" in (tmp_path / "k7.md").read_text()
     other = invoke("eval-turns", "tiny-llama", "--lengths", 700, "--samples", 2, "--cache-dir", tmp_path / "cache",
                    "--modes", "resume", "--reference", tmp_path / "dense.json", "-o", tmp_path / "x.json")
     assert_one_line_error(other, "ran other conversations (samples differ)")
@@ -133,7 +150,8 @@ def _exact_attention(query, keys, values, visible):
 
 def test_a_summary_row_weighs_as_the_rows_it_stands_for_when_they_share_a_key():
     import torch
-    study = _resume_study()
+
+    from snapcompile.reference import oracle
     torch.manual_seed(0)
     hkv, group, dim, kept, new, copies = 2, 3, 8, 5, 4, 6
     query = torch.randn(1, hkv * group, new, dim)
@@ -143,13 +161,13 @@ def test_a_summary_row_weighs_as_the_rows_it_stands_for_when_they_share_a_key():
     visible = torch.cat([torch.ones(new, copies + kept, dtype=torch.bool), torch.ones(new, new).tril().bool()], 1)
     exact = _exact_attention(query, torch.cat([dropped_k, keys], 1), torch.cat([dropped_v, values], 1), visible)
     bias = torch.full((hkv, 1), float(copies)).log()
-    summary = study.summary_attention(query, keys, values, kept, dim ** -0.5, dropped_k[:, :1],
+    summary = oracle.summary_attention(query, keys, values, kept, dim ** -0.5, dropped_k[:, :1],
                                       dropped_v.mean(1, keepdim=True), bias)
     torch.testing.assert_close(summary, exact)
-    unweighted = study.summary_attention(query, keys, values, kept, dim ** -0.5, dropped_k[:, :1],
+    unweighted = oracle.summary_attention(query, keys, values, kept, dim ** -0.5, dropped_k[:, :1],
                                          dropped_v.mean(1, keepdim=True), torch.zeros(hkv, 1))
     assert not torch.allclose(unweighted, exact)
-    empty = study.summary_attention(query, keys, values, kept, dim ** -0.5, dropped_k[:, :1],
+    empty = oracle.summary_attention(query, keys, values, kept, dim ** -0.5, dropped_k[:, :1],
                                     dropped_v.mean(1, keepdim=True), torch.full((hkv, 1), float("-inf")))
     torch.testing.assert_close(empty, _exact_attention(query, keys, values, visible[:, copies:]))
 
@@ -161,16 +179,18 @@ def test_all_rows_resume_attends_like_a_dense_prefill_of_the_whole_conversation(
     from snapcompile.reference.oracle import ReferenceSequence
     study = _resume_study()
     prompt, more = [5 + i % 200 for i in range(200)], [7 + i % 50 for i in range(40)]
-    policy = PolicyConfig(budget=96, kernel=7)
+    plain = PolicyConfig(budget=96, kernel=7)
+    summed = PolicyConfig(budget=96, kernel=7, summaries=4, summary_segment=64)
     dense = ReferenceSequence(tiny_llama.model, PolicyConfig(policy="dense"), 260).feed(prompt + more)
-    for variant, equal in (("all-rows", True), ("resume", False), ("summary", False)):
-        sequence = study.study_sequence_type(variant, 16)(tiny_llama.model, policy, policy.budget)
+    for variant, policy, equal in (("all-rows", plain, True), ("resume", plain, False), ("summary", summed, False)):
+        sequence = study.study_sequence_type(variant)(tiny_llama.model, policy, policy.slot_rows)
         sequence.feed(prompt)
         resumed = sequence.resume(prompt + more, len(prompt))
         assert torch.allclose(resumed, dense, atol=1e-4) == equal, variant
-        assert len(sequence.caches[0].row_positions[0]) == policy.budget
+        assert len(sequence.caches[0].row_positions[0]) == policy.slot_rows
     for cache in sequence.caches:       # summary: every position is kept or summed once
-        assert cache.counts.sum(dim=1).tolist() == [len(prompt + more) - cache.layout.kept] * cache.counts.shape[0]
+        dropped = [len(prompt + more) - cache.layout.kept] * cache.summary_counts.shape[0]
+        assert cache.summary_counts.sum(dim=1).tolist() == dropped
 
 
 def test_resume_study_refuses_unknown_variants():
@@ -179,6 +199,9 @@ def test_resume_study_refuses_unknown_variants():
     bad = subprocess.run([sys.executable, "scripts/resume_study.py", "--variants", "dense,colour"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "colour" in bad.stderr and "Traceback" not in bad.stderr
+    empty = subprocess.run([sys.executable, "scripts/resume_study.py", "--first", "4", "--samples", "4"],
+                           capture_output=True, text=True, timeout=60)
+    assert empty.returncode == 2 and "--first in 0 .. --samples - 1" in empty.stderr
 
 
 def test_resume_study_takes_dense_only_from_a_run_of_the_same_conversations(tmp_path):
@@ -205,11 +228,12 @@ def test_summary_decode_without_dropped_rows_decodes_as_the_oracle(tiny_llama):
 
     from snapcompile.config import PolicyConfig
     study = _resume_study()
-    prompt, policy = [5 + i % 200 for i in range(120)], PolicyConfig(budget=160, kernel=7, prompt_share=124)
-    plain, summed = (study.study_sequence_type(v, 16)(tiny_llama.model, policy, policy.budget)
+    prompt = [5 + i % 200 for i in range(120)]
+    policy = PolicyConfig(budget=160, kernel=7, prompt_share=124, summaries=2, summary_segment=64)
+    plain, summed = (study.study_sequence_type(v)(tiny_llama.model, policy, policy.slot_rows)
                      for v in ("resume", "summary-decode"))
     logits = [plain.feed(prompt), summed.feed(prompt)]
-    assert summed.caches[0].counts.sum() == 0, "the prompt fits: nothing dropped, every summary empty"
+    assert summed.caches[0].summary_counts.sum() == 0, "the prompt fits: nothing dropped, every summary empty"
     for _ in range(6):
         token = int(logits[0].argmax())
         logits = [plain.feed([token]), summed.feed([token])]

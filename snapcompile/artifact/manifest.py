@@ -52,8 +52,9 @@ class Manifest:
 
     @property
     def rows_per_slot(self) -> int:
-        """Rows per slot in the decode cache: the budget B, or max_context L when dense."""
-        return self.policy.budget if self.policy.compressed else self.export.max_context
+        """Rows per slot in the decode cache: the budget B less its summary rows, or max_context L
+        when dense."""
+        return self.policy.slot_rows if self.policy.compressed else self.export.max_context
 
     def kv_bytes_per_slot(self) -> int:
         return self.rows_per_slot * self.spec.kv_bytes_per_token

@@ -18,6 +18,8 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
+from snapcompile.config import PolicyConfig
+from snapcompile.errors import SnapcompileError
 from snapcompile.evaluation.turns import engine_turns
 from snapcompile.prompts import FILLER, encode, encode_text
 
@@ -36,6 +38,18 @@ class TurnsBenchConfig:
     policy: str = "snapstream"
     weight_format: str = "fp32"
     chunk: int = 256
+    modes: tuple[str, ...] = MODES
+    kernel: int = PolicyConfig.kernel
+    summaries: int = 0             # the compressed artifact's summary rows (PolicyConfig.summaries)
+
+    def __post_init__(self):
+        unknown = set(self.modes) - set(MODES)
+        if unknown or not self.modes:
+            raise SnapcompileError(f"--modes must be among {', '.join(MODES)}, got {', '.join(self.modes) or 'none'}")
+
+    def compressed_policy(self) -> PolicyConfig:
+        """The compressed artifact's policy."""
+        return PolicyConfig(policy=self.policy, budget=self.budget, kernel=self.kernel, summaries=self.summaries)
 
     @property
     def final_length(self) -> int:
@@ -70,7 +84,7 @@ def run_conversation(engine, chat: bool, texts: list[str], answer_tokens: int) -
 def medians(runs: list[dict]) -> list[dict]:
     """Per mode and turn, the median TTFT over the repeats (and the tokens of that turn)."""
     out = []
-    for mode in MODES:
+    for mode in [m for m in MODES if any(r["mode"] == m for r in runs)]:
         mode_runs = [r["turns"] for r in runs if r["mode"] == mode]
         for index in range(len(mode_runs[0]) if mode_runs else 0):
             turns = [run[index] for run in mode_runs]
@@ -81,11 +95,11 @@ def medians(runs: list[dict]) -> list[dict]:
     return out
 
 
-def open_engines(dense: Path, compressed: Path) -> dict:
+def open_engines(dense: Path, compressed: Path, modes: tuple[str, ...] = MODES) -> dict:
     """One engine per mode (a store only for the resume modes)."""
     from snapcompile.engine.engine import Engine
     folders = {"dense": dense, "dense-resume": dense, "reprefill": compressed, "resume": compressed,
                "resume-full": compressed}
     return {mode: Engine.from_artifact(folders[mode], session_cache_bytes=STORE_BYTES if "resume" in mode else 0,
                                        session_keep="full" if mode == "resume-full" else "compressed")
-            for mode in MODES}
+            for mode in modes}

@@ -52,6 +52,13 @@ _policy_options = option_group(
                  help="Select per KV head, or one position set per layer."),
     click.option("--prompt-share", type=int, default=default(PolicyConfig, "prompt_share"),
                  help="Budget rows for the compressed prompt P (default: B minus a ring of >= B/4)."),
+    click.option("--summaries", default=default(PolicyConfig, "summaries"), show_default=True,
+                 type=click.IntRange(min=0),
+                 help="Rows per layer and KV head that sum the rows each selection drops (one per "
+                      "--summary-segment positions), for a resumed conversation turn to attend over; "
+                      "they count in the budget (P is lowered by as many). 0: none."),
+    click.option("--summary-segment", default=default(PolicyConfig, "summary_segment"), show_default=True,
+                 type=click.IntRange(min=1), help="Positions per summary row (the last takes every later one)."),
     click.option("--lower", "lowering", type=click.Choice(LOWERINGS), default=LOWERINGS[0],
                  show_default=True,
                  help="standard: compressed attention and selection in standard ONNX ops (any runtime; "

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import click
 
+from snapcompile.bench.turns import MODES as BENCH_MODES
 from snapcompile.bench.turns import TurnsBenchConfig
 from snapcompile.cli.options import config_default, csv_option, kernel_option, report_options
 from snapcompile.cli.reports import write_report
@@ -35,13 +36,17 @@ from snapcompile.evaluation.turns import MODES, TurnsConfig
               help="SnapStream selection scope.")
 @click.option("--prompt-share", type=click.IntRange(min=1), default=None,
               help="Prompt share P of the budget (default: B minus a ring of B/4).")
+@click.option("--summaries", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Summary rows of the dropped rows per layer and KV head, within B (convert --summaries).")
+@click.option("--summary-segment", type=click.IntRange(min=1), default=config_default(TurnsConfig, "summary_segment"),
+              show_default=True, help="Positions per summary row.")
 @click.option("--reference", type=click.Path(path_type=Path, exists=True, dir_okay=False), default=None,
               help="The results of an earlier run on the same conversations whose dense records are the "
                    "reference here (to measure a policy variant with --modes resume without rerunning dense).")
 @report_options("turns.json", "eval", "Results JSON; the Markdown table is written beside it. An interrupted run "
                 "of the same configuration resumes from OUTPUT.partial.jsonl.")
 def eval_turns(model_or_dir, lengths, samples, seed, ratio, policy, weights, chunk, modes, kernel, scope,
-               prompt_share, reference, cache_dir, output, as_json):
+               prompt_share, summaries, summary_segment, reference, cache_dir, output, as_json):
     """Multi-turn accuracy: 5 facts in a document, one asked per turn, five ways.
 
     Turn 1 is the document (about LENGTH tokens) and a question about one fact; turns 2..5 each
@@ -62,7 +67,8 @@ def eval_turns(model_or_dir, lengths, samples, seed, ratio, policy, weights, chu
     from snapcompile.models.loader import cache_root
     output = check_output_file(output, force=True, read_folders=(Path(model_or_dir),))
     config = TurnsConfig(model_or_dir, tuple(lengths), samples, seed, ratio, policy, weights, chunk,
-                         modes=tuple(modes), kernel=kernel, scope=scope, prompt_share=prompt_share)
+                         modes=tuple(modes), kernel=kernel, scope=scope, prompt_share=prompt_share,
+                         summaries=summaries, summary_segment=summary_segment)
     check_config(config)
     dense = reference_records(reference, config) if reference is not None and "dense" not in modes else []
     started = time.perf_counter()
@@ -95,8 +101,10 @@ def _markdown(rows: list[dict], config: TurnsConfig) -> str:
         return "-" if value is None else f"{value:.2f}"
     cases = max((r["cases"] for r in rows), default=0)
     share = "B minus a ring of B/4" if config.prompt_share is None else str(config.prompt_share)
+    summaries = (f", {config.summaries} summary rows of {config.summary_segment} positions"
+                 if config.summaries else "")
     intro = (f"{config.policy} at B = final length // {config.ratio} (K = {config.kernel}, {config.scope} scope, "
-             f"P = {share}), {config.weight_format} weights, {cases} conversations per mode.\n\n")
+             f"P = {share}{summaries}), {config.weight_format} weights, {cases} conversations per mode.\n\n")
     return (intro + table("Accuracy per turn (answer found in the reply):", lambda r: fmt(r and r["accuracy"]))
             + table("Share of dense's accuracy:", lambda r: fmt(r and r["share_of_dense"]))
             + table("Of the answers dense got right, the share kept:", lambda r: fmt(r and r["dense_sure_kept"])))
@@ -118,9 +126,14 @@ def _markdown(rows: list[dict], config: TurnsConfig) -> str:
 @click.option("--weights", type=click.Choice(WEIGHT_FORMATS), default="fp32", show_default=True)
 @click.option("--chunk", default=config_default(TurnsBenchConfig, "chunk"), show_default=True,
               type=click.IntRange(min=1))
+@click.option("--modes", default=",".join(BENCH_MODES), show_default=True, callback=csv_option(str),
+              help="Which of dense, dense-resume, reprefill, resume, resume-full to time.")
+@kernel_option()
+@click.option("--summaries", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Summary rows of the compressed artifact (convert --summaries).")
 @report_options("bench-turns.json", "bench", "Results JSON; the Markdown table is written beside it.")
-def bench_turns(model_or_dir, turns, turn_tokens, answer_tokens, repeats, ratio, policy, weights, chunk, cache_dir,
-                output, as_json):
+def bench_turns(model_or_dir, turns, turn_tokens, answer_tokens, repeats, ratio, policy, weights, chunk, modes,
+                kernel, summaries, cache_dir, output, as_json):
     """Time to first token of each turn of a growing conversation: dense and compressed, every turn
     prefilled whole or resumed from the kept cache.
 
@@ -134,22 +147,23 @@ def bench_turns(model_or_dir, turns, turn_tokens, answer_tokens, repeats, ratio,
     from snapcompile.artifact.cache import ArtifactCache
     from snapcompile.bench import turns as bench
     from snapcompile.bench.machine import cpu_description
-    from snapcompile.config import ExportConfig, PolicyConfig
+    from snapcompile.config import ExportConfig
     from snapcompile.models.loader import cache_root
     output = check_output_file(output, force=True, read_folders=(Path(model_or_dir),))
     config = bench.TurnsBenchConfig(model_or_dir, turns, turn_tokens, answer_tokens, repeats, ratio, policy,
-                                    weights, chunk)
+                                    weights, chunk, tuple(modes), kernel, summaries)
     export = ExportConfig(slots=1, max_context=config.final_length + 64, chunk=chunk, weight_format=weights)
     cache = ArtifactCache(model_or_dir, cache_dir or cache_root() / "bench", lambda m: tqdm.write(m, file=sys.stderr))
     dense = cache.dense(export)
-    engines = bench.open_engines(dense, cache.get(export, PolicyConfig(policy=policy, budget=config.budget)))
-    tokenizer, chat = engines["dense"].tokenizer, engines["dense"].backend.manifest.chat
+    compressed = cache.get(export, config.compressed_policy()) if set(modes) - {"dense", "dense-resume"} else None
+    engines = bench.open_engines(dense, compressed, config.modes)
+    tokenizer, chat = engines[config.modes[0]].tokenizer, engines[config.modes[0]].backend.manifest.chat
     runs, started = [], time.perf_counter()
-    with tqdm(desc="bench-turns", unit="conversation", total=repeats * len(bench.MODES), file=sys.stderr,
+    with tqdm(desc="bench-turns", unit="conversation", total=repeats * len(config.modes), file=sys.stderr,
               disable=as_json) as bar:
         for repeat in range(repeats):
             texts = bench.user_texts(tokenizer, config, repeat)
-            for mode in bench.MODES[repeat % 2:] + bench.MODES[:repeat % 2]:
+            for mode in config.modes[repeat % 2:] + config.modes[:repeat % 2]:
                 engine = engines[mode]
                 rows = bench.run_conversation(engine, chat, texts, answer_tokens)
                 kept = max(engine.sessions.entry_bytes(), default=None) if engine.sessions else None
@@ -164,21 +178,23 @@ def bench_turns(model_or_dir, turns, turn_tokens, answer_tokens, repeats, ratio,
 
 def _bench_markdown(payload: dict) -> str:
     from snapcompile.bench.machine import describe_cpu
-    from snapcompile.bench.turns import MODES
     rows, config = payload["medians"], payload["config"]
     by = {(r["mode"], r["turn"]): r for r in rows}
+    modes = [m for m in BENCH_MODES if (m, 1) in by]
     turns = sorted({r["turn"] for r in rows})
-    lines = ["| turn | prompt tokens | " + " | ".join(f"{m} TTFT (s)" for m in MODES) + " |",
-             "|---|---|" + "---|" * len(MODES)]
+    lines = ["| turn | prompt tokens | " + " | ".join(f"{m} TTFT (s)" for m in modes) + " |",
+             "|---|---|" + "---|" * len(modes)]
     for turn in turns:
         cells = [f"{by[(m, turn)]['ttft_median_s']:.2f}" + (f" ({by[(m, turn)]['cached_tokens']} resumed)"
                                                            if by[(m, turn)]["cached_tokens"] else "")
-                 for m in MODES]
-        lines.append(f"| {turn} | {by[('dense', turn)]['prompt_tokens']} | " + " | ".join(cells) + " |")
-    growth = ", ".join(f"{m} {by[(m, turns[-1])]['ttft_median_s'] / by[(m, 1)]['ttft_median_s']:.2f}x" for m in MODES)
+                 for m in modes]
+        lines.append(f"| {turn} | {by[(modes[0], turn)]['prompt_tokens']} | " + " | ".join(cells) + " |")
+    growth = ", ".join(f"{m} {by[(m, turns[-1])]['ttft_median_s'] / by[(m, 1)]['ttft_median_s']:.2f}x" for m in modes)
     kept = {r["mode"]: r["kept_bytes"] for r in payload["runs"] if r["kept_bytes"]}
     memory = ", ".join(f"{m} {b / 2**20:.1f} MiB" for m, b in kept.items())
-    return (f"{config['policy']} B = {payload['budget']}, {config['weight_format']} weights, median of "
+    summaries = f", {config['summaries']} summary rows" if config.get("summaries") else ""
+    return (f"{config['policy']} B = {payload['budget']} (K = {config.get('kernel')}{summaries}), "
+            f"{config['weight_format']} weights, median of "
             f"{config['repeats']} conversations per mode; {describe_cpu(payload['cpu'])}.\n\n" + "\n".join(lines)
             + f"\n\nTTFT of turn {turns[-1]} / turn 1: {growth}. One kept conversation after its last turn: "
             f"{memory}.\n")

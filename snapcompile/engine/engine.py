@@ -114,7 +114,7 @@ class Engine:
         policy = backend.manifest.policy
         if session_cache_bytes is None:
             session_cache_bytes = available_host_memory() // 8
-        self.sessions = SessionStore(session_cache_bytes, policy.selection_window, backend.max_prompt_len(),
+        self.sessions = SessionStore(session_cache_bytes, policy.selection_window, backend.max_resume_rows(),
                                      backend.chunk) if session_cache_bytes else None
         if session_keep not in SESSION_KEEP:
             raise SnapcompileError(f"--session-keep must be one of {', '.join(SESSION_KEEP)}, got {session_keep!r}")

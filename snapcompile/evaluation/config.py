@@ -81,11 +81,13 @@ class EvalConfig:
 
 
 def policy_for(name: str, budget: int | None, scope: str = "head", kernel: int = PolicyConfig.kernel,
-               prompt_share: int | None = None) -> PolicyConfig:
+               prompt_share: int | None = None, summaries: int = 0,
+               summary_segment: int = PolicyConfig.summary_segment) -> PolicyConfig:
     """The policy of one cell of the grid (the selection scope and kernel apply to snapstream only;
-    prompt_share None: B minus a ring of B/4)."""
+    prompt_share None: B minus a ring of B/4, less the summary rows)."""
     if name == "dense":
         return PolicyConfig(policy="dense")
     snapstream = name == "snapstream"
     return PolicyConfig(policy=name, budget=budget, scope=scope if snapstream else "head",
-                        kernel=kernel if snapstream else PolicyConfig.kernel, prompt_share=prompt_share)
+                        kernel=kernel if snapstream else PolicyConfig.kernel, prompt_share=prompt_share,
+                        summaries=summaries, summary_segment=summary_segment)

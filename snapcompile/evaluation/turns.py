@@ -137,10 +137,13 @@ class TurnsConfig:
     modes: tuple[str, ...] = MODES
     kernel: int = PolicyConfig.kernel  # the policy's pooling kernel K
     scope: str = "head"               # SnapStream selection scope
-    prompt_share: int | None = None   # P (None: B minus a ring of B/4)
+    prompt_share: int | None = None   # P (None: B minus a ring of B/4, less the summaries)
+    summaries: int = 0                # summary rows of the dropped rows (PolicyConfig.summaries)
+    summary_segment: int = PolicyConfig.summary_segment
 
     def policy_at(self, length: int) -> PolicyConfig:
-        return policy_for(self.policy, self.budget(length), self.scope, self.kernel, self.prompt_share)
+        return policy_for(self.policy, self.budget(length), self.scope, self.kernel, self.prompt_share,
+                          self.summaries, self.summary_segment)
 
     def final_length(self, length: int) -> int:
         """An upper bound on a conversation's tokens after its last turn."""

@@ -45,6 +45,8 @@ class _LayerCache:
         self.generated = 0
         self.record_window = record_window
         self.recorded: LayerPrefill | None = None
+        # summaries of the dropped rows (policy.summaries > 0): sums [Hkv, S, D], counts [Hkv, S]
+        self.summary_keys = self.summary_values = self.summary_counts = None
 
     def prefill(self, query, key, value, scale):
         """query [1, H, T, D], key/value [1, Hkv, T, D]; returns dense causal attention [1, H, T, D]."""
@@ -74,6 +76,31 @@ class _LayerCache:
         self.keys[:, : self.layout.kept] = torch.gather(key, 1, index)
         self.values[:, : self.layout.kept] = torch.gather(value, 1, index)
         self.row_positions[:, : self.layout.kept] = torch.gather(positions, 1, kept)
+        if self.policy.summaries:
+            self._summarize_dropped(key, value, positions, kept)
+
+    def _summarize_dropped(self, key, value, positions, kept) -> None:
+        """Add the rows of key/value [Hkv, n, D] (positions [Hkv, n]) not in `kept` ([Hkv, kept]
+        rows) to their summaries (docs/design.md, "Summaries of the dropped rows")."""
+        hkv, _, dim = key.shape
+        if self.summary_counts is None:
+            self.summary_keys = torch.zeros(hkv, self.policy.summaries, dim)
+            self.summary_values = torch.zeros(hkv, self.policy.summaries, dim)
+            self.summary_counts = torch.zeros(hkv, self.policy.summaries)
+        weight = torch.ones(positions.shape).scatter(1, kept, 0.0)                       # [Hkv, n]: 1 dropped
+        index = self.policy.summary_index(positions)
+        self.summary_keys.scatter_add_(1, index[..., None].expand(-1, -1, dim), key * weight[..., None])
+        self.summary_values.scatter_add_(1, index[..., None].expand(-1, -1, dim), value * weight[..., None])
+        self.summary_counts.scatter_add_(1, index, weight)
+
+    def summaries(self):
+        """Mean keys and values [Hkv, S, D] of the summaries and their logit bias [Hkv, S] (log
+        count; -inf for an empty one); None without summaries."""
+        if self.summary_counts is None:
+            return None
+        n = self.summary_counts.clamp(min=1)
+        bias = torch.where(self.summary_counts > 0, n.log(), torch.tensor(float("-inf")))
+        return self.summary_keys / n[..., None], self.summary_values / n[..., None], bias
 
     def _kept_rows(self, window_query, key, scale, positions) -> torch.Tensor:
         """[Hkv, kept] rows of `key` to keep, ascending; self.selection in positions."""
@@ -123,7 +150,10 @@ class _LayerCache:
 
     def attend_resumed(self, query, keys, values, kept: int, scale):
         """query [1, H, C, D] of a resumed turn's new tokens over keys/values [Hkv, kept + C, D]
-        (the kept rows, then the new tokens): every kept row, and the new tokens causally."""
+        (the kept rows, then the new tokens): every kept row (and summary), and the new tokens causally."""
+        summaries = self.summaries()
+        if summaries is not None:
+            return summary_attention(query, keys, values, kept, scale, *summaries)
         new = keys.shape[1] - kept
         visible = torch.cat([torch.ones(new, kept, dtype=torch.bool), torch.ones(new, new).tril().bool()], dim=1)
         return _attend(query, keys[None], values[None], scale, visible)
@@ -146,6 +176,17 @@ class _LayerCache:
             query.reshape(1, kv_heads, heads // kv_heads, dim), key, value, self.keys[None], self.values[None],
             torch.tensor([step.write_index]), torch.tensor([step.cache_len]), scale)
         return out.reshape(1, heads, 1, dim)
+
+
+def summary_attention(query, keys, values, kept: int, scale: float, summary_k, summary_v, bias):
+    """Attention of new tokens (query [1, H, C, D]) over summary rows (summary_k / summary_v
+    [Hkv, S, D], logit bias [Hkv, S]; -inf: empty), then keys/values [Hkv, kept + C, D] (the kept
+    rows, visible to all, and the new tokens, causally). Returns [1, H, C, D]."""
+    new, seen = keys.shape[1] - kept, summary_k.shape[1] + kept
+    visible = torch.cat([torch.ones(new, seen, dtype=torch.bool), torch.ones(new, new).tril().bool()], dim=1)
+    row_bias = torch.cat([bias, torch.zeros(keys.shape[0], keys.shape[1])], dim=1)
+    return _attend(query, torch.cat([summary_k, keys], dim=1)[None], torch.cat([summary_v, values], dim=1)[None],
+                   scale, visible, row_bias)
 
 
 def _attend(query, key, value, scale, visible, bias=None):

@@ -157,7 +157,7 @@ class Validator:
                     break
                 kept = self.backend.keep(0, result.layout, result.kept_positions, steps, ids + fed[:-1])
                 ids = ids + fed + follow_up
-                plan = plan_resume(kept, ids, window, self.backend.max_prompt_len())
+                plan = plan_resume(kept, ids, window, self.backend.max_resume_rows())
                 if plan is None:
                     raise SnapcompileError(f"turn {turn + 1} cannot resume from the kept cache: it adds "
                                            f"{len(fed) + len(follow_up)} tokens and must add at least the "

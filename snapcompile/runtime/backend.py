@@ -31,6 +31,7 @@ from snapcompile.errors import PromptError, SnapcompileError
 from snapcompile.runtime.kept import KeptCache, ResumePlan
 from snapcompile.runtime.layout import DecodeStep, SlotLayout
 from snapcompile.runtime.memory import check_fits, gib
+from snapcompile.runtime.summaries import RowSummaries
 
 
 class Graph(Protocol):
@@ -142,6 +143,7 @@ class SlotBackend:
         # copied to host at its prefill (slot -> per-layer K, V [Hkv, T, D]) for `keep`
         self.keep_full_prompt = False
         self._full_prompts: dict[int, tuple[list[np.ndarray], list[np.ndarray]]] = {}
+        self._summaries: dict[int, RowSummaries] = {}    # slot -> its sequence's dropped rows (summaries on)
 
     def _kv(self, batch: int, rows: int):
         return self.device.zeros((batch, self.manifest.spec.num_kv_heads, rows, self.manifest.spec.head_dim), "float32")
@@ -166,8 +168,23 @@ class SlotBackend:
                 g.bind(f"key.{i}", self.p_new_k[i], output=True)
                 g.bind(f"value.{i}", self.p_new_v[i], output=True)
         self._init_buckets()
+        self._init_cache_bias()
         if self.select_graph is not None:
             self._init_select()
+
+    def _init_cache_bias(self) -> None:
+        """With summaries, every prefill graph's cache_bias.{i} [1, Hkv, R]: zero but while a resumed
+        prefill attends over summary rows (passes/cache_bias.py)."""
+        self.p_bias: dict[int, list] = {}          # graph rows R -> per layer bias
+        self._bias_set = False                     # a resumed prefill's summaries are in p_bias
+        if not self.manifest.policy.summaries:
+            return
+        hkv = self.manifest.spec.num_kv_heads
+        graphs = {self.manifest.export.max_context: self.prefill_graph, **self.bucket_graphs}
+        for rows, g in graphs.items():
+            self.p_bias[rows] = [self.device.zeros((1, hkv, rows), "float32") for _ in self._layers]
+            for i in self._layers:
+                g.bind(f"cache_bias.{i}", self.p_bias[rows][i])
 
     def _all_prefill_graphs(self) -> list[Graph]:
         return [self.prefill_graph, *self.bucket_graphs.values()]
@@ -255,6 +272,10 @@ class SlotBackend:
         """A compressed slot takes any prompt up to max_context; a dense one needs a row left for decode."""
         return self.manifest.export.max_context - (0 if self.manifest.policy.compressed else 1)
 
+    def max_resume_rows(self) -> int:
+        """Rows a resumed prefill's kept rows and new tokens may take: the prompt's, less the summary rows."""
+        return self.max_prompt_len() - self.manifest.policy.summaries
+
     def check_prompt(self, token_ids: list[int]) -> None:
         """The one rule on a prompt's length: raise PromptError unless 1 <= len <= max_prompt_len()."""
         if not token_ids:
@@ -281,18 +302,23 @@ class SlotBackend:
         re-selects with the new tokens' window). A conversation may pass max_context this way;
         the rows prefilled against may not."""
         rows = plan.rows + len(token_ids) - plan.resume_at
-        if rows > self.max_prompt_len() or not 0 < plan.resume_at < len(token_ids):
+        if rows > self.max_resume_rows() or not 0 < plan.resume_at < len(token_ids):
             raise SnapcompileError(f"cannot resume {len(token_ids)} tokens at token {plan.resume_at} from "
-                                   f"{plan.rows} kept rows: {rows} rows, the artifact's prefill takes "
-                                   f"{self.max_prompt_len()}")
+                                   f"{plan.rows} kept rows: {rows} rows, the artifact's resumed prefill takes "
+                                   f"{self.max_resume_rows()}")
         return (yield from self._prefill(slot, token_ids, plan))
 
     def _prefill(self, slot: int, token_ids: list[int], plan: ResumePlan | None):
         """Every chunk's K/V goes to the targets (the slot, or the scratch cache of a compressed
         prompt); a bucket's own cache is a copy of their first rows, filled when a chunk moves
-        to that bucket (the buckets share one buffer, so one holds this prompt at a time)."""
+        to that bucket (the buckets share one buffer, so one holds this prompt at a time).
+        A resumed prefill with summaries attends over them as rows between the kept rows and the
+        new tokens, which move down over them before the selection."""
         targets = self._prefill_targets(slot)
-        first_row, first_position = (plan.rows, plan.resume_at) if plan else (0, 0)
+        if self._bias_set:               # a resumed prefill abandoned mid-way (its request cancelled)
+            self._clear_cache_bias()
+        summary_rows = self.manifest.policy.summaries if plan else 0
+        first_row, first_position = (plan.rows + summary_rows, plan.resume_at) if plan else (0, 0)
         if plan:
             self._load_kept(targets, plan)
         new = token_ids[first_position:]
@@ -318,7 +344,10 @@ class SlotBackend:
                     synced = None        # the bucket has no room for these rows
             yield count
         compressed_at = time.perf_counter()
-        filled = first_row + len(new)
+        if summary_rows:
+            self._drop_summary_rows(targets, plan.rows, summary_rows, len(new))
+            synced = None
+        filled = first_row - summary_rows + len(new)
         share = self.manifest.policy.resolved_prompt_share if self.manifest.policy.compressed else None
         layout = SlotLayout.for_rows(len(token_ids), filled, self.rows_per_slot, share)
         kept = None
@@ -328,6 +357,8 @@ class SlotBackend:
                 self._copy_rows(targets, self._bucket_cache(rows), filled)
             self._copy_full_prompt(slot, targets, filled, plan)
             kept = self._compress_into_slot(slot, layout, filled, rows)
+            if self.manifest.policy.summaries:
+                self._summaries[slot] = self._summaries_after(plan, targets, len(token_ids), filled, kept)
             if plan:
                 kept = _positions_of_rows(plan, len(token_ids), kept, layout.kept)
         self.last_prefill_seconds = {"chunks": compressed_at - began, "select": time.perf_counter() - compressed_at}
@@ -344,10 +375,58 @@ class SlotBackend:
                                     [self.device.download(v[0])[:, :filled].copy() for v in targets[1]])
 
     def _load_kept(self, targets, plan: ResumePlan) -> None:
-        """The plan's first kept rows into rows [0, plan.rows) of the prompt's cache."""
+        """The plan's first kept rows into rows [0, plan.rows) of the prompt's cache, and with
+        summaries the entry's summary rows after them, their bias in every prefill graph's input."""
         for i in self._layers:
             self.device.upload(targets[0][i][0, :, :plan.rows], plan.kept.keys[i][:, :plan.rows])
             self.device.upload(targets[1][i][0, :, :plan.rows], plan.kept.values[i][:, :plan.rows])
+        if not self.manifest.policy.summaries:
+            return
+        summaries = plan.kept.summaries or self._no_summaries()
+        first, last = plan.rows, plan.rows + summaries.rows
+        for i in self._layers:
+            keys, values, bias = summaries.attended(i)
+            self.device.upload(targets[0][i][0, :, first:last], keys)
+            self.device.upload(targets[1][i][0, :, first:last], values)
+            for rows, layers in self.p_bias.items():
+                if last <= rows:
+                    self.device.upload(layers[i][0, :, first:last], bias)
+        self._bias_set = True
+
+    def _no_summaries(self) -> RowSummaries:
+        spec = self.manifest.spec
+        return RowSummaries.empty(self.num_layers, spec.num_kv_heads, self.manifest.policy.summaries, spec.head_dim)
+
+    def _drop_summary_rows(self, targets, first: int, count: int, new: int) -> None:
+        """After a resumed prefill: the `new` tokens' rows move from `first + count` down to `first`
+        (over the summary rows) and every cache bias is zero again."""
+        for cache in (*targets[0], *targets[1]):
+            moved = self.device.download(cache[0, :, first + count:first + count + new]).copy()
+            self.device.upload(cache[0, :, first:first + new], moved)
+        self._clear_cache_bias()
+
+    def _clear_cache_bias(self) -> None:
+        for layers in self.p_bias.values():
+            for bias in layers:
+                self.device.upload(bias, np.zeros(bias.shape, np.float32))
+        self._bias_set = False
+
+    def _summaries_after(self, plan: ResumePlan | None, targets, prompt_len: int, filled: int,
+                         kept_rows: list[np.ndarray] | None) -> RowSummaries:
+        """The slot's summaries once its prompt's rows were selected: the resumed entry's (or
+        none) and the `filled` scratch rows the selection did not keep (kept_rows as
+        `_compress_into_slot` returns them; None: it kept every row)."""
+        before = (plan.kept.summaries if plan else None) or self._no_summaries()
+        if kept_rows is None:
+            return before
+        tables = _row_positions(plan, prompt_len, filled, self.manifest.spec.num_kv_heads, self.num_layers)
+        layer_rows = []
+        for i in self._layers:
+            dropped = np.ones(tables[i].shape, bool)
+            np.put_along_axis(dropped, kept_rows[i], False, axis=1)
+            layer_rows.append((self.device.download(targets[0][i][0, :, :filled]),
+                               self.device.download(targets[1][i][0, :, :filled]), tables[i], dropped))
+        return before.with_dropped(self.manifest.policy.summary_index, layer_rows)
 
     def prefill(self, slot: int, token_ids: list[int]) -> PrefillResult:
         return drain(self.prefill_chunks(slot, token_ids))
@@ -464,12 +543,13 @@ class SlotBackend:
             values.append(np.take_along_axis(self.device.download(self.values[i][slot]), layer_rows, axis=1))
             positions.append(np.take_along_axis(layer_positions, order, axis=1))
         return KeptCache(np.array(token_ids, np.int64), tuple(keys), tuple(values), tuple(positions),
-                         layout.prompt_len if layout.compressed else 0)
+                         layout.prompt_len if layout.compressed else 0, self._summaries.pop(slot, None))
 
     def _keep_full(self, slot: int, layout: SlotLayout, fed: int, token_ids: list[int]) -> KeptCache:
         """The whole prompt cache copied at prefill, and the fed decode tokens after it while the
         ring still holds every one of them (else the prompt alone): every position, in order."""
         keys, values = self._full_prompts.pop(slot)
+        self._summaries.pop(slot, None)      # every row is kept: nothing to summarise
         decoded = layout.fed_rows(fed)
         if len(decoded) != fed:
             decoded, token_ids = [], token_ids[:layout.prompt_len]
@@ -485,29 +565,37 @@ class SlotBackend:
     def forget(self, slot: int) -> None:
         """Drop what the slot's sequence held for `keep` (it ended without being kept)."""
         self._full_prompts.pop(slot, None)
+        self._summaries.pop(slot, None)
 
     def move_slot(self, source: int, target: int, rows: int) -> None:
         """Copy the first `rows` cache rows of slot `source` into slot `target` (the engine moves a
         sequence to a lower slot so that its steps run on a smaller decode graph)."""
         for cache in (*self.keys, *self.values):
             cache[target, :, :rows] = cache[source, :, :rows]
-        if source in self._full_prompts:
-            self._full_prompts[target] = self._full_prompts.pop(source)
+        for held in (self._full_prompts, self._summaries):
+            if source in held:
+                held[target] = held.pop(source)
 
     def kv_bytes_allocated(self) -> int:
         """Bytes of the slot caches (allocated once, independent of prompt lengths)."""
         return self.slots * self.manifest.kv_bytes_per_slot()
 
 
+def _row_positions(plan: ResumePlan | None, prompt_len: int, filled: int, kv_heads: int,
+                   layers: int) -> list[np.ndarray]:
+    """Per layer [Hkv, filled] the position each prefilled row stands for: the row's own for a
+    fresh prompt; for a resumed one the plan's kept rows' positions, then resume_at .. prompt_len-1."""
+    if plan is None:
+        return [np.broadcast_to(np.arange(filled), (kv_heads, filled)) for _ in range(layers)]
+    new = np.broadcast_to(np.arange(plan.resume_at, prompt_len), (kv_heads, prompt_len - plan.resume_at))
+    return [np.concatenate([positions[:, :plan.rows], new], axis=1) for positions in plan.kept.positions]
+
+
 def _positions_of_rows(plan: ResumePlan, prompt_len: int, kept_rows: list[np.ndarray] | None,
                        kept: int) -> list[np.ndarray]:
     """Per layer [Hkv, kept] positions of the rows a resumed prefill kept (kept_rows as
-    `_compress_into_slot` returns them): the plan's kept rows stand for their own positions, the
-    new rows for resume_at .. prompt_len-1."""
-    out = []
-    for i, positions in enumerate(plan.kept.positions):
-        hkv = positions.shape[0]
-        new = np.broadcast_to(np.arange(plan.resume_at, prompt_len), (hkv, prompt_len - plan.resume_at))
-        table = np.concatenate([positions[:, :plan.rows], new], axis=1)
-        out.append(table[:, :kept].copy() if kept_rows is None else np.take_along_axis(table, kept_rows[i], axis=1))
-    return out
+    `_compress_into_slot` returns them)."""
+    hkv = plan.kept.positions[0].shape[0]
+    tables = _row_positions(plan, prompt_len, plan.rows + prompt_len - plan.resume_at, hkv, len(plan.kept.positions))
+    return [table[:, :kept].copy() if kept_rows is None else np.take_along_axis(table, kept_rows[i], axis=1)
+            for i, table in enumerate(tables)]

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from snapcompile.runtime.summaries import RowSummaries
+
 
 @dataclass(frozen=True)
 class KeptCache:
@@ -23,14 +25,16 @@ class KeptCache:
     sampled token was never fed, so it is not among them). keys / values: per layer [Hkv, n, D]
     float32; positions: per layer [Hkv, n] int64, ascending per head, all < F. compressed_at: the
     positions the cache held when its rows were last selected (0: never; every position < F that
-    the ring did not overwrite is a row). Every array is read-only: requests that resume from one
-    entry at once copy it, none changes it."""
+    the ring did not overwrite is a row). summaries: the rows its selections dropped, summed
+    (policies with summaries; None otherwise). Every array is read-only: requests that resume from
+    one entry at once copy it, none changes it."""
 
     token_ids: np.ndarray
     keys: tuple[np.ndarray, ...]
     values: tuple[np.ndarray, ...]
     positions: tuple[np.ndarray, ...]
     compressed_at: int = 0
+    summaries: RowSummaries | None = None
 
     def __post_init__(self):
         for array in (self.token_ids, *self.keys, *self.values, *self.positions):
@@ -43,7 +47,8 @@ class KeptCache:
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in (self.token_ids, *self.keys, *self.values, *self.positions))
+        arrays = sum(a.nbytes for a in (self.token_ids, *self.keys, *self.values, *self.positions))
+        return arrays + (self.summaries.nbytes if self.summaries is not None else 0)
 
 
 @dataclass(frozen=True)
