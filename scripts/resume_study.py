@@ -97,13 +97,7 @@ def study_sequence_type(variant: str):
                 self.summary_keys = self.summary_values = self.summary_counts = None
             else:
                 index = nearest(key, self.summary_keys, self.summary_counts)
-            if self.summary_counts is None:
-                self.summary_keys = torch.zeros(hkv, self.policy.summaries, dim)
-                self.summary_values = torch.zeros(hkv, self.policy.summaries, dim)
-                self.summary_counts = torch.zeros(hkv, self.policy.summaries)
-            self.summary_keys.scatter_add_(1, index[..., None].expand(-1, -1, dim), key * weight[..., None])
-            self.summary_values.scatter_add_(1, index[..., None].expand(-1, -1, dim), value * weight[..., None])
-            self.summary_counts.scatter_add_(1, index, weight)
+            self.add_to_summaries(key, value, index, weight)
 
     def nearest(key, sums, counts):
         """[Hkv, n] the non-empty summary whose mean key is nearest each key [Hkv, n, D]."""

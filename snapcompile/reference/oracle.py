@@ -82,13 +82,16 @@ class _LayerCache:
     def _summarize_dropped(self, key, value, positions, kept) -> None:
         """Add the rows of key/value [Hkv, n, D] (positions [Hkv, n]) not in `kept` ([Hkv, kept]
         rows) to their summaries (docs/design.md, "Summaries of the dropped rows")."""
+        weight = torch.ones(positions.shape).scatter(1, kept, 0.0)                       # [Hkv, n]: 1 dropped
+        self.add_to_summaries(key, value, self.policy.summary_index(positions), weight)
+
+    def add_to_summaries(self, key, value, index, weight) -> None:
+        """Add key/value [Hkv, n, D] times weight [Hkv, n] to summaries index [Hkv, n]."""
         hkv, _, dim = key.shape
         if self.summary_counts is None:
             self.summary_keys = torch.zeros(hkv, self.policy.summaries, dim)
             self.summary_values = torch.zeros(hkv, self.policy.summaries, dim)
             self.summary_counts = torch.zeros(hkv, self.policy.summaries)
-        weight = torch.ones(positions.shape).scatter(1, kept, 0.0)                       # [Hkv, n]: 1 dropped
-        index = self.policy.summary_index(positions)
         self.summary_keys.scatter_add_(1, index[..., None].expand(-1, -1, dim), key * weight[..., None])
         self.summary_values.scatter_add_(1, index[..., None].expand(-1, -1, dim), value * weight[..., None])
         self.summary_counts.scatter_add_(1, index, weight)
