@@ -20,6 +20,14 @@ with five facts in turn 1, turns 2..5 asking about the others) is run greedily i
   cluster   summary with the rows grouped by key instead of position: a selection's dropped rows
             are grouped by k-means on their keys the first time (from the position segments),
             later ones join the summary of the nearest mean key
+  recompute summary, and at each resumed turn the --recall summary segments the new question
+            wants most are fed again from their token ids, at their positions, over the kept rows
+            before them; the last W new tokens are fed again over those rows too, then select as
+            usual. The recomputed rows are never kept (the entry stays within B). Which segments:
+            recompute (the window's attention mass on the summaries), recompute-quest (Quest's
+            bound from each segment's dropped keys' per-dimension min and max, counted within B),
+            recompute-max (the largest true logit of a dropped row: a chooser that cheats, to
+            measure the recomputation alone)
 
     python scripts/resume_study.py --samples 8 --kernel 31 --variants dense,resume,all-rows,summary \\
         --json resume-study.json
@@ -34,14 +42,16 @@ import argparse
 import math
 import sys
 
-VARIANTS = ("dense", "resume", "all-rows", "summary", "summary-decode", "cluster")
+VARIANTS = ("dense", "resume", "all-rows", "summary", "summary-decode", "cluster", "recompute", "recompute-max",
+            "recompute-quest")
 CLUSTER_ITERATIONS = 8
 SAME_CONVERSATIONS = ("model", "length", "first", "samples", "seed", "answer_tokens")
 EARLIER_DEFAULTS = {"first": 0}       # the value of an argument in a JSON written before it existed
 
 
-def study_sequence_type(variant: str):
-    """The ReferenceSequence subclass of a variant (the oracle's own for dense and resume)."""
+def study_sequence_type(variant: str, recall: int = 2):
+    """The ReferenceSequence subclass of a variant (the oracle's own for dense and resume);
+    recall: the segments a recompute variant feeds again."""
     import torch
 
     from snapcompile.reference import oracle
@@ -104,9 +114,202 @@ def study_sequence_type(variant: str):
         distance = torch.cdist(key, sums / counts.clamp(min=1)[..., None])
         return distance.masked_fill(counts[:, None, :] == 0, float("inf")).argmin(dim=2)
 
+    class RecomputeCache(AllRowsCache):
+        """The `recompute` variants' layer: a resumed turn runs in passes set by `mode` (see
+        RecomputeSequence.resume); outside them it is the oracle's own (summaries on). Every row
+        is kept aside only for the "max" chooser (which cheats: it reads the dropped rows) and to
+        compute what "quest" would have stored (each segment's dropped keys' min and max)."""
+
+        mode = None
+        chooser = "summary"
+
+        def resume(self, query, key, value, scale):
+            return getattr(self, f"{self.mode}_pass")(query, key[0], value[0], scale)
+
+        def recomputed_rows(self):
+            """Keys, values [Hkv, n, D] and positions [n] of the rows pass 2 computed so far."""
+            done, (kept_k, kept_v, _, _) = self.recomputed, self.resume_rows_seen
+            if not done:
+                return kept_k[:, :0], kept_v[:, :0], torch.zeros(0, dtype=torch.int64)
+            return tuple(torch.cat(part, dim=-2 if i < 2 else 0) for i, part in enumerate(zip(*done)))
+
+        def score_pass(self, query, key, value, scale):
+            """Pass 1: the new tokens over the summaries and kept rows (as `summary`); keeps their
+            rows and the window's attention mass on each summary [Hkv, S]."""
+            kept_k, kept_v, _, _ = self.resume_rows
+            keys, values = torch.cat([kept_k, key], dim=1), torch.cat([kept_v, value], dim=1)
+            self.new_rows, self.recomputed, self.resume_rows_seen = (key, value), [], self.resume_rows
+            summaries = self.summaries()
+            window = query[0, :, -self.policy.window:].reshape(key.shape[0], -1, query.shape[3])
+            self.segment_mass = None if summaries is None else self.segment_weights(
+                window, keys, kept_k.shape[1], scale, summaries)
+            return oracle._LayerCache.attend_resumed(self, query, keys, values, kept_k.shape[1], scale)
+
+        def segment_weights(self, window, keys, kept, scale, summaries):
+            """[Hkv, S] how much the window wants each summary segment back (>= 0)."""
+            if self.chooser == "summary":
+                return summary_mass(window, keys, kept, scale, summaries, self.policy.window)
+            first, count = self.resume_at, summaries[2].shape[1]
+            dropped = ~torch.zeros(keys.shape[0], first, dtype=torch.bool).scatter(1, self.resume_rows[2], True)
+            score = segment_scores(self.chooser, window, self.all_keys[:, :first], dropped,
+                                   self.policy.summary_index(torch.arange(first)), count)
+            return torch.softmax(score * scale, dim=1).nan_to_num(0.0)
+
+        def recompute_pass(self, query, key, value, scale):
+            """Pass 2: dropped positions [a, b) fed again from their token ids, attending over the
+            kept rows and earlier recomputed rows of lower positions (the kept copies of [a, b)
+            hidden) and causally over themselves; their rows are kept for pass 3."""
+            kept_k, kept_v, kept_pos, _ = self.resume_rows
+            a = self.chunk_start
+            rec_k, rec_v, _ = self.recomputed_rows()
+            hkv, new = key.shape[0], key.shape[1]
+            bias = torch.cat([torch.where(kept_pos < a, 0.0, float("-inf")),
+                              torch.zeros(hkv, rec_k.shape[1] + new)], dim=1)
+            seen = kept_k.shape[1] + rec_k.shape[1]
+            visible = torch.cat([torch.ones(new, seen, dtype=torch.bool), torch.ones(new, new).tril().bool()], 1)
+            out = oracle._attend(query, torch.cat([kept_k, rec_k, key], 1)[None],
+                                 torch.cat([kept_v, rec_v, value], 1)[None], scale, visible, bias)
+            self.recomputed.append((key, value, torch.arange(a, a + new)))
+            return out
+
+        def window_pass(self, query, key, value, scale):
+            """Pass 3: the last W tokens over the summaries not recomputed, the kept rows, the
+            recomputed rows (where the head kept no copy), the new tokens' pass-1 rows before
+            them and causally over themselves; then the oracle's re-selection over the kept rows
+            and the new tokens, as without recomputing."""
+            kept_k, kept_v, kept_pos, first = self.resume_rows
+            self.resume_rows = None
+            width = key.shape[1]
+            earlier_k, earlier_v = (rows[:, : rows.shape[1] - width] for rows in self.new_rows)
+            seen_k, seen_v, bias, _ = self.window_rows(earlier_k, earlier_v)
+            visible = torch.cat([torch.ones(width, seen_k.shape[1], dtype=torch.bool),
+                                 torch.ones(width, width).tril().bool()], 1)
+            out = oracle._attend(query, torch.cat([seen_k, key], 1)[None], torch.cat([seen_v, value], 1)[None],
+                                 scale, visible, torch.cat([bias, torch.zeros(key.shape[0], width)], 1))
+            keys, values = torch.cat([kept_k, earlier_k, key], 1), torch.cat([kept_v, earlier_v, value], 1)
+            new = keys.shape[1] - kept_k.shape[1]
+            positions = torch.cat([kept_pos, torch.arange(first, first + new).expand(key.shape[0], -1)], dim=1)
+            self.load(query[0, :, -self.policy.window:], keys, values, scale, positions)
+            self.all_keys = torch.cat([self.all_keys[:, :first], keys[:, kept_k.shape[1]:]], dim=1)
+            self.all_values = torch.cat([self.all_values[:, :first], values[:, kept_k.shape[1]:]], dim=1)
+            self.generated = 0
+            return out
+
+        def window_rows(self, earlier_k, earlier_v):
+            """What pass 3's window sees before itself: keys, values [Hkv, R, D], logit bias [Hkv, R]
+            and positions [Hkv, R] (-1 for a summary) of the summaries (-inf for the recomputed
+            ones), the kept rows, the recomputed rows (-inf where the head kept that position:
+            the kept row is the exact one) and the new tokens' pass-1 rows before the window."""
+            kept_k, kept_v, kept_pos, first = self.resume_rows_seen
+            hkv = kept_k.shape[0]
+            rec_k, rec_v, rec_pos = self.recomputed_rows()
+            copied = torch.stack([torch.isin(rec_pos, head) for head in kept_pos])           # [Hkv, rec]
+            summary_k, summary_v, bias = self.summaries()
+            bias = bias.masked_fill(torch.isin(torch.arange(bias.shape[1]), self.chosen)[None], float("-inf"))
+            row_bias = torch.cat([bias, torch.zeros(kept_pos.shape), torch.where(copied, float("-inf"), 0.0),
+                                  torch.zeros(hkv, earlier_k.shape[1])], dim=1)
+            positions = torch.cat([torch.full(bias.shape, -1), kept_pos, rec_pos.expand(hkv, -1),
+                                   torch.arange(first, first + earlier_k.shape[1]).expand(hkv, -1)], dim=1)
+            return (torch.cat([summary_k, kept_k, rec_k, earlier_k], 1),
+                    torch.cat([summary_v, kept_v, rec_v, earlier_v], 1), row_bias, positions)
+
+    class RecomputeSequence(oracle.ReferenceSequence):
+        """`recompute`: a resumed turn's new tokens are fed once over the kept rows and summaries
+        (pass 1); the `recall` summaries their window wants most (by the cache's chooser), summed
+        over layers and heads, are fed again from their token ids at their positions (pass 2); the last W tokens
+        are fed again over the kept, recomputed and new rows (pass 3), and select as usual. The
+        recomputed rows are never kept: a kept conversation stays B rows."""
+
+        cache_type = RecomputeCache
+
+        def resume(self, token_ids, resume_at):
+            if not 0 < resume_at < len(token_ids) or resume_at > self.position:
+                raise ValueError(f"resume_at {resume_at} must be in 1..{min(self.position, len(token_ids) - 1)}")
+            caches, end, width = self.caches, len(token_ids), self.caches[0].policy.window
+            for cache in caches:
+                cache.start_resume(resume_at)
+            self.position = resume_at
+            self._passes("score", token_ids[resume_at:])
+            chosen = self.chosen_summaries()
+            policy = caches[0].policy
+            segment = policy.summary_index(torch.arange(resume_at))
+            for index in sorted(chosen.tolist()):
+                members = torch.nonzero(segment == index).flatten()
+                start, stop = int(members[0]), int(members[-1]) + 1
+                for cache in caches:
+                    cache.chunk_start = start
+                self.position = start
+                self._passes("recompute", token_ids[start:stop])
+            for cache in caches:
+                cache.chosen = chosen
+            self.position = end - width
+            return self._passes("window", token_ids[end - width:])
+
+        def _passes(self, mode: str, token_ids):
+            for cache in self.caches:
+                cache.mode = mode
+            try:
+                return self.feed(token_ids)
+            finally:
+                for cache in self.caches:
+                    cache.mode = None
+
+        def chosen_summaries(self) -> torch.Tensor:
+            """The `recall` non-empty summaries with the most pass-1 window mass over every layer
+            and KV head (a summary's mass is the share of the window's attention it drew)."""
+            masses = [c.segment_mass for c in self.caches if c.segment_mass is not None]
+            if not masses:
+                return torch.zeros(0, dtype=torch.int64)
+            total = torch.stack(masses).clamp(min=0).sum(dim=(0, 1))
+            empty = torch.stack([c.summary_counts for c in self.caches]).sum(dim=(0, 1)) == 0
+            total = total.masked_fill(empty, float("-inf"))
+            return total.topk(min(recall, int((~empty).sum()))).indices
+
     cache_type = {"all-rows": AllRowsCache, "summary-decode": SummaryDecodeCache,
                   "cluster": ClusterCache}.get(variant, oracle._LayerCache)
+    if variant.startswith("recompute"):
+        chooser = variant.partition("-")[2] or "summary"
+        return type(f"{variant}Sequence", (RecomputeSequence,),
+                    {"cache_type": type(f"{variant}Cache", (RecomputeCache,), {"chooser": chooser})})
     return type(f"{variant}Sequence", (oracle.ReferenceSequence,), {"cache_type": cache_type})
+
+
+def summary_mass(window, keys, kept: int, scale: float, summaries, width: int):
+    """[Hkv, S] the attention mass each summary row draws from the window queries (window [Hkv,
+    G*W, D], grouped by KV head) over the summaries, the kept rows and the new tokens (keys
+    [Hkv, kept + new, D], the last `width` of them the window's own, seen causally)."""
+    import torch
+    summary_k, _, bias = summaries
+    hkv, count, new = bias.shape[0], bias.shape[1], keys.shape[1] - kept
+    scores = window @ torch.cat([summary_k, keys], dim=1).transpose(1, 2) * scale
+    scores = scores + torch.cat([bias, torch.zeros(hkv, keys.shape[1])], 1)[:, None, :]
+    own = torch.arange(new - width, new).repeat(window.shape[1] // width)
+    later = torch.arange(new)[None, :] > own[:, None]
+    scores[:, :, -new:] = scores[:, :, -new:].masked_fill(later, float("-inf"))
+    return torch.softmax(scores, dim=-1)[..., :count].sum(dim=1).masked_fill(torch.isinf(bias), -1.0)
+
+
+def segment_scores(by: str, window, rows, dropped, segment, count: int):
+    """[Hkv, S] per summary segment, the largest logit (unscaled) a window query [Hkv, G*W, D] of
+    the KV head gives one of the segment's dropped rows: "max" from the rows themselves [Hkv, n, D]
+    (dropped [Hkv, n] bool, segment [n] their summary), "quest" Quest's upper bound on it from the
+    dropped keys' per-dimension min and max (what a store could keep per segment: two key rows).
+    -inf for a segment with no dropped row."""
+    import torch
+    hkv = rows.shape[0]
+    logits = (window @ rows.transpose(1, 2)).amax(dim=1) if by == "max" else None
+    score = torch.full((hkv, count), float("-inf"))
+    for s in range(count):
+        member = dropped & (segment == s)[None]
+        if by == "max":
+            score[:, s] = logits.masked_fill(~member, float("-inf")).amax(dim=1)
+        else:
+            big = torch.tensor(float("inf"))
+            low = torch.where(member[..., None], rows, big).amin(dim=1)                          # [Hkv, D]
+            high = torch.where(member[..., None], rows, -big).amax(dim=1)
+            bound = torch.maximum(window * low[:, None], window * high[:, None]).sum(-1)
+            score[:, s] = torch.where(member.any(1), bound.amax(dim=1), -big)
+    return score
 
 
 def greedy(sequence, logits, eos: set[int], limit: int) -> list[int]:
@@ -116,7 +319,7 @@ def greedy(sequence, logits, eos: set[int], limit: int) -> list[int]:
     return tokens
 
 
-def converse(loaded, case, variant: str, policy, answer_tokens: int) -> list[dict]:
+def converse(loaded, case, variant: str, policy, answer_tokens: int, recall: int = 2) -> list[dict]:
     """Greedy answers of every turn of `case` under `variant`."""
     from snapcompile.config import PolicyConfig
     from snapcompile.evaluation.turns import FACTS, first_turn, next_turn_tokens
@@ -124,7 +327,7 @@ def converse(loaded, case, variant: str, policy, answer_tokens: int) -> list[dic
     from snapcompile.reference.oracle import ReferenceSequence
     tokenizer, chat, eos = loaded.tokenizer, loaded.chat, set(eos_ids(loaded.tokenizer))
     ids, turns = first_turn(tokenizer, case, chat), []
-    sequence_type = study_sequence_type(variant)
+    sequence_type = study_sequence_type(variant, recall)
     sequence, fed = None, 0
     for turn in range(FACTS):
         if variant == "dense":
@@ -146,17 +349,22 @@ def converse(loaded, case, variant: str, policy, answer_tokens: int) -> list[dic
 
 def policy_of(config, variant: str, segment: int):
     """The variant's policy at the suite's length: the summary variants' summaries (one per
-    segment of the final conversation) come out of the prompt share."""
+    segment of the final conversation) come out of the prompt share; so do, for recompute-quest,
+    the per-segment key minima and maxima a store would keep (two key rows a segment, as much as
+    one row of key and value): the slot holds B - 2S rows, the ring keeps its share."""
     from dataclasses import replace
 
     from snapcompile.config import PolicyConfig
     policy = config.policy_at(config.lengths[0])
     if variant == "dense":
         return PolicyConfig(policy="dense")
-    if not variant.startswith("summary") and variant != "cluster":
+    if not variant.startswith(("summary", "recompute")) and variant != "cluster":
         return policy
     segments = math.ceil(config.final_length(config.lengths[0]) / segment)
-    return replace(policy, summaries=segments, summary_segment=segment)
+    summed = replace(policy, summaries=segments, summary_segment=segment)
+    if variant != "recompute-quest":
+        return summed
+    return replace(summed, budget=summed.budget - segments, prompt_share=summed.resolved_prompt_share - segments)
 
 
 def reference_records(path: str, args) -> list[dict]:
@@ -202,6 +410,7 @@ def main() -> int:
     parser.add_argument("--kernel", type=int, default=31)
     parser.add_argument("--answer-tokens", type=int, default=24)
     parser.add_argument("--segment", type=int, default=128, help="positions per summary row (summary)")
+    parser.add_argument("--recall", type=int, default=2, help="segments fed again at a resumed turn (recompute*)")
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--reference", help="dense's records from an earlier run's JSON (same conversations)")
     parser.add_argument("--json", dest="json_path", help="also write records and summary here")
@@ -210,8 +419,8 @@ def main() -> int:
     unknown = sorted(set(variants) - set(VARIANTS))
     if unknown or not variants:
         parser.error(f"--variants must be among {', '.join(VARIANTS)}; got {', '.join(unknown) or 'none'}")
-    if args.segment < 1 or not 0 <= args.first < args.samples:
-        parser.error("--segment must be >= 1 and --first in 0 .. --samples - 1")
+    if args.segment < 1 or args.recall < 0 or not 0 <= args.first < args.samples:
+        parser.error("--segment must be >= 1, --recall >= 0 and --first in 0 .. --samples - 1")
     try:
         records = reference_records(args.reference, args) if args.reference and "dense" not in variants else []
     except ValueError as err:
@@ -236,7 +445,7 @@ def main() -> int:
         return 2
     for sample, case in enumerate(cases, start=args.first):
         for variant in variants:
-            turns = converse(loaded, case, variant, policies[variant], args.answer_tokens)
+            turns = converse(loaded, case, variant, policies[variant], args.answer_tokens, args.recall)
             records.append({"variant": variant, "case": case.key, "turns": turns})
             marks = "".join("+" if t["correct"] else "." for t in turns)
             print(f"[{sample + 1}/{args.samples}] {case.key} {variant:>8} {marks}", file=sys.stderr, flush=True)

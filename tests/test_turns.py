@@ -238,3 +238,84 @@ def test_summary_decode_without_dropped_rows_decodes_as_the_oracle(tiny_llama):
         token = int(logits[0].argmax())
         logits = [plain.feed([token]), summed.feed([token])]
         torch.testing.assert_close(logits[1], logits[0], atol=1e-4, rtol=1e-4)
+
+
+def test_turn_margins_teacher_forced_top2_equals_the_greedy_steps(tiny_llama):
+    import importlib.util
+
+    import torch
+
+    from snapcompile.config import PolicyConfig
+    from snapcompile.reference.oracle import ReferenceSequence
+    spec = importlib.util.spec_from_file_location("turn_margins", "scripts/turn_margins.py")
+    margins = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(margins)
+    prompt, answer, steps = [5 + i % 200 for i in range(150)], [], []
+    sequence = ReferenceSequence(tiny_llama.model, PolicyConfig(policy="dense"), 170)
+    logits = sequence.feed(prompt)
+    for _ in range(6):
+        steps.append(torch.log_softmax(logits, dim=-1).topk(2))
+        answer.append(int(steps[-1].indices[0]))
+        logits = sequence.feed([answer[-1]])
+    ids = prompt + answer + [9, 10, 11]
+    top, = margins.teacher_forced_top2(tiny_llama.model, ids, [(len(prompt), len(prompt) + len(answer))])
+    assert top.indices.tolist() == [s.indices.tolist() for s in steps]
+    torch.testing.assert_close(top.values, torch.stack([s.values for s in steps]), atol=1e-4, rtol=1e-4)
+
+
+def test_segment_scores_find_the_segment_of_the_largest_logit():
+    import torch
+
+    study = _resume_study()
+    torch.manual_seed(0)
+    rows = torch.randn(1, 12, 4) * 0.1
+    rows[0, 9] = torch.tensor([5.0, 0.0, 0.0, 0.0])      # segment 2 holds the key the window matches
+    window = torch.zeros(1, 4, 4)
+    window[..., 0] = 1.0
+    segment, dropped = torch.arange(12) // 4, torch.ones(1, 12, dtype=torch.bool)
+    for by in ("max", "quest"):
+        assert study.segment_scores(by, window, rows, dropped, segment, 3).argmax().item() == 2, by
+        dropped[0, 9] = False                             # kept: no longer a candidate to recompute
+        assert study.segment_scores(by, window, rows, dropped, segment, 3).argmax().item() != 2, by
+        dropped[0, 9] = True
+    dropped[0, 4:8] = False
+    assert study.segment_scores("max", window, rows, dropped, segment, 3)[0, 1] == float("-inf"), "nothing dropped"
+
+
+def test_recompute_of_no_summary_is_summary_and_of_the_first_segment_is_exact(tiny_llama):
+    import torch
+
+    from snapcompile.config import PolicyConfig
+    from snapcompile.reference.oracle import ReferenceSequence
+    study = _resume_study()
+    prompt, more = [5 + i % 200 for i in range(200)], [7 + i % 50 for i in range(40)]
+    summed = PolicyConfig(budget=96, kernel=7, summaries=4, summary_segment=64)
+
+    def conversation(variant, recall):
+        sequence = study.study_sequence_type(variant, recall)(tiny_llama.model, summed, summed.slot_rows)
+        sequence.feed(prompt)
+        logits = [sequence.resume(prompt + more, len(prompt))]
+        for _ in range(4):
+            logits.append(sequence.feed([int(logits[-1].argmax())]))
+        return sequence, torch.stack(logits)
+    _, summary = conversation("summary", 2)
+    _, unchanged = conversation("recompute", 0)
+    torch.testing.assert_close(unchanged, summary, atol=1e-4, rtol=1e-4)
+    recomputed, every = conversation("recompute", 4)
+    assert not torch.allclose(every, summary, atol=1e-4)
+    dense = ReferenceSequence(tiny_llama.model, PolicyConfig(policy="dense"), 260, record_window=1)
+    dense.feed(prompt)
+    for cache, layer in zip(recomputed.caches, dense.recorded_prefill()):
+        key, value, positions = cache.recomputed[0]          # positions 0..63: nothing earlier to miss
+        assert positions.tolist() == list(range(64))
+        torch.testing.assert_close(key, layer.keys[:, :64], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(value, layer.values[:, :64], atol=1e-4, rtol=1e-4)
+        assert len(cache.row_positions[0]) == summed.slot_rows
+    first = len(prompt)
+    for cache in recomputed.caches:      # every position before the new tokens is seen once, exactly
+        width = summed.window
+        earlier = [rows[:, : rows.shape[1] - width] for rows in cache.new_rows]
+        _, _, bias, positions = cache.window_rows(*earlier)
+        for head_bias, head_positions in zip(bias, positions):
+            seen = head_positions[torch.isfinite(head_bias) & (head_positions >= 0)].tolist()
+            assert sorted(seen) == list(range(first + earlier[0].shape[1]))
