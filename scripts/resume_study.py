@@ -10,6 +10,8 @@ with five facts in turn 1, turns 2..5 asking about the others) is run greedily i
   all-rows  the new tokens attend over every row the conversation ever had (kept or dropped);
             the re-selection and every decode step still see only the B kept rows and the new
             tokens, as in resume: what the new question lacks when resumed, measured alone
+  all-rows-early, all-rows-late  all-rows in the first (last) half of the layers, resume in the
+            others
   summary   the oracle's policy with summaries (PolicyConfig.summaries, docs/design.md): the rows
             each selection drops are summed per KV head and position segment (--segment
             positions): one row of mean key and mean value whose logit gets log(rows summed),
@@ -42,8 +44,8 @@ import argparse
 import math
 import sys
 
-VARIANTS = ("dense", "resume", "all-rows", "summary", "summary-decode", "cluster", "recompute", "recompute-max",
-            "recompute-quest")
+VARIANTS = ("dense", "resume", "all-rows", "all-rows-early", "all-rows-late", "summary", "summary-decode", "cluster",
+            "recompute", "recompute-max", "recompute-quest")
 CLUSTER_ITERATIONS = 8
 SAME_CONVERSATIONS = ("model", "length", "first", "samples", "seed", "answer_tokens")
 EARLIER_DEFAULTS = {"first": 0}       # the value of an argument in a JSON written before it existed
@@ -265,6 +267,21 @@ def study_sequence_type(variant: str, recall: int = 2):
             total = total.masked_fill(empty, float("-inf"))
             return total.topk(min(recall, int((~empty).sum()))).indices
 
+    class HalfAllRowsSequence(oracle.ReferenceSequence):
+        """all-rows in the layers of one half of the model (`early`: the first half), the
+        engine's resume in the others: which depth the new question needs every row at."""
+
+        cache_type, early = AllRowsCache, True
+
+        def __init__(self, model, policy, rows_per_slot, forced_selection=None, record_window=0):
+            super().__init__(model, policy, rows_per_slot, forced_selection, record_window)
+            half = len(self.caches) // 2
+            for layer in range(len(self.caches)):
+                if (layer < half) != self.early:
+                    self.caches[layer] = oracle._LayerCache(policy, rows_per_slot, None, record_window)
+
+    if variant in ("all-rows-early", "all-rows-late"):
+        return type(f"{variant}Sequence", (HalfAllRowsSequence,), {"early": variant.endswith("early")})
     cache_type = {"all-rows": AllRowsCache, "summary-decode": SummaryDecodeCache,
                   "cluster": ClusterCache}.get(variant, oracle._LayerCache)
     if variant.startswith("recompute"):

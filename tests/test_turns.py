@@ -319,3 +319,24 @@ def test_recompute_of_no_summary_is_summary_and_of_the_first_segment_is_exact(ti
         for head_bias, head_positions in zip(bias, positions):
             seen = head_positions[torch.isfinite(head_bias) & (head_positions >= 0)].tolist()
             assert sorted(seen) == list(range(first + earlier[0].shape[1]))
+
+
+def test_all_rows_in_half_the_layers_and_resume_in_the_others(tiny_llama):
+    import torch
+
+    from snapcompile.config import PolicyConfig
+    study = _resume_study()
+    prompt, more = [5 + i % 200 for i in range(200)], [7 + i % 50 for i in range(40)]
+    plain = PolicyConfig(budget=96, kernel=7)
+    resumed = {}
+    for variant in ("all-rows", "all-rows-early", "all-rows-late", "resume"):
+        sequence = study.study_sequence_type(variant)(tiny_llama.model, plain, plain.slot_rows)
+        sequence.feed(prompt)
+        resumed[variant] = sequence.resume(prompt + more, len(prompt))
+        every = [hasattr(cache, "all_keys") for cache in sequence.caches]
+        half = len(every) // 2
+        expected = {"all-rows": [True] * len(every), "resume": [False] * len(every),
+                    "all-rows-early": [i < half for i in range(len(every))],
+                    "all-rows-late": [i >= half for i in range(len(every))]}[variant]
+        assert every == expected, variant
+    assert not torch.allclose(resumed["all-rows-early"], resumed["all-rows-late"], atol=1e-4)
