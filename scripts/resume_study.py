@@ -225,12 +225,8 @@ def study_sequence_type(variant: str, recall: int = 2):
         cache_type = RecomputeCache
 
         def resume(self, token_ids, resume_at):
-            if not 0 < resume_at < len(token_ids) or resume_at > self.position:
-                raise ValueError(f"resume_at {resume_at} must be in 1..{min(self.position, len(token_ids) - 1)}")
             caches, end, width = self.caches, len(token_ids), self.caches[0].policy.window
-            for cache in caches:
-                cache.start_resume(resume_at)
-            self.position = resume_at
+            self.start_resume(token_ids, resume_at)
             self._passes("score", token_ids[resume_at:])
             chosen = self.chosen_summaries()
             policy = caches[0].policy

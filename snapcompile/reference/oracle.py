@@ -296,12 +296,17 @@ class ReferenceSequence:
         positions < resume_at stay, the rest is dropped, tokens [resume_at, T) are fed against
         them and the cache is compressed back as a prompt of T positions. Returns the last
         token's logits [V]."""
+        self.start_resume(token_ids, resume_at)
+        return self.feed(token_ids[resume_at:])
+
+    def start_resume(self, token_ids: list[int], resume_at: int) -> None:
+        """Keep the rows of positions < resume_at for the next fed tokens (`resume`, or a study's
+        own passes); ValueError when resume_at is not in 1 .. min(fed, len(token_ids) - 1)."""
         if not 0 < resume_at < len(token_ids) or resume_at > self.position:
             raise ValueError(f"resume_at {resume_at} must be in 1..{min(self.position, len(token_ids) - 1)}")
         for cache in self.caches:
             cache.start_resume(resume_at)
         self.position = resume_at
-        return self.feed(token_ids[resume_at:])
 
     def selections(self) -> list[Selection | None]:
         return [cache.selection for cache in self.caches]
