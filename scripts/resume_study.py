@@ -167,8 +167,7 @@ def study_sequence_type(variant: str, recall: int = 2):
             hkv, new = key.shape[0], key.shape[1]
             bias = torch.cat([torch.where(kept_pos < a, 0.0, float("-inf")),
                               torch.zeros(hkv, rec_k.shape[1] + new)], dim=1)
-            seen = kept_k.shape[1] + rec_k.shape[1]
-            visible = torch.cat([torch.ones(new, seen, dtype=torch.bool), torch.ones(new, new).tril().bool()], 1)
+            visible = oracle.resumed_visible(new, kept_k.shape[1] + rec_k.shape[1])
             out = oracle._attend(query, torch.cat([kept_k, rec_k, key], 1)[None],
                                  torch.cat([kept_v, rec_v, value], 1)[None], scale, visible, bias)
             self.recomputed.append((key, value, torch.arange(a, a + new)))
@@ -184,8 +183,7 @@ def study_sequence_type(variant: str, recall: int = 2):
             width = key.shape[1]
             earlier_k, earlier_v = (rows[:, : rows.shape[1] - width] for rows in self.new_rows)
             seen_k, seen_v, bias, _ = self.window_rows(earlier_k, earlier_v)
-            visible = torch.cat([torch.ones(width, seen_k.shape[1], dtype=torch.bool),
-                                 torch.ones(width, width).tril().bool()], 1)
+            visible = oracle.resumed_visible(width, seen_k.shape[1])
             out = oracle._attend(query, torch.cat([seen_k, key], 1)[None], torch.cat([seen_v, value], 1)[None],
                                  scale, visible, torch.cat([bias, torch.zeros(key.shape[0], width)], 1))
             keys, values = torch.cat([kept_k, earlier_k, key], 1), torch.cat([kept_v, earlier_v, value], 1)

@@ -157,9 +157,7 @@ class _LayerCache:
         summaries = self.summaries()
         if summaries is not None:
             return summary_attention(query, keys, values, kept, scale, *summaries)
-        new = keys.shape[1] - kept
-        visible = torch.cat([torch.ones(new, kept, dtype=torch.bool), torch.ones(new, new).tril().bool()], dim=1)
-        return _attend(query, keys[None], values[None], scale, visible)
+        return _attend(query, keys[None], values[None], scale, resumed_visible(keys.shape[1] - kept, kept))
 
     def decode(self, query, key, value, scale):
         """query [1, H, 1, D], key/value [1, Hkv, 1, D]: attend, then write into the ring."""
@@ -185,11 +183,15 @@ def summary_attention(query, keys, values, kept: int, scale: float, summary_k, s
     """Attention of new tokens (query [1, H, C, D]) over summary rows (summary_k / summary_v
     [Hkv, S, D], logit bias [Hkv, S]; -inf: empty), then keys/values [Hkv, kept + C, D] (the kept
     rows, visible to all, and the new tokens, causally). Returns [1, H, C, D]."""
-    new, seen = keys.shape[1] - kept, summary_k.shape[1] + kept
-    visible = torch.cat([torch.ones(new, seen, dtype=torch.bool), torch.ones(new, new).tril().bool()], dim=1)
+    visible = resumed_visible(keys.shape[1] - kept, summary_k.shape[1] + kept)
     row_bias = torch.cat([bias, torch.zeros(keys.shape[0], keys.shape[1])], dim=1)
     return _attend(query, torch.cat([summary_k, keys], dim=1)[None], torch.cat([summary_v, values], dim=1)[None],
                    scale, visible, row_bias)
+
+
+def resumed_visible(new: int, seen: int) -> torch.Tensor:
+    """[new, seen + new] bool: new tokens see every one of `seen` earlier rows, and themselves causally."""
+    return torch.cat([torch.ones(new, seen, dtype=torch.bool), torch.ones(new, new).tril().bool()], dim=1)
 
 
 def _attend(query, key, value, scale, visible, bias=None):
