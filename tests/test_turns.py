@@ -135,12 +135,17 @@ def test_eval_turns_takes_dense_from_a_reference_run(tmp_path):
     assert_one_line_error(other, "ran other conversations (samples differ)")
 
 
-def _resume_study():
+def _script(name: str):
+    """scripts/NAME.py as a module."""
     import importlib.util
-    spec = importlib.util.spec_from_file_location("resume_study", "scripts/resume_study.py")
-    study = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(study)
-    return study
+    spec = importlib.util.spec_from_file_location(name, f"scripts/{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _resume_study():
+    return _script("resume_study")
 
 
 def _exact_attention(query, keys, values, visible):
@@ -241,15 +246,11 @@ def test_summary_decode_without_dropped_rows_decodes_as_the_oracle(tiny_llama):
 
 
 def test_turn_margins_teacher_forced_top2_equals_the_greedy_steps(tiny_llama):
-    import importlib.util
-
     import torch
 
     from snapcompile.config import PolicyConfig
     from snapcompile.reference.oracle import ReferenceSequence
-    spec = importlib.util.spec_from_file_location("turn_margins", "scripts/turn_margins.py")
-    margins = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(margins)
+    margins = _script("turn_margins")
     prompt, answer, steps = [5 + i % 200 for i in range(150)], [], []
     sequence = ReferenceSequence(tiny_llama.model, PolicyConfig(policy="dense"), 170)
     logits = sequence.feed(prompt)
