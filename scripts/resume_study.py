@@ -12,6 +12,11 @@ with five facts in turn 1, turns 2..5 asking about the others) is run greedily i
             tokens, as in resume: what the new question lacks when resumed, measured alone
   all-rows-early, all-rows-late  all-rows in the first (last) half of the layers, resume in the
             others
+  all-rows-q4, all-rows-q8  all-rows with the rows a head did not keep seen through 4-bit (8-bit)
+            quantization as the session store's full-int4 entries hold them (runtime/kv_quant.py:
+            KIVI's groups, keys per channel, values per position); the kept rows exact.
+            all-rows-q4-kept8: besides, the kept rows in 8 bits (as the store would hold them; they
+            are what the re-selection keeps and decode attends over)
   summary   the oracle's policy with summaries (PolicyConfig.summaries, docs/design.md): the rows
             each selection drops are summed per KV head and position segment (--segment
             positions): one row of mean key and mean value whose logit gets log(rows summed),
@@ -30,6 +35,12 @@ with five facts in turn 1, turns 2..5 asking about the others) is run greedily i
             bound from each segment's dropped keys' per-dimension min and max, counted within B),
             recompute-max (the largest true logit of a dropped row: a chooser that cheats, to
             measure the recomputation alone)
+  reconstruct  turn 1's selection scored query-agnostically, as KVzip does (Kim et al. 2025):
+            after the prompt, the model is fed "Repeat the previous context." and the prompt again;
+            a row's score is the most attention any of those reconstruction queries (and query
+            heads of its KV head) pays it, pooled as the policy pools; the reconstruction's rows
+            are then dropped. Later turns resume and re-select as in resume. reconstruct-1: the
+            same without pooling (kernel 1)
 
     python scripts/resume_study.py --samples 8 --kernel 31 --variants dense,resume,all-rows,summary \\
         --json resume-study.json
@@ -45,7 +56,10 @@ import math
 import sys
 
 VARIANTS = ("dense", "resume", "all-rows", "all-rows-early", "all-rows-late", "summary", "summary-decode", "cluster",
-            "recompute", "recompute-max", "recompute-quest")
+            "recompute", "recompute-max", "recompute-quest", "reconstruct", "reconstruct-1",
+            "all-rows-q4", "all-rows-q8", "all-rows-q4-kept8")
+REPEAT_REQUEST = "Repeat the previous context."
+RECONSTRUCT_CHUNK = 512                # reconstruction queries scored at a time (bounds the logits' memory)
 CLUSTER_ITERATIONS = 8
 SAME_CONVERSATIONS = ("model", "length", "first", "samples", "seed", "answer_tokens")
 EARLIER_DEFAULTS = {"first": 0}       # the value of an argument in a JSON written before it existed
@@ -57,6 +71,8 @@ def study_sequence_type(variant: str, recall: int = 2):
     import torch
 
     from snapcompile.reference import oracle
+    from snapcompile.reference.policy import snapkv_select
+    from snapcompile.runtime.kv_quant import KEY_AXIS, VALUE_AXIS
 
     class AllRowsCache(oracle._LayerCache):
         """Keeps every row computed ([Hkv, positions, D], in position order) for resumed tokens."""
@@ -79,6 +95,34 @@ def study_sequence_type(variant: str, recall: int = 2):
         def start_resume(self, resume_at):
             super().start_resume(resume_at)
             self.resume_at = resume_at
+
+    class QuantizedRowsCache(AllRowsCache):
+        """all-rows, the rows a head did not keep seen through `bits`-bit quantization."""
+
+        bits = 4
+        kept_bits = None             # the bits the kept rows are held in between turns (None: float32)
+
+        def start_resume(self, resume_at):
+            super().start_resume(resume_at)
+            keys, values, self.kept_positions, first = self.resume_rows
+            if self.kept_bits:
+                self.resume_rows = (quantized(keys, self.kept_bits, KEY_AXIS),
+                                    quantized(values, self.kept_bits, VALUE_AXIS), self.kept_positions, first)
+
+        def attend_resumed(self, query, keys, values, kept, scale):
+            first = self.resume_at
+            hkv = self.all_keys.shape[0]
+            kept_here = torch.zeros(hkv, first, dtype=torch.bool).scatter(1, self.kept_positions, True)[..., None]
+            exact_k, exact_v = self.all_keys[:, :first], self.all_values[:, :first]
+            seen_k = torch.where(kept_here, exact_k, quantized(exact_k, self.bits, KEY_AXIS))
+            seen_v = torch.where(kept_here, exact_v, quantized(exact_v, self.bits, VALUE_AXIS))
+            if self.kept_bits:       # the kept rows as the slot has them (resume_rows, held in kept_bits)
+                index = self.kept_positions[..., None].expand(-1, -1, seen_k.shape[2])
+                seen_k, seen_v = seen_k.scatter(1, index, keys[:, :kept]), seen_v.scatter(1, index, values[:, :kept])
+            self.all_keys = torch.cat([exact_k, keys[:, kept:]], dim=1)
+            self.all_values = torch.cat([exact_v, values[:, kept:]], dim=1)
+            return oracle._LayerCache.attend_resumed(self, query, torch.cat([seen_k, keys[:, kept:]], 1),
+                                                     torch.cat([seen_v, values[:, kept:]], 1), first, scale)
 
     class SummaryDecodeCache(oracle._LayerCache):
         """The oracle's summaries (policy.summaries), seen by every decode step too."""
@@ -274,6 +318,74 @@ def study_sequence_type(variant: str, recall: int = 2):
                 if (layer < half) != self.early:
                     self.caches[layer] = oracle._LayerCache(policy, rows_per_slot, None, record_window)
 
+    class ReconstructCache(oracle._LayerCache):
+        """Turn 1's selection by reconstruction scores (`reconstruct`): the prompt's rows wait
+        unselected until the reconstruction pass has scored them."""
+
+        def prefill(self, query, key, value, scale):
+            if self.waiting is not None:
+                return self.reconstruct(query, key[0], value[0], scale)
+            length = key.shape[2]
+            self.waiting = (query[0, :, -self.policy.window:], key[0], value[0])
+            return oracle._attend(query, key, value, scale, torch.ones(length, length).tril().bool())
+
+        waiting = None
+        scores = None
+
+        def reconstruct(self, query, key, value, scale):
+            """query [1, H, R, D], key/value [Hkv, R, D] of the reconstruction tokens: attend over
+            the waiting prompt rows and causally over themselves; score the prompt rows and select."""
+            window_query, prompt_k, prompt_v = self.waiting
+            self.waiting = None
+            keys, values = torch.cat([prompt_k, key], dim=1), torch.cat([prompt_v, value], dim=1)
+            length, new = prompt_k.shape[1], key.shape[1]
+            visible = oracle.resumed_visible(new, length)
+            outs, best = [], torch.zeros(prompt_k.shape[0], length)
+            group = query.shape[1] // keys.shape[0]
+            for start in range(0, new, RECONSTRUCT_CHUNK):
+                part = query[:, :, start:start + RECONSTRUCT_CHUNK]
+                logits = torch.matmul(part, keys.repeat_interleave(group, 0).transpose(1, 2)[None]) * scale
+                probs = torch.softmax(logits.masked_fill(~visible[start:start + RECONSTRUCT_CHUNK], float("-inf")), -1)
+                outs.append(torch.matmul(probs, values.repeat_interleave(group, 0)[None]))
+                heads = probs[0, :, :, :length].amax(dim=1).reshape(keys.shape[0], group, length)
+                best = torch.maximum(best, heads.amax(dim=1))
+            self.scores = best
+            self.load(window_query, prompt_k, prompt_v, scale)
+            self.scores = None
+            return torch.cat(outs, dim=2)
+
+        def _kept_rows(self, window_query, key, scale, positions):
+            if self.scores is None:
+                return super()._kept_rows(window_query, key, scale, positions)
+            scores = self.scores
+            by_row = snapkv_select(window_query, key, self.policy, scale,
+                                   scorer=lambda q, k, s: scores[:, : k.shape[1] - q.shape[1]])
+            self.selection = by_row
+            return by_row.indices
+
+    class ReconstructSequence(oracle.ReferenceSequence):
+        """`reconstruct`: the first feed (the prompt) is followed by `repeat` (the request's
+        template tokens) and the prompt again, fed at the positions after the prompt to score
+        its rows; then the sequence stands where the prompt left it."""
+
+        cache_type = ReconstructCache
+        repeat: list[int] = []
+
+        def feed(self, token_ids):
+            if self.caches[0].layout is not None:
+                return super().feed(token_ids)
+            logits = super().feed(token_ids)
+            end = self.position
+            super().feed(self.repeat + token_ids)
+            self.position = end
+            return logits
+
+    if variant.startswith("reconstruct"):
+        return ReconstructSequence
+    if variant.startswith("all-rows-q"):
+        bits, _, kept = variant[len("all-rows-q"):].partition("-kept")
+        cache = type(f"{variant}Cache", (QuantizedRowsCache,), {"bits": int(bits), "kept_bits": int(kept or 0)})
+        return type(f"{variant}Sequence", (oracle.ReferenceSequence,), {"cache_type": cache})
     if variant in ("all-rows-early", "all-rows-late"):
         return type(f"{variant}Sequence", (HalfAllRowsSequence,), {"early": variant.endswith("early")})
     cache_type = {"all-rows": AllRowsCache, "summary-decode": SummaryDecodeCache,
@@ -283,6 +395,15 @@ def study_sequence_type(variant: str, recall: int = 2):
         return type(f"{variant}Sequence", (RecomputeSequence,),
                     {"cache_type": type(f"{variant}Cache", (RecomputeCache,), {"chooser": chooser})})
     return type(f"{variant}Sequence", (oracle.ReferenceSequence,), {"cache_type": cache_type})
+
+
+def quantized(rows, bits: int, axis: int):
+    """rows [Hkv, n, D] (a torch tensor) as the session store holds them in `bits` bits and gives
+    them back (runtime/kv_quant.py)."""
+    import torch
+
+    from snapcompile.runtime.kv_quant import quantize_rows
+    return torch.from_numpy(quantize_rows(rows.numpy(), bits, axis).dequantize())
 
 
 def summary_mass(window, keys, kept: int, scale: float, summaries, width: int):
@@ -346,6 +467,8 @@ def converse(loaded, case, variant: str, policy, answer_tokens: int, recall: int
             logits = sequence.feed(ids)
         elif sequence is None:
             sequence = sequence_type(loaded.model, policy, policy.slot_rows)
+            if variant.startswith("reconstruct"):
+                sequence.repeat = next_turn_tokens(tokenizer, REPEAT_REQUEST, chat, False)
             logits = sequence.feed(ids)
         else:
             logits = sequence.resume(ids, min(fed, len(ids) - policy.selection_window))
@@ -369,6 +492,8 @@ def policy_of(config, variant: str, segment: int):
     policy = config.policy_at(config.lengths[0])
     if variant == "dense":
         return PolicyConfig(policy="dense")
+    if variant == "reconstruct-1":
+        return replace(policy, kernel=1)
     if not variant.startswith(("summary", "recompute")) and variant != "cluster":
         return policy
     segments = math.ceil(config.final_length(config.lengths[0]) / segment)

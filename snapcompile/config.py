@@ -102,7 +102,10 @@ class ExportConfig:
         return asdict(self)
 
 
-SESSION_KEEP = ("compressed", "full")   # what a session store keeps of a compressed sequence (Engine)
+# what a session store keeps of a compressed sequence (Engine), and the bits a full entry's rows are
+# held in (None: float32)
+SESSION_KEEP = ("compressed", "full", "full-int8", "full-int4")
+FULL_KEEP_BITS = {"full": None, "full-int8": 8, "full-int4": 4}
 
 
 @dataclass(frozen=True)

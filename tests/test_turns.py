@@ -341,3 +341,67 @@ def test_all_rows_in_half_the_layers_and_resume_in_the_others(tiny_llama):
                     "all-rows-late": [i >= half for i in range(len(every))]}[variant]
         assert every == expected, variant
     assert not torch.allclose(resumed["all-rows-early"], resumed["all-rows-late"], atol=1e-4)
+
+
+def test_reconstruct_keeps_the_rows_the_reconstruction_attends_to_and_nothing_of_it(tiny_llama):
+    """KVzip's scoring in the study: a prompt row the reconstruction queries attend to is kept,
+    though the window does not attend to it; the reconstruction's own rows are dropped, and the
+    sequence then decodes as one forced to the same selection."""
+    import torch
+
+    from snapcompile.config import PolicyConfig
+    from snapcompile.reference.oracle import ReferenceSequence
+    study = _resume_study()
+    policy = PolicyConfig(budget=64, kernel=1, sinks=2, window=4)
+    torch.manual_seed(0)
+    hkv, heads, length, dim, planted = 2, 4, 120, 8, 50
+    cache = study.study_sequence_type("reconstruct").cache_type(policy, policy.slot_rows, None)
+    keys, values = torch.randn(hkv, length, dim), torch.randn(hkv, length, dim)
+    window = torch.zeros(heads, policy.window, dim)          # the window attends evenly
+    cache.waiting = (window, keys, values)
+    query = torch.zeros(1, heads, 6, dim)
+    query[0, :, 3] = 40 * keys[:, planted].repeat_interleave(heads // hkv, 0)
+    cache.reconstruct(query, torch.randn(hkv, 6, dim), torch.randn(hkv, 6, dim), dim ** -0.5)
+    assert (cache.row_positions == planted).any(dim=1).all() and cache.row_positions.max() < length
+
+    prompt = [5 + i % 200 for i in range(200)]
+    plain = PolicyConfig(budget=96, kernel=7)
+    sequence = study.study_sequence_type("reconstruct")(tiny_llama.model, plain, plain.slot_rows)
+    sequence.repeat = [11, 12, 13]
+    logits = sequence.feed(prompt)
+    snapkv = ReferenceSequence(tiny_llama.model, plain, plain.slot_rows)
+    torch.testing.assert_close(logits, snapkv.feed(prompt))         # the prompt's prefill is dense either way
+    chosen = [c.selection.indices for c in sequence.caches]
+    assert sequence.position == len(prompt) and all(int(k.max()) < len(prompt) for k in chosen)
+    assert any(not torch.equal(k, c.selection.indices) for k, c in zip(chosen, snapkv.caches))
+    forced = ReferenceSequence(tiny_llama.model, plain, plain.slot_rows, forced_selection=chosen)
+    forced.feed(prompt)
+    token = [int(logits.argmax())]
+    torch.testing.assert_close(sequence.feed(token), forced.feed(token))
+
+
+def test_all_rows_quantized_sees_the_dropped_rows_as_the_store_holds_them(tiny_llama):
+    """all-rows-q8 resumes close to all-rows, all-rows-q4 less close, both closer than resume."""
+    import torch
+
+    from snapcompile.config import PolicyConfig
+    study = _resume_study()
+    prompt, more = [5 + i % 200 for i in range(200)], [7 + i % 50 for i in range(40)]
+    plain = PolicyConfig(budget=96, kernel=7)
+    resumed = {}
+    for variant in ("all-rows", "all-rows-q8", "all-rows-q4", "all-rows-q4-kept8", "resume"):
+        sequence = study.study_sequence_type(variant)(tiny_llama.model, plain, plain.slot_rows)
+        sequence.feed(prompt)
+        if variant == "all-rows-q4-kept8":
+            cache = sequence.caches[0]
+            before = {int(p): row.clone() for p, row in zip(cache.row_positions[0], cache.keys[0]) if p >= 0}
+        resumed[variant] = sequence.resume(prompt + more, len(prompt))
+    error = {v: float((resumed[v] - resumed["all-rows"]).abs().max())
+             for v in ("all-rows-q8", "all-rows-q4", "all-rows-q4-kept8", "resume")}
+    assert 0 < error["all-rows-q8"] < error["all-rows-q4"] < error["resume"], error
+    assert error["all-rows-q4-kept8"] not in (0, error["all-rows-q4"]) and error["all-rows-q4-kept8"] < error["resume"]
+    # kept8: the rows kept again hold their 8-bit copies
+    again = [(row, before[int(p)]) for p, row in zip(cache.row_positions[0], cache.keys[0]) if 0 <= p < len(prompt)]
+    exact = torch.stack([b for _, b in again])
+    step = (exact.amax(0) - exact.amin(0)) / 255
+    assert again and 0 < float(max((held - b).abs().max() for held, b in again)) <= float(step.max())
