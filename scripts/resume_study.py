@@ -13,7 +13,7 @@ with five facts in turn 1, turns 2..5 asking about the others) is run greedily i
   all-rows-early, all-rows-late  all-rows in the first (last) half of the layers, resume in the
             others
   all-rows-q4, all-rows-q8  all-rows with the rows a head did not keep seen through 4-bit (8-bit)
-            quantization as the session store's full-int4 entries hold them (runtime/kv_quant.py:
+            quantization as a store would hold them (runtime/kv_quant.py:
             KIVI's groups, keys per channel, values per position); the kept rows exact.
             all-rows-q4-kept8: besides, the kept rows in 8 bits (as the store would hold them; they
             are what the re-selection keeps and decode attends over)

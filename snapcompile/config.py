@@ -102,10 +102,7 @@ class ExportConfig:
         return asdict(self)
 
 
-# what a session store keeps of a compressed sequence (Engine), and the bits a full entry's rows are
-# held in (None: float32)
-SESSION_KEEP = ("compressed", "full", "full-int8", "full-int4")
-FULL_KEEP_BITS = {"full": None, "full-int8": 8, "full-int4": 4}
+SESSION_KEEP = ("compressed", "full")   # what a session store keeps of a compressed sequence (Engine)
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""The session store's low-precision rows (runtime/kv_quant.py): KIVI-style groups, no model."""
+"""Low-precision cache rows (runtime/kv_quant.py): KIVI-style groups, no model."""
 import numpy as np
 import pytest
 from hypothesis import given, settings

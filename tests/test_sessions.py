@@ -10,7 +10,6 @@ from snapcompile.engine.sessions import SessionStore
 from snapcompile.errors import PromptError
 from snapcompile.reference.oracle import ReferenceSequence
 from snapcompile.runtime.kept import KeptCache, common_prefix, plan_resume
-from snapcompile.runtime.kv_quant import QuantizedRows
 from tests.conftest import TINY_SNAPSTREAM, TINY_SUMMARIES, random_prompts
 from tests.test_engine import _engine
 
@@ -261,46 +260,6 @@ def test_full_keep_follows_a_sequence_moved_to_a_lower_slot(tiny_snap_dir):
     assert kept.rows == len(kept.token_ids) == 150 + 11 and not engine.backend._full_prompts
 
 
-def test_full_int4_holds_every_row_in_four_bits_while_that_is_smaller_than_the_slot_rows(tiny_snap_dir):
-    short, long = random_prompts([100, 300], seed=15)
-    for prompt, quantized in ((short, True), (long, False)):
-        int4 = _engine(tiny_snap_dir, session_cache_bytes=2**26, session_keep="full-int4")
-        compressed = _engine(tiny_snap_dir, session_cache_bytes=2**26)
-        for engine in (int4, compressed):
-            engine.generate([Request(prompt, max_new_tokens=3, ignore_eos=True)])
-        held, slot = int4.sessions.newest(), compressed.sessions.newest()
-        if quantized:
-            assert isinstance(held.keys[0], QuantizedRows) and held.keys[0].bits == 4
-            assert held.rows == len(prompt) + 2 and held.compressed_at == 0
-            assert held.nbytes < slot.nbytes, "never more than the B rows"
-        else:            # 300 rows in four bits outweigh the 49 float32 rows of the slot
-            assert held.rows == slot.rows < len(prompt) and held.nbytes == slot.nbytes
-            assert held.compressed_at == slot.compressed_at == len(prompt)
-            for a, b in zip(held.keys + held.positions, slot.keys + slot.positions):
-                np.testing.assert_array_equal(a, b)
-        assert not int4.backend._full_prompts
-
-
-def test_a_turn_resumed_from_a_full_int4_entry_attends_over_its_dequantized_rows(tiny_snap_dir):
-    """The same turn resumed from a float32 full entry holding the int4 entry's dequantized rows
-    gives the same log-probabilities, and differs from the one resumed from the exact rows."""
-    document, question = random_prompts([120, 30], seed=16)
-    int4 = _engine(tiny_snap_dir, session_cache_bytes=2**26, session_keep="full-int4")
-    exact = _engine(tiny_snap_dir, session_cache_bytes=2**26, session_keep="full")
-    for engine in (int4, exact):
-        engine.generate([Request(document, max_new_tokens=1)])
-    held = int4.sessions.newest()
-    dequantized = _engine(tiny_snap_dir, session_cache_bytes=2**26, session_keep="full")
-    layers = range(len(held.keys))
-    dequantized.sessions.put(KeptCache(held.token_ids, *(tuple(held.layer_rows(i, held.rows)[part] for i in layers)
-                                                         for part in (0, 1)), held.positions))
-    follow_up = Request(document + question, max_new_tokens=6, ignore_eos=True, logprobs=True)
-    results = [engine.generate([follow_up])[0] for engine in (int4, dequantized, exact)]
-    assert [r.cached_tokens for r in results] == [120] * 3
-    np.testing.assert_allclose(results[0].token_logprobs, results[1].token_logprobs, atol=1e-5)
-    assert np.abs(np.array(results[0].token_logprobs) - np.array(results[2].token_logprobs)).max() > 1e-4
-
-
 def test_summaries_follow_a_sequence_moved_to_a_lower_slot(tiny_summary_dir):
     short, long = random_prompts([40, 150], seed=14)
     together, alone = (_engine(tiny_summary_dir, session_cache_bytes=2**26) for _ in range(2))
@@ -323,9 +282,6 @@ def test_session_keep_is_checked_and_off_without_a_store(tiny_snap_dir):
     assert not _engine(tiny_snap_dir, session_keep="full").backend.keep_full_prompt
     full = _engine(tiny_snap_dir, session_cache_bytes=2**26, session_keep="full")
     assert full.prompt_limit == full.backend.max_prompt_len(), "every row is kept: the conversation must fit"
-    int4 = _engine(tiny_snap_dir, session_cache_bytes=2**26, session_keep="full-int4")
-    assert int4.backend.keep_full_prompt and int4.backend.keep_full_bits == 4
-    assert int4.prompt_limit == int4.backend.max_prompt_len()
 
 
 def test_an_abandoned_resumed_prefill_leaves_no_summary_bias_behind(tiny_summary_dir):

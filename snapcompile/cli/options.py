@@ -69,10 +69,7 @@ def parse_session_cache(ctx, param, value):
 SESSION_KEEP_HELP = ("What the store keeps of a compressed artifact's sequence: 'compressed', its B rows per layer "
                      "(fixed memory; a resumed turn prefills its new tokens against them); 'full', every prompt row "
                      "and the answer, as a dense prefix cache does (memory grows with the conversation; each turn "
-                     "re-selects from the whole of it, as accurate as prefilling it whole); 'full-int8' / "
-                     "'full-int4', those rows in 8 / 4 bits while that is no larger than the B rows, else the B "
-                     "rows (never more memory than 'compressed'). The full modes take conversations up to "
-                     "max_context.")
+                     "re-selects from the whole of it, as accurate as prefilling it whole).")
 
 
 def session_cache_option():

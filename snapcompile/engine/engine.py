@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from snapcompile.config import FULL_KEEP_BITS, SESSION_KEEP
+from snapcompile.config import SESSION_KEEP
 from snapcompile.engine.request import Request, Sequence
 from snapcompile.engine.sampling import sample, token_logprob, top_logprobs
 from snapcompile.engine.scheduler import Scheduler
@@ -98,9 +98,8 @@ class Engine:
         that begins with one resumes from it (0: off; None: an eighth of the host memory available now).
         session_keep (compressed artifacts): "compressed" keeps the slot's B rows; "full" keeps the
         whole prompt cache (every position, as a dense prefix cache does) plus the answer, so a
-        resumed turn re-selects from the whole conversation; "full-int8" / "full-int4" keep the
-        same rows in 8 / 4 bits while that is no larger than the B rows, else the B rows
-        (docs/design.md, "Conversations that keep their cache")."""
+        resumed turn re-selects from the whole conversation (docs/design.md, "Conversations that
+        keep their cache")."""
         self.backend, self.tokenizer, self.eos_ids = backend, tokenizer, set(eos_ids)
         self.clock = clock
         if max_slots is not None and not 1 <= max_slots <= backend.slots:
@@ -120,8 +119,7 @@ class Engine:
         if session_keep not in SESSION_KEEP:
             raise SnapcompileError(f"--session-keep must be one of {', '.join(SESSION_KEEP)}, got {session_keep!r}")
         self.session_keep = session_keep
-        backend.keep_full_prompt = self.sessions is not None and policy.compressed and session_keep in FULL_KEEP_BITS
-        backend.keep_full_bits = FULL_KEEP_BITS.get(session_keep)
+        backend.keep_full_prompt = self.sessions is not None and policy.compressed and session_keep == "full"
 
     @classmethod
     def from_artifact(cls, folder, provider: str = "cpu", threads: int | None = None,
@@ -145,7 +143,7 @@ class Engine:
     @property
     def prompt_limit(self) -> int:
         """The longest prompt `check_prompt` accepts (tokens)."""
-        if self.sessions is None or not self.backend.manifest.policy.compressed or self.session_keep != "compressed":
+        if self.sessions is None or not self.backend.manifest.policy.compressed or self.session_keep == "full":
             return self.backend.max_prompt_len()
         return self.max_positions - 1
 

@@ -139,11 +139,9 @@ class SlotBackend:
         self._init_prefill()
         self._init_decode()
         self.last_prefill_seconds = {"chunks": 0.0, "select": 0.0}   # of the latest prefill, for benchmarks
-        # keep_full_prompt (session store, modes "full*"): a compressed slot's whole prompt cache is
-        # copied to host at its prefill (slot -> per-layer K, V [Hkv, T, D]) for `keep`, which holds
-        # it in keep_full_bits (None: float32)
+        # keep_full_prompt (session store, mode "full"): a compressed slot's whole prompt cache is
+        # copied to host at its prefill (slot -> per-layer K, V [Hkv, T, D]) for `keep`
         self.keep_full_prompt = False
-        self.keep_full_bits: int | None = None
         self._full_prompts: dict[int, tuple[list[np.ndarray], list[np.ndarray]]] = {}
         self._summaries: dict[int, RowSummaries] = {}    # slot -> its sequence's dropped rows (summaries on)
 
@@ -380,9 +378,8 @@ class SlotBackend:
         """The plan's first kept rows into rows [0, plan.rows) of the prompt's cache, and with
         summaries the entry's summary rows after them, their bias in every prefill graph's input."""
         for i in self._layers:
-            keys, values = plan.kept.layer_rows(i, plan.rows)
-            self.device.upload(targets[0][i][0, :, :plan.rows], keys)
-            self.device.upload(targets[1][i][0, :, :plan.rows], values)
+            self.device.upload(targets[0][i][0, :, :plan.rows], plan.kept.keys[i][:, :plan.rows])
+            self.device.upload(targets[1][i][0, :, :plan.rows], plan.kept.values[i][:, :plan.rows])
         if not self.manifest.policy.summaries:
             return
         summaries = plan.kept.summaries or self._no_summaries()
@@ -527,20 +524,9 @@ class SlotBackend:
              token_ids: list[int]) -> KeptCache:
         """The cache of a finished sequence in `slot` as host arrays in position order: its kept
         prompt rows (`kept_positions`, as PrefillResult gives them) and the `fed` decode tokens the
-        slot still holds. token_ids: the prompt and the fed output tokens (len = positions covered).
-        With keep_full_prompt, every row instead (`_keep_full`); held in keep_full_bits, that entry
-        is kept only when it is no larger than the slot's own, which is kept otherwise."""
-        if slot not in self._full_prompts:
-            return self._keep_slot(slot, layout, kept_positions, fed, token_ids)
-        if self.keep_full_bits is None:
+        slot still holds. token_ids: the prompt and the fed output tokens (len = positions covered)."""
+        if slot in self._full_prompts:
             return self._keep_full(slot, layout, fed, token_ids)
-        compressed = self._keep_slot(slot, layout, kept_positions, fed, token_ids)
-        full = self._keep_full(slot, layout, fed, token_ids).quantized(self.keep_full_bits)
-        return full if full.nbytes <= compressed.nbytes else compressed
-
-    def _keep_slot(self, slot: int, layout: SlotLayout, kept_positions: list[np.ndarray] | None, fed: int,
-                   token_ids: list[int]) -> KeptCache:
-        """The slot's own rows (see `keep`)."""
         hkv = self.manifest.spec.num_kv_heads
         decoded = layout.fed_rows(fed)
         prompt_rows = np.broadcast_to(np.arange(layout.kept), (hkv, layout.kept))

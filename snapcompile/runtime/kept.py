@@ -12,11 +12,10 @@ prompt sent again gets the same answer as the first time).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 
-from snapcompile.runtime.kv_quant import KEY_AXIS, VALUE_AXIS, QuantizedRows, quantize_rows
 from snapcompile.runtime.summaries import RowSummaries
 
 
@@ -24,24 +23,22 @@ from snapcompile.runtime.summaries import RowSummaries
 class KeptCache:
     """token_ids: [F] int64, the tokens the cache stands for (prompt and fed output; the last
     sampled token was never fed, so it is not among them). keys / values: per layer [Hkv, n, D]
-    float32, or held in low precision (QuantizedRows: a `full-int8` / `full-int4` entry);
-    positions: per layer [Hkv, n] int64, ascending per head, all < F. compressed_at: the positions
-    the cache held when its rows were last selected (0: never; every position < F that
+    float32; positions: per layer [Hkv, n] int64, ascending per head, all < F. compressed_at: the
+    positions the cache held when its rows were last selected (0: never; every position < F that
     the ring did not overwrite is a row). summaries: the rows its selections dropped, summed
     (policies with summaries; None otherwise). Every array is read-only: requests that resume from
     one entry at once copy it, none changes it."""
 
     token_ids: np.ndarray
-    keys: tuple[np.ndarray | QuantizedRows, ...]
-    values: tuple[np.ndarray | QuantizedRows, ...]
+    keys: tuple[np.ndarray, ...]
+    values: tuple[np.ndarray, ...]
     positions: tuple[np.ndarray, ...]
     compressed_at: int = 0
     summaries: RowSummaries | None = None
 
     def __post_init__(self):
         for array in (self.token_ids, *self.keys, *self.values, *self.positions):
-            if isinstance(array, np.ndarray):
-                array.flags.writeable = False
+            array.flags.writeable = False
 
     @property
     def rows(self) -> int:
@@ -52,17 +49,6 @@ class KeptCache:
     def nbytes(self) -> int:
         arrays = sum(a.nbytes for a in (self.token_ids, *self.keys, *self.values, *self.positions))
         return arrays + (self.summaries.nbytes if self.summaries is not None else 0)
-
-    def quantized(self, bits: int) -> KeptCache:
-        """This entry with its keys and values held in `bits` bits (runtime/kv_quant.py)."""
-        return replace(self, keys=tuple(quantize_rows(k, bits, KEY_AXIS) for k in self.keys),
-                       values=tuple(quantize_rows(v, bits, VALUE_AXIS) for v in self.values))
-
-    def layer_rows(self, layer: int, rows: int) -> tuple[np.ndarray, np.ndarray]:
-        """Keys and values [Hkv, rows, D] float32 of the layer's first `rows` rows (dequantized
-        from a low-precision entry)."""
-        return tuple(held.dequantize(rows) if isinstance(held, QuantizedRows) else held[:, :rows]
-                     for held in (self.keys[layer], self.values[layer]))
 
 
 @dataclass(frozen=True)

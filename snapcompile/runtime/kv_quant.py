@@ -1,5 +1,6 @@
-"""Cache rows held in low precision in host memory (the session store's `full-int8` / `full-int4`
-entries; docs/design.md, "Conversations that keep their cache"). Host arrays only.
+"""Cache rows held in low precision in host memory: the format `scripts/resume_study.py` measures
+a session store holding dropped rows in with (docs/results/conversations.md, "Every row in four
+bits"). Host arrays only.
 
 As KIVI stores a KV cache (Liu et al., 2024): asymmetric round-to-nearest integers in groups of
 GROUP values, one float16 minimum and one float16 step per group. Keys are grouped per channel
