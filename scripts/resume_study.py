@@ -13,10 +13,10 @@ with five facts in turn 1, turns 2..5 asking about the others) is run greedily i
   all-rows-early, all-rows-late  all-rows in the first (last) half of the layers, resume in the
             others
   all-rows-q4, all-rows-q8  all-rows with the rows a head did not keep seen through 4-bit (8-bit)
-            quantization as a store would hold them (runtime/kv_quant.py:
-            KIVI's groups, keys per channel, values per position); the kept rows exact.
-            all-rows-q4-kept8: besides, the kept rows in 8 bits (as the store would hold them; they
-            are what the re-selection keeps and decode attends over)
+            quantization (runtime/kv_quant.py: KIVI's groups, keys per channel, values per
+            position; every position before the resume point is quantized, the dropped ones
+            shown); the kept rows exact. all-rows-q4-kept8: besides, the kept rows held in 8 bits
+            between turns (they are what the re-selection keeps and decode attends over)
   summary   the oracle's policy with summaries (PolicyConfig.summaries, docs/design.md): the rows
             each selection drops are summed per KV head and position segment (--segment
             positions): one row of mean key and mean value whose logit gets log(rows summed),
@@ -322,15 +322,15 @@ def study_sequence_type(variant: str, recall: int = 2):
         """Turn 1's selection by reconstruction scores (`reconstruct`): the prompt's rows wait
         unselected until the reconstruction pass has scored them."""
 
+        waiting = None           # (window queries, keys, values) of the prompt, until scored
+        scores = None            # [Hkv, T] the reconstruction's scores, while the prompt is selected
+
         def prefill(self, query, key, value, scale):
             if self.waiting is not None:
                 return self.reconstruct(query, key[0], value[0], scale)
             length = key.shape[2]
             self.waiting = (query[0, :, -self.policy.window:], key[0], value[0])
             return oracle._attend(query, key, value, scale, torch.ones(length, length).tril().bool())
-
-        waiting = None
-        scores = None
 
         def reconstruct(self, query, key, value, scale):
             """query [1, H, R, D], key/value [Hkv, R, D] of the reconstruction tokens: attend over

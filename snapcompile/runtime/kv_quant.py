@@ -1,6 +1,6 @@
-"""Cache rows held in low precision in host memory: the format `scripts/resume_study.py` measures
-a session store holding dropped rows in with (docs/results/conversations.md, "Every row in four
-bits"). Host arrays only.
+"""Cache rows held in low precision in host memory: the format in which `scripts/resume_study.py`
+measures a session store holding dropped rows (docs/results/conversations.md, "What the rows must
+be, and in what precision"). Host arrays only.
 
 As KIVI stores a KV cache (Liu et al., 2024): asymmetric round-to-nearest integers in groups of
 GROUP values, one float16 minimum and one float16 step per group. Keys are grouped per channel
