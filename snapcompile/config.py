@@ -102,7 +102,7 @@ class ExportConfig:
         return asdict(self)
 
 
-SESSION_KEEP = ("compressed", "full")   # what a session store keeps of a compressed sequence (Engine)
+SESSION_KEEP = ("compressed", "full", "quantized")   # what a session store keeps of a compressed sequence (Engine)
 
 
 @dataclass(frozen=True)

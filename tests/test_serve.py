@@ -522,14 +522,15 @@ def test_session_cache_bytes_option(artifact, tmp_path):
         assert process.stop() == 0
 
 
-def test_session_keep_full_resumes_from_every_prompt_row(snap_artifact, tmp_path):
-    """serve --session-keep full on a compressed artifact: the follow-up resumes from the whole
-    first prompt and answers as an engine with the same store does."""
+@pytest.mark.parametrize("keep", ["full", "quantized"])
+def test_session_keep_full_or_quantized_resumes_from_the_first_turn(snap_artifact, tmp_path, keep):
+    """serve --session-keep full (quantized) on a compressed artifact: the follow-up resumes from
+    the whole first prompt and answers as an engine with the same store does."""
     from snapcompile import Engine, Request
     bad = CliRunner().invoke(main, ["serve", str(snap_artifact), "--session-keep", "everything"])
-    assert bad.exit_code == 2 and "'compressed', 'full'" in bad.output
-    engine = Engine.from_artifact(snap_artifact, session_cache_bytes=2**26, session_keep="full")
-    process = ServerProcess(snap_artifact, "--session-keep", "full", log=tmp_path / "full.log").wait_ready()
+    assert bad.exit_code == 2 and "'compressed', 'full', 'quantized'" in bad.output
+    engine = Engine.from_artifact(snap_artifact, session_cache_bytes=2**26, session_keep=keep)
+    process = ServerProcess(snap_artifact, "--session-keep", keep, log=tmp_path / "full.log").wait_ready()
     try:
         body = {"model": "tiny", "prompt": "the lazy dog " * 12, "max_tokens": 4, "temperature": 0}
         for _ in range(2):

@@ -118,6 +118,22 @@ def test_bench_turns_times_the_modes_asked_with_summaries(tmp_path):
                                  "-o", tmp_path / "x.json"), "--modes must be among")
 
 
+def test_bench_turns_times_the_quantized_store(tmp_path):
+    """--modes resume-quantized (not a default mode): its later turns resume, its entry holds the
+    dropped rows in 4 bits beside the B rows in 8."""
+    result = invoke("bench-turns", "tiny-llama", "--turns", 3, "--turn-tokens", 300, "--answer-tokens", 8,
+                    "--repeats", 1, "--chunk", 64, "--kernel", 7, "--modes", "resume,resume-quantized",
+                    "--cache-dir", tmp_path / "cache", "-o", tmp_path / "b.json", "--json")
+    assert result.exit_code == 0, result.output
+    payload = json.loads((tmp_path / "b.json").read_text())
+    rows = {(r["mode"], r["turn"]): r for r in payload["medians"]}
+    assert [rows[("resume-quantized", t)]["cached_tokens"] for t in (1, 2, 3)] == \
+        [rows[("resume", t)]["cached_tokens"] for t in (1, 2, 3)]
+    assert rows[("resume-quantized", 3)]["cached_tokens"] > 0
+    kept = {r["mode"]: r["kept_bytes"] for r in payload["runs"]}
+    assert 0 < kept["resume-quantized"] != kept["resume"]
+
+
 def test_eval_turns_takes_dense_from_a_reference_run(tmp_path):
     from tests.cli_helpers import assert_one_line_error
     common = ["--lengths", 700, "--samples", 1, "--cache-dir", tmp_path / "cache"]

@@ -9,6 +9,8 @@ turn is one request on an idle engine, so its TTFT is its prefill (or resumed pr
   reprefill      the compressed artifact, every turn prefilled whole
   resume         the compressed artifact with a session store: each turn resumed from the kept cache
   resume-full    the same with a store that keeps every prompt row (`--session-keep full`)
+  resume-quantized  the B rows in 8 bits and the dropped rows in 4 (`--session-keep quantized`;
+                 not run by default)
 
 The modes alternate within each repeat, so a change in the machine's load falls on all of them.
 """
@@ -20,10 +22,11 @@ from pathlib import Path
 
 from snapcompile.config import PolicyConfig
 from snapcompile.errors import SnapcompileError
-from snapcompile.evaluation.turns import engine_turns
+from snapcompile.evaluation.turns import engine_turns, session_keep_of
 from snapcompile.prompts import FILLER, encode, encode_text
 
-MODES = ("dense", "dense-resume", "reprefill", "resume", "resume-full")
+MODES = ("dense", "dense-resume", "reprefill", "resume", "resume-full", "resume-quantized")
+DEFAULT_MODES = MODES[:5]
 STORE_BYTES = 2**31
 
 
@@ -38,7 +41,7 @@ class TurnsBenchConfig:
     policy: str = "snapstream"
     weight_format: str = "fp32"
     chunk: int = 256
-    modes: tuple[str, ...] = MODES
+    modes: tuple[str, ...] = DEFAULT_MODES
     kernel: int = PolicyConfig.kernel
     summaries: int = 0             # the compressed artifact's summary rows (PolicyConfig.summaries)
 
@@ -95,11 +98,10 @@ def medians(runs: list[dict]) -> list[dict]:
     return out
 
 
-def open_engines(dense: Path, compressed: Path, modes: tuple[str, ...] = MODES) -> dict:
+def open_engines(dense: Path, compressed: Path, modes: tuple[str, ...] = DEFAULT_MODES) -> dict:
     """One engine per mode (a store only for the resume modes)."""
     from snapcompile.engine.engine import Engine
-    folders = {"dense": dense, "dense-resume": dense, "reprefill": compressed, "resume": compressed,
-               "resume-full": compressed}
-    return {mode: Engine.from_artifact(folders[mode], session_cache_bytes=STORE_BYTES if "resume" in mode else 0,
-                                       session_keep="full" if mode == "resume-full" else "compressed")
+    return {mode: Engine.from_artifact(dense if mode.startswith("dense") else compressed,
+                                       session_cache_bytes=STORE_BYTES if "resume" in mode else 0,
+                                       session_keep=session_keep_of(mode))
             for mode in modes}

@@ -69,7 +69,9 @@ def parse_session_cache(ctx, param, value):
 SESSION_KEEP_HELP = ("What the store keeps of a compressed artifact's sequence: 'compressed', its B rows per layer "
                      "(fixed memory; a resumed turn prefills its new tokens against them); 'full', every prompt row "
                      "and the answer, as a dense prefix cache does (memory grows with the conversation; each turn "
-                     "re-selects from the whole of it, as accurate as prefilling it whole).")
+                     "re-selects from the whole of it, as accurate as prefilling it whole); 'quantized', the B rows "
+                     "in 8 bits and every row the selections dropped in 4, which a resumed turn's new tokens "
+                     "attend over (at most the bytes of B float32 rows: the oldest dropped rows go first).")
 
 
 def session_cache_option():

@@ -9,12 +9,13 @@ from pathlib import Path
 
 import click
 
+from snapcompile.bench.turns import DEFAULT_MODES as BENCH_DEFAULT_MODES
 from snapcompile.bench.turns import MODES as BENCH_MODES
 from snapcompile.bench.turns import TurnsBenchConfig
 from snapcompile.cli.options import config_default, csv_option, kernel_option, report_options
 from snapcompile.cli.reports import write_report
 from snapcompile.config import SCOPES, WEIGHT_FORMATS
-from snapcompile.evaluation.turns import MODES, TurnsConfig
+from snapcompile.evaluation.turns import DEFAULT_MODES, MODES, TurnsConfig
 
 
 @click.command(name="eval-turns")
@@ -29,8 +30,8 @@ from snapcompile.evaluation.turns import MODES, TurnsConfig
 @click.option("--policy", type=click.Choice(("snapstream", "streamingllm")), default="snapstream", show_default=True)
 @click.option("--weights", type=click.Choice(WEIGHT_FORMATS), default="fp32", show_default=True)
 @click.option("--chunk", default=config_default(TurnsConfig, "chunk"), show_default=True, type=click.IntRange(min=1))
-@click.option("--modes", default=",".join(MODES), show_default=True, callback=csv_option(str),
-              help="Which of dense, reprefill, resume, ring, resume-full to run (dense: the reference).")
+@click.option("--modes", default=",".join(DEFAULT_MODES), show_default=True, callback=csv_option(str),
+              help=f"Which of {', '.join(MODES)} to run (dense: the reference).")
 @kernel_option()
 @click.option("--scope", type=click.Choice(SCOPES), default=config_default(TurnsConfig, "scope"), show_default=True,
               help="SnapStream selection scope.")
@@ -54,7 +55,8 @@ def eval_turns(model_or_dir, lengths, samples, seed, ratio, policy, weights, chu
     prefilled whole, the reference), reprefill (the compressed artifact, every turn prefilled
     whole), resume (each turn resumed from the kept cache and re-selected with its own window:
     what serve does), ring (each turn's tokens fed through decode steps, no re-selection) and
-    resume-full (resumed from a store that keeps every prompt row: serve --session-keep full).
+    resume-full (resumed from a store that keeps every prompt row: serve --session-keep full;
+    resume-quantized, not run by default: serve --session-keep quantized).
     Reports accuracy per mode and turn, its share of dense's, and of the answers dense got right
     the share each mode kept.
     """
@@ -126,8 +128,8 @@ def _markdown(rows: list[dict], config: TurnsConfig) -> str:
 @click.option("--weights", type=click.Choice(WEIGHT_FORMATS), default="fp32", show_default=True)
 @click.option("--chunk", default=config_default(TurnsBenchConfig, "chunk"), show_default=True,
               type=click.IntRange(min=1))
-@click.option("--modes", default=",".join(BENCH_MODES), show_default=True, callback=csv_option(str),
-              help="Which of dense, dense-resume, reprefill, resume, resume-full to time.")
+@click.option("--modes", default=",".join(BENCH_DEFAULT_MODES), show_default=True, callback=csv_option(str),
+              help=f"Which of {', '.join(BENCH_MODES)} to time.")
 @kernel_option()
 @click.option("--summaries", type=click.IntRange(min=0), default=0, show_default=True,
               help="Summary rows of the compressed artifact (convert --summaries).")

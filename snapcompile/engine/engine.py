@@ -98,8 +98,9 @@ class Engine:
         that begins with one resumes from it (0: off; None: an eighth of the host memory available now).
         session_keep (compressed artifacts): "compressed" keeps the slot's B rows; "full" keeps the
         whole prompt cache (every position, as a dense prefix cache does) plus the answer, so a
-        resumed turn re-selects from the whole conversation (docs/design.md, "Conversations that
-        keep their cache")."""
+        resumed turn re-selects from the whole conversation; "quantized" keeps the slot's rows in 8
+        bits and the rows its selections dropped in 4, which a resumed turn's new tokens attend over
+        (docs/design.md, "Conversations that keep their cache")."""
         self.backend, self.tokenizer, self.eos_ids = backend, tokenizer, set(eos_ids)
         self.clock = clock
         if max_slots is not None and not 1 <= max_slots <= backend.slots:
@@ -119,7 +120,11 @@ class Engine:
         if session_keep not in SESSION_KEEP:
             raise SnapcompileError(f"--session-keep must be one of {', '.join(SESSION_KEEP)}, got {session_keep!r}")
         self.session_keep = session_keep
+        if session_keep == "quantized" and policy.summaries:
+            raise SnapcompileError("--session-keep quantized keeps the dropped rows themselves: it does not go with "
+                                   "an artifact converted with --summaries (their rows take the same place)")
         backend.keep_full_prompt = self.sessions is not None and policy.compressed and session_keep == "full"
+        backend.keep_dropped = self.sessions is not None and policy.compressed and session_keep == "quantized"
 
     @classmethod
     def from_artifact(cls, folder, provider: str = "cpu", threads: int | None = None,

@@ -14,6 +14,8 @@ and the chat template's tokens of the next user message. How each turn reaches t
              kept cache, as generated tokens are (the ring; no re-selection)
   resume-full  the compressed artifact resumed from a store that keeps every prompt row and the
              answer (`--session-keep full`): each turn re-selected from the whole conversation
+  resume-quantized  resumed from a store that keeps the B rows in 8 bits and the dropped rows in
+             4, attended by the new tokens (`--session-keep quantized`; not run by default)
 """
 from __future__ import annotations
 
@@ -31,7 +33,8 @@ from snapcompile.evaluation.store import append_partial, partial_path, read_part
 from snapcompile.evaluation.tasks import WORDS, facts_text, fit_text
 from snapcompile.prompts import encode, encode_text
 
-MODES = ("dense", "reprefill", "resume", "ring", "resume-full")
+MODES = ("dense", "reprefill", "resume", "ring", "resume-full", "resume-quantized")
+DEFAULT_MODES = MODES[:5]
 FACTS = 5
 MARK = "\u2063"           # stands for an answer while the template renders the turn after it
 
@@ -73,6 +76,11 @@ def make_case(tokenizer, length: int, sample: int, seed: int, chat: bool) -> Tur
     document = fit_text(tokenizer, lambda repeats: facts_text(words, numbers, depths, repeats) + "\n\n"
                         + probe.question(0), length, chat)
     return TurnsCase(sample, length, words, numbers, depths, asked, document[: -len(probe.question(0)) - 2])
+
+
+def session_keep_of(mode: str) -> str:
+    """The engine's --session-keep for a mode (resume-full -> full; compressed otherwise)."""
+    return {"resume-full": "full", "resume-quantized": "quantized"}.get(mode, "compressed")
 
 
 def first_turn(tokenizer, case: TurnsCase, chat: bool) -> list[int]:
@@ -134,7 +142,7 @@ class TurnsConfig:
     weight_format: str = "fp32"
     chunk: int = 256
     answer_tokens: int = 24           # "The special number for WORD is NNNNNN." with room to spare
-    modes: tuple[str, ...] = MODES
+    modes: tuple[str, ...] = DEFAULT_MODES
     kernel: int = PolicyConfig.kernel  # the policy's pooling kernel K
     scope: str = "head"               # SnapStream selection scope
     prompt_share: int | None = None   # P (None: B minus a ring of B/4, less the summaries)

@@ -19,6 +19,7 @@ from snapcompile.evaluation.turns import (
     make_case,
     next_turn_tokens,
     rows_kept_of,
+    session_keep_of,
 )
 from snapcompile.prompts import encode_text
 
@@ -52,7 +53,7 @@ def run_turns(config: TurnsConfig, output: Path, cache_dir: Path, progress: Call
             converse = _ring_runner(folders[mode], tokenizer, chat, config.answer_tokens) if mode == "ring" else \
                 _engine_runner(folders[mode], tokenizer, chat, config.answer_tokens,
                                STORE_BYTES if mode.startswith("resume") else 0,
-                               "full" if mode == "resume-full" else "compressed")
+                               session_keep_of(mode))
             for case in todo:
                 store.add({"id": f"{mode}/{case.key}", "mode": mode, "case": case.key, "length": length,
                            "budget": None if mode == "dense" else config.budget(length), "turns": converse(case)})
@@ -78,7 +79,7 @@ def _engine_runner(folder: Path, tokenizer, chat: bool, answer_tokens: int, sess
 
     def asked_kept(case: TurnsCase, turn: int, ids: list[int]) -> float | None:
         kept = engine.sessions.newest() if engine.sessions is not None else None
-        if kept is None or not engine.backend.manifest.policy.compressed or session_keep == "full":
+        if kept is None or not engine.backend.manifest.policy.compressed or session_keep != "compressed":
             return None
         return rows_kept_of(kept, ids, encode_text(tokenizer, case.answer(turn)))
 

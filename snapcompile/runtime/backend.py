@@ -28,6 +28,7 @@ from snapcompile.artifact.naming import (
     is_prefill_graph,
 )
 from snapcompile.errors import PromptError, SnapcompileError
+from snapcompile.runtime.dropped import DroppedChunk, DroppedRows
 from snapcompile.runtime.kept import KeptCache, ResumePlan
 from snapcompile.runtime.layout import DecodeStep, SlotLayout
 from snapcompile.runtime.memory import check_fits, gib
@@ -69,6 +70,15 @@ def chunk_starts(prompt_len: int, chunk: int) -> list[int]:
     starts = list(range(0, max(prompt_len - chunk, 0), chunk))
     starts.append(max(prompt_len - chunk, 0))
     return starts
+
+
+def _chunk_spans(length: int, split: int, chunk: int):
+    """(offset, count) of the chunks of `length` new tokens, none across `split` (0: one run):
+    chunk_starts over [0, split), then over [split, length)."""
+    for first, last in ((0, split), (split, length)):
+        if last > first:
+            for offset in chunk_starts(last - first, chunk):
+                yield first + offset, min(chunk, last - first - offset)
 
 
 def drain(chunks) -> PrefillResult:
@@ -144,6 +154,10 @@ class SlotBackend:
         self.keep_full_prompt = False
         self._full_prompts: dict[int, tuple[list[np.ndarray], list[np.ndarray]]] = {}
         self._summaries: dict[int, RowSummaries] = {}    # slot -> its sequence's dropped rows (summaries on)
+        # keep_dropped (session store, mode "quantized"): slot -> the dropped rows its sequence's
+        # entry will hold (the resumed entry's and its own prefill's selection's)
+        self.keep_dropped = False
+        self._dropped: dict[int, DroppedRows] = {}
 
     def _kv(self, batch: int, rows: int):
         return self.device.zeros((batch, self.manifest.spec.num_kv_heads, rows, self.manifest.spec.head_dim), "float32")
@@ -313,20 +327,25 @@ class SlotBackend:
         prompt); a bucket's own cache is a copy of their first rows, filled when a chunk moves
         to that bucket (the buckets share one buffer, so one holds this prompt at a time).
         A resumed prefill with summaries attends over them as rows between the kept rows and the
-        new tokens, which move down over them before the selection."""
+        new tokens; with the entry's dropped rows, only its last chunk of new tokens does (which
+        holds the window): they lie between the earlier new tokens and that chunk. The rows after
+        them move down over them before the selection."""
         targets = self._prefill_targets(slot)
         if self._bias_set:               # a resumed prefill abandoned mid-way (its request cancelled)
             self._clear_cache_bias()
-        summary_rows = self.manifest.policy.summaries if plan else 0
-        first_row, first_position = (plan.rows + summary_rows, plan.resume_at) if plan else (0, 0)
-        if plan:
-            self._load_kept(targets, plan)
+        base, first_position = (plan.rows, plan.resume_at) if plan else (0, 0)
         new = token_ids[first_position:]
+        extra_rows = self.manifest.policy.summaries + plan.dropped_rows if plan else 0
+        early = max(len(new) - self.chunk, 0) if plan and plan.dropped_rows else 0
+        if plan:
+            self._load_kept(targets, plan, base + early)
         ids = np.zeros((1, self.chunk), np.int64)
         synced = None                    # the bucket whose cache holds the rows filled so far
         began = time.perf_counter()
-        for offset in chunk_starts(len(new), self.chunk):
-            count, start = min(self.chunk, len(new) - offset), first_row + offset
+        for offset, count in _chunk_spans(len(new), early, self.chunk):
+            start = base + offset + (extra_rows if offset >= early else 0)
+            if offset == early:
+                synced = None            # the extra rows were loaded after the bucket was filled
             rows = self.chunk_rows(start)
             if rows != synced:
                 synced = self._prepare_chunk_graph(rows, targets, start)
@@ -344,10 +363,10 @@ class SlotBackend:
                     synced = None        # the bucket has no room for these rows
             yield count
         compressed_at = time.perf_counter()
-        if summary_rows:
-            self._drop_summary_rows(targets, plan.rows, summary_rows, len(new))
+        if extra_rows:
+            self._drop_extra_rows(targets, base + early, extra_rows, len(new) - early)
             synced = None
-        filled = first_row - summary_rows + len(new)
+        filled = base + len(new)
         share = self.manifest.policy.resolved_prompt_share if self.manifest.policy.compressed else None
         layout = SlotLayout.for_rows(len(token_ids), filled, self.rows_per_slot, share)
         kept = None
@@ -359,6 +378,8 @@ class SlotBackend:
             kept = self._compress_into_slot(slot, layout, filled, rows)
             if self.manifest.policy.summaries:
                 self._summaries[slot] = self._summaries_after(plan, targets, len(token_ids), filled, kept)
+            if self.keep_dropped:
+                self._dropped[slot] = self._dropped_after(plan, targets, len(token_ids), filled, kept)
             if plan:
                 kept = _positions_of_rows(plan, len(token_ids), kept, layout.kept)
         self.last_prefill_seconds = {"chunks": compressed_at - began, "select": time.perf_counter() - compressed_at}
@@ -374,12 +395,20 @@ class SlotBackend:
         self._full_prompts[slot] = ([self.device.download(k[0])[:, :filled].copy() for k in targets[0]],
                                     [self.device.download(v[0])[:, :filled].copy() for v in targets[1]])
 
-    def _load_kept(self, targets, plan: ResumePlan) -> None:
-        """The plan's first kept rows into rows [0, plan.rows) of the prompt's cache, and with
-        summaries the entry's summary rows after them, their bias in every prefill graph's input."""
+    def _load_kept(self, targets, plan: ResumePlan, dropped_at: int) -> None:
+        """The plan's first kept rows into rows [0, plan.rows) of the prompt's cache, the entry's
+        dropped rows (plan.dropped_rows) from row `dropped_at` on, and with summaries its summary
+        rows after the kept ones, their bias in every prefill graph's input."""
         for i in self._layers:
-            self.device.upload(targets[0][i][0, :, :plan.rows], plan.kept.keys[i][:, :plan.rows])
-            self.device.upload(targets[1][i][0, :, :plan.rows], plan.kept.values[i][:, :plan.rows])
+            keys, values = plan.kept.layer_rows(i, plan.rows)
+            self.device.upload(targets[0][i][0, :, :plan.rows], keys)
+            self.device.upload(targets[1][i][0, :, :plan.rows], values)
+        if plan.dropped_rows:
+            rows = slice(dropped_at, dropped_at + plan.dropped_rows)
+            for i in self._layers:
+                keys, values = plan.kept.dropped.layer(i)
+                self.device.upload(targets[0][i][0, :, rows], keys)
+                self.device.upload(targets[1][i][0, :, rows], values)
         if not self.manifest.policy.summaries:
             return
         summaries = plan.kept.summaries or self._no_summaries()
@@ -397,9 +426,9 @@ class SlotBackend:
         spec = self.manifest.spec
         return RowSummaries.empty(self.num_layers, spec.num_kv_heads, self.manifest.policy.summaries, spec.head_dim)
 
-    def _drop_summary_rows(self, targets, first: int, count: int, new: int) -> None:
+    def _drop_extra_rows(self, targets, first: int, count: int, new: int) -> None:
         """After a resumed prefill: the `new` tokens' rows move from `first + count` down to `first`
-        (over the summary rows) and every cache bias is zero again."""
+        (over the summary or dropped rows) and every cache bias is zero again."""
         for cache in (*targets[0], *targets[1]):
             moved = self.device.download(cache[0, :, first + count:first + count + new]).copy()
             self.device.upload(cache[0, :, first:first + new], moved)
@@ -427,6 +456,27 @@ class SlotBackend:
             layer_rows.append((self.device.download(targets[0][i][0, :, :filled]),
                                self.device.download(targets[1][i][0, :, :filled]), tables[i], dropped))
         return before.with_dropped(self.manifest.policy.summary_index, layer_rows)
+
+    def _dropped_after(self, plan: ResumePlan | None, targets, prompt_len: int, filled: int,
+                       kept_rows: list[np.ndarray] | None) -> DroppedRows:
+        """The dropped rows a slot's entry will hold once its prompt's rows were selected: the
+        resumed entry's (whether attended or not) and, in 4 bits, the `filled` scratch rows this
+        selection did not keep (kept_rows as `_compress_into_slot` returns them)."""
+        before = (plan.kept.dropped if plan else None) or DroppedRows()
+        if kept_rows is None:
+            return before
+        tables = _row_positions(plan, prompt_len, filled, self.manifest.spec.num_kv_heads, self.num_layers)
+        layers = []
+        for i in self._layers:
+            dropped = np.ones(tables[i].shape, bool)
+            np.put_along_axis(dropped, kept_rows[i], False, axis=1)
+            hkv = dropped.shape[0]
+            rows = np.nonzero(dropped)[1].reshape(hkv, -1)            # each head drops as many rows
+            keys, values = (self.device.download(cache[i][0, :, :filled]) for cache in targets)
+            layers.append((np.take_along_axis(keys, rows[..., None], axis=1),
+                           np.take_along_axis(values, rows[..., None], axis=1),
+                           np.take_along_axis(tables[i], rows, axis=1)))
+        return before.with_chunk(DroppedChunk.of(layers) if layers[0][2].shape[1] else None)
 
     def prefill(self, slot: int, token_ids: list[int]) -> PrefillResult:
         return drain(self.prefill_chunks(slot, token_ids))
@@ -524,9 +574,23 @@ class SlotBackend:
              token_ids: list[int]) -> KeptCache:
         """The cache of a finished sequence in `slot` as host arrays in position order: its kept
         prompt rows (`kept_positions`, as PrefillResult gives them) and the `fed` decode tokens the
-        slot still holds. token_ids: the prompt and the fed output tokens (len = positions covered)."""
+        slot still holds. token_ids: the prompt and the fed output tokens (len = positions covered).
+        With keep_dropped, the rows in 8 bits and the rows its selections dropped beside them, in 4
+        bits, less the oldest of those until the entry costs no more than a float32 one of the
+        slot's every row would."""
         if slot in self._full_prompts:
             return self._keep_full(slot, layout, fed, token_ids)
+        kept = self._keep_slot(slot, layout, kept_positions, fed, token_ids)
+        dropped = self._dropped.pop(slot, None)
+        if dropped is None:
+            return kept
+        rows_bound = self.manifest.kv_bytes_per_slot() + self.num_layers * kept.positions[0].shape[0] \
+            * self.rows_per_slot * kept.positions[0].itemsize
+        return kept.quantized(dropped, rows_bound + kept.token_ids.nbytes)
+
+    def _keep_slot(self, slot: int, layout: SlotLayout, kept_positions: list[np.ndarray] | None, fed: int,
+                   token_ids: list[int]) -> KeptCache:
+        """The slot's own rows (see `keep`), in float32."""
         hkv = self.manifest.spec.num_kv_heads
         decoded = layout.fed_rows(fed)
         prompt_rows = np.broadcast_to(np.arange(layout.kept), (hkv, layout.kept))
@@ -564,15 +628,15 @@ class SlotBackend:
 
     def forget(self, slot: int) -> None:
         """Drop what the slot's sequence held for `keep` (it ended without being kept)."""
-        self._full_prompts.pop(slot, None)
-        self._summaries.pop(slot, None)
+        for held in (self._full_prompts, self._summaries, self._dropped):
+            held.pop(slot, None)
 
     def move_slot(self, source: int, target: int, rows: int) -> None:
         """Copy the first `rows` cache rows of slot `source` into slot `target` (the engine moves a
         sequence to a lower slot so that its steps run on a smaller decode graph)."""
         for cache in (*self.keys, *self.values):
             cache[target, :, :rows] = cache[source, :, :rows]
-        for held in (self._full_prompts, self._summaries):
+        for held in (self._full_prompts, self._summaries, self._dropped):
             if source in held:
                 held[target] = held.pop(source)
 

@@ -12,33 +12,40 @@ prompt sent again gets the same answer as the first time).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
+from snapcompile.runtime.dropped import DroppedRows
+from snapcompile.runtime.kv_quant import KEY_AXIS, VALUE_AXIS, QuantizedRows, quantize_rows
 from snapcompile.runtime.summaries import RowSummaries
+
+KEPT_BITS = 8           # the bits a `quantized` entry holds its rows in (its dropped rows: dropped.py)
 
 
 @dataclass(frozen=True)
 class KeptCache:
     """token_ids: [F] int64, the tokens the cache stands for (prompt and fed output; the last
     sampled token was never fed, so it is not among them). keys / values: per layer [Hkv, n, D]
-    float32; positions: per layer [Hkv, n] int64, ascending per head, all < F. compressed_at: the
-    positions the cache held when its rows were last selected (0: never; every position < F that
-    the ring did not overwrite is a row). summaries: the rows its selections dropped, summed
-    (policies with summaries; None otherwise). Every array is read-only: requests that resume from
-    one entry at once copy it, none changes it."""
+    float32, or in KEPT_BITS (QuantizedRows, `quantized`); positions: per layer [Hkv, n] int64,
+    ascending per head, all < F. compressed_at: the positions the cache held when its rows were last
+    selected (0: never; every position < F that the ring did not overwrite is a row). summaries: the
+    rows its selections dropped, summed (policies with summaries; None otherwise). dropped: those
+    rows themselves in 4 bits (`quantized`; None otherwise). Every array is read-only: requests that
+    resume from one entry at once copy it, none changes it."""
 
     token_ids: np.ndarray
-    keys: tuple[np.ndarray, ...]
-    values: tuple[np.ndarray, ...]
+    keys: tuple[np.ndarray | QuantizedRows, ...]
+    values: tuple[np.ndarray | QuantizedRows, ...]
     positions: tuple[np.ndarray, ...]
     compressed_at: int = 0
     summaries: RowSummaries | None = None
+    dropped: DroppedRows | None = None
 
     def __post_init__(self):
         for array in (self.token_ids, *self.keys, *self.values, *self.positions):
-            array.flags.writeable = False
+            if isinstance(array, np.ndarray):
+                array.flags.writeable = False
 
     @property
     def rows(self) -> int:
@@ -48,17 +55,34 @@ class KeptCache:
     @property
     def nbytes(self) -> int:
         arrays = sum(a.nbytes for a in (self.token_ids, *self.keys, *self.values, *self.positions))
-        return arrays + (self.summaries.nbytes if self.summaries is not None else 0)
+        extra = (self.summaries, self.dropped)
+        return arrays + sum(held.nbytes for held in extra if held is not None)
+
+    def layer_rows(self, layer: int, rows: int) -> tuple[np.ndarray, np.ndarray]:
+        """Keys and values [Hkv, rows, D] float32 of the layer's first `rows` rows."""
+        return tuple(held.dequantize(rows) if isinstance(held, QuantizedRows) else held[:, :rows]
+                     for held in (self.keys[layer], self.values[layer]))
+
+    def quantized(self, dropped: DroppedRows, max_bytes: int) -> KeptCache:
+        """This entry with its rows in KEPT_BITS and `dropped` beside them, less their oldest
+        chunks until it holds at most max_bytes (none left: no dropped rows)."""
+        held = replace(self, keys=tuple(quantize_rows(k, KEPT_BITS, KEY_AXIS) for k in self.keys),
+                       values=tuple(quantize_rows(v, KEPT_BITS, VALUE_AXIS) for v in self.values), dropped=None)
+        while dropped.chunks and held.nbytes + dropped.nbytes > max_bytes:
+            dropped = dropped.without_oldest()
+        return replace(held, dropped=dropped if dropped.chunks else None)
 
 
 @dataclass(frozen=True)
 class ResumePlan:
     """Resume a request from `kept`: its tokens [resume_at, T) are prefilled against the first
-    `rows` kept rows (those of positions < resume_at, as many in every layer and head)."""
+    `rows` kept rows (those of positions < resume_at, as many in every layer and head) and, when
+    dropped_rows > 0, the entry's dropped rows (all of them: their positions are < compressed_at)."""
 
     kept: KeptCache
     resume_at: int
     rows: int
+    dropped_rows: int = 0
 
 
 def common_prefix(a: np.ndarray, b: list[int]) -> int:
@@ -73,7 +97,8 @@ def plan_resume(kept: KeptCache, token_ids: list[int], window: int, max_rows: in
     """How `token_ids` (T of them) resumes from `kept`, or None when it cannot: fewer than
     `min_tokens` common tokens left once the last max(window, 1) are prefilled anew, a resume point
     before the kept rows' selection (`compressed_at`) or one that cuts them unevenly across heads,
-    or more than `max_rows` rows to prefill against (the artifact's prefill cache)."""
+    or more than `max_rows` rows to prefill against (the artifact's prefill cache). The entry's
+    dropped rows are attended too when they fit in max_rows as well."""
     resume_at = min(common_prefix(kept.token_ids, token_ids), len(token_ids) - max(window, 1))
     if resume_at < max(min_tokens, 1) or resume_at < kept.compressed_at:
         return None
@@ -81,6 +106,8 @@ def plan_resume(kept: KeptCache, token_ids: list[int], window: int, max_rows: in
     if len(counts) != 1:
         return None
     rows = counts.pop()
-    if rows == 0 or rows + len(token_ids) - resume_at > max_rows:
+    needed = rows + len(token_ids) - resume_at
+    if rows == 0 or needed > max_rows:
         return None
-    return ResumePlan(kept, resume_at, rows)
+    dropped = kept.dropped.rows if kept.dropped is not None else 0
+    return ResumePlan(kept, resume_at, rows, dropped if needed + dropped <= max_rows else 0)

@@ -1,6 +1,6 @@
-"""Cache rows held in low precision in host memory: the format in which `scripts/resume_study.py`
-measures a session store holding dropped rows (docs/results/conversations.md, "What the rows must
-be, and in what precision"). Host arrays only.
+"""Cache rows held in low precision in host memory: a `quantized` session entry's rows (8 bits)
+and dropped rows (4 bits; runtime/dropped.py), and the study's (scripts/resume_study.py). Host
+arrays only.
 
 As KIVI stores a KV cache (Liu et al., 2024): asymmetric round-to-nearest integers in groups of
 GROUP values, one float16 minimum and one float16 step per group. Keys are grouped per channel
