@@ -448,14 +448,19 @@ class SlotBackend:
         before = (plan.kept.summaries if plan else None) or self._no_summaries()
         if kept_rows is None:
             return before
+        layer_rows = [(self.device.download(targets[0][i][0, :, :filled]),
+                       self.device.download(targets[1][i][0, :, :filled]), positions, dropped)
+                      for i, positions, dropped in self._not_kept(plan, prompt_len, filled, kept_rows)]
+        return before.with_dropped(self.manifest.policy.summary_index, layer_rows)
+
+    def _not_kept(self, plan: ResumePlan | None, prompt_len: int, filled: int, kept_rows: list[np.ndarray]):
+        """Per layer i: (i, positions [Hkv, filled] of the prefilled rows, [Hkv, filled] bool: the
+        rows the selection did not keep)."""
         tables = _row_positions(plan, prompt_len, filled, self.manifest.spec.num_kv_heads, self.num_layers)
-        layer_rows = []
         for i in self._layers:
             dropped = np.ones(tables[i].shape, bool)
             np.put_along_axis(dropped, kept_rows[i], False, axis=1)
-            layer_rows.append((self.device.download(targets[0][i][0, :, :filled]),
-                               self.device.download(targets[1][i][0, :, :filled]), tables[i], dropped))
-        return before.with_dropped(self.manifest.policy.summary_index, layer_rows)
+            yield i, tables[i], dropped
 
     def _dropped_after(self, plan: ResumePlan | None, targets, prompt_len: int, filled: int,
                        kept_rows: list[np.ndarray] | None) -> DroppedRows:
@@ -465,17 +470,13 @@ class SlotBackend:
         before = (plan.kept.dropped if plan else None) or DroppedRows()
         if kept_rows is None:
             return before
-        tables = _row_positions(plan, prompt_len, filled, self.manifest.spec.num_kv_heads, self.num_layers)
         layers = []
-        for i in self._layers:
-            dropped = np.ones(tables[i].shape, bool)
-            np.put_along_axis(dropped, kept_rows[i], False, axis=1)
-            hkv = dropped.shape[0]
-            rows = np.nonzero(dropped)[1].reshape(hkv, -1)            # each head drops as many rows
+        for i, positions, dropped in self._not_kept(plan, prompt_len, filled, kept_rows):
+            rows = np.nonzero(dropped)[1].reshape(dropped.shape[0], -1)     # each head drops as many rows
             keys, values = (self.device.download(cache[i][0, :, :filled]) for cache in targets)
             layers.append((np.take_along_axis(keys, rows[..., None], axis=1),
                            np.take_along_axis(values, rows[..., None], axis=1),
-                           np.take_along_axis(tables[i], rows, axis=1)))
+                           np.take_along_axis(positions, rows, axis=1)))
         return before.with_chunk(DroppedChunk.of(layers) if layers[0][2].shape[1] else None)
 
     def prefill(self, slot: int, token_ids: list[int]) -> PrefillResult:
