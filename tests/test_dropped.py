@@ -115,6 +115,20 @@ def test_a_resumed_turn_attends_over_the_dropped_rows_and_selects_among_the_kept
         logits = sequence.feed([token])
 
 
+def test_the_backend_refuses_a_plan_whose_dropped_rows_would_not_fit(tiny_snap_dir):
+    from dataclasses import replace
+
+    from snapcompile.runtime.backend import drain
+    document, question = random_prompts([160, 20], seed=24)
+    engine = _engine(tiny_snap_dir, session_cache_bytes=2**26, session_keep="quantized")
+    engine.generate([Request(document, max_new_tokens=1)])
+    held, backend = engine.sessions.newest(), engine.backend
+    plan = plan_resume(held, document + question, TINY_SNAPSTREAM.selection_window, backend.max_resume_rows())
+    too_many = replace(plan, dropped_rows=backend.max_resume_rows())
+    with pytest.raises(SnapcompileError, match="dropped ones: .* rows, the artifact's resumed prefill takes"):
+        drain(backend.resume_chunks(0, too_many, document + question))
+
+
 def test_quantized_keep_is_refused_with_summaries_and_off_without_a_store(tiny_summary_dir, tiny_snap_dir):
     with pytest.raises(SnapcompileError, match="--session-keep quantized keeps the dropped rows themselves"):
         _engine(tiny_summary_dir, session_cache_bytes=2**26, session_keep="quantized")

@@ -314,12 +314,12 @@ class SlotBackend:
         prompt's cache, tokens [resume_at, T) are prefilled against them at their own positions,
         and the cache is compressed back into the slot as a prompt of T positions (snapstream
         re-selects with the new tokens' window). A conversation may pass max_context this way;
-        the rows prefilled against may not."""
-        rows = plan.rows + len(token_ids) - plan.resume_at
+        the rows prefilled against (the entry's dropped rows included) may not."""
+        rows = plan.rows + plan.dropped_rows + len(token_ids) - plan.resume_at
         if rows > self.max_resume_rows() or not 0 < plan.resume_at < len(token_ids):
             raise SnapcompileError(f"cannot resume {len(token_ids)} tokens at token {plan.resume_at} from "
-                                   f"{plan.rows} kept rows: {rows} rows, the artifact's resumed prefill takes "
-                                   f"{self.max_resume_rows()}")
+                                   f"{plan.rows} kept rows and {plan.dropped_rows} dropped ones: {rows} rows, "
+                                   f"the artifact's resumed prefill takes {self.max_resume_rows()}")
         return (yield from self._prefill(slot, token_ids, plan))
 
     def _prefill(self, slot: int, token_ids: list[int], plan: ResumePlan | None):
