@@ -36,6 +36,7 @@ class ExportConfig:
     weight_format: str = "fp32"
     block_size: int = 32
     slot_buckets: bool = True
+    tail: int = 32
 
     def __post_init__(self):
         if self.slots < 1:
@@ -47,6 +48,8 @@ class ExportConfig:
         if self.chunk > self.max_context:
             raise SnapcompileError(
                 f"--chunk ({self.chunk}) cannot exceed --max-context ({self.max_context})")
+        if not 0 <= self.tail <= self.max_context:
+            raise SnapcompileError(f"--tail must be in 0..{self.max_context} (--max-context), got {self.tail}")
         if self.weight_format not in WEIGHT_FORMATS:
             raise SnapcompileError(f"unknown --weights {self.weight_format!r}; "
                                    f"choose one of {', '.join(WEIGHT_FORMATS)}")
@@ -99,7 +102,17 @@ class ExportConfig:
         return [*sizes, self.slots]
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """The fields; tail only where it is set, so the records (and cache keys) of artifacts
+        without a tail graph stay what they were before it."""
+        d = asdict(self)
+        if not self.tail:
+            d.pop("tail")
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> ExportConfig:
+        """An artifact's export record; one written before the tail graph has none (tail 0)."""
+        return cls(**{"tail": 0, **d})
 
 
 SESSION_KEEP = ("compressed", "full", "quantized")   # what a session store keeps of a compressed sequence (Engine)
@@ -214,6 +227,10 @@ class PolicyConfig:
             raise SnapcompileError(
                 f"window {self.window} is longer than the prefill chunk {export.chunk}: "
                 "the observation window must fit in one chunk")
+        if self.policy == "snapstream" and 0 < export.tail < self.window:
+            raise SnapcompileError(
+                f"window {self.window} is longer than the tail graph's {export.tail} tokens: convert with "
+                f"--tail {self.window} or more (or --tail 0: no tail graph, no --session-keep quantized)")
 
     def to_dict(self) -> dict:
         """The fields (prompt_share resolved); the summary fields only where summaries are on, so

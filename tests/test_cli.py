@@ -14,8 +14,8 @@ def test_convert_inspect_run_validate(tmp_path):
     assert result.exit_code == 0, result.output
     info = json.loads(invoke("inspect", out, "--json").output)
     assert info["blocks_rewritten"] == {"decode": 2, "decode_1": 2, "prefill": 2, "prefill_128": 2, "prefill_256": 2,
-                                        "prefill_384": 2, "select": 2, "select_128": 2, "select_256": 2,
-                                        "select_384": 2}
+                                        "prefill_384": 2, "prefill_tail": 2, "select": 2, "select_128": 2,
+                                        "select_256": 2, "select_384": 2}
     assert info["kv_bytes_per_slot"] * 8 == info["dense_kv_bytes_per_slot"]
     run = invoke("run", out, "--prompt", "hello " * 60, "--prompt", "hi", "--max-new-tokens", 5, "--json")
     assert run.exit_code == 0, run.output

@@ -29,6 +29,23 @@ def test_window_longer_than_chunk_is_rejected():
         PolicyConfig(budget=256, window=64).check_against(ExportConfig(chunk=32, max_context=1024))
 
 
+def test_window_longer_than_the_tail_is_rejected_but_no_tail_is_fine():
+    with pytest.raises(SnapcompileError, match="window 48 is longer than the tail graph's 32 tokens: convert with "
+                                               "--tail 48"):
+        PolicyConfig(budget=256, window=48).check_against(ExportConfig(chunk=64, max_context=1024))
+    PolicyConfig(budget=256, window=48).check_against(ExportConfig(chunk=64, max_context=1024, tail=0))
+    PolicyConfig(policy="streamingllm", budget=256, window=48).check_against(ExportConfig(chunk=64, max_context=1024))
+
+
+def test_export_records_name_the_tail_only_where_there_is_one():
+    """An artifact written before the tail graph has no "tail" in its record: it reads as none, and
+    a record without a tail keeps the key it had."""
+    assert ExportConfig.from_dict(ExportConfig(tail=16).to_dict()).tail == 16
+    record = ExportConfig(tail=0).to_dict()
+    assert "tail" not in record and ExportConfig.from_dict(record).tail == 0
+    assert ExportConfig().tail == 32
+
+
 def test_budget_above_context_is_rejected():
     with pytest.raises(SnapcompileError, match="exceeds --max-context"):
         PolicyConfig(budget=4096).check_against(ExportConfig(max_context=1024))
@@ -41,7 +58,8 @@ def test_dense_ignores_budget_fields():
 
 
 @pytest.mark.parametrize("kwargs", [dict(slots=0), dict(chunk=0), dict(chunk=64, max_context=32),
-                                    dict(weight_format="bf16"), dict(block_size=48)])
+                                    dict(weight_format="bf16"), dict(block_size=48), dict(tail=-1),
+                                    dict(tail=65, max_context=64)])
 def test_invalid_export_configs(kwargs):
     with pytest.raises(SnapcompileError):
         ExportConfig(**kwargs)

@@ -10,7 +10,7 @@ from snapcompile.reference import oracle
 from snapcompile.runtime.dropped import DroppedChunk, DroppedRows
 from snapcompile.runtime.kept import KeptCache, plan_resume
 from snapcompile.runtime.kv_quant import QuantizedRows
-from tests.conftest import TINY_EXPORT, TINY_SNAPSTREAM, random_prompts
+from tests.conftest import TINY_EXPORT, TINY_SNAPSTREAM, build_artifact, random_prompts
 from tests.test_engine import _engine
 
 
@@ -69,9 +69,9 @@ def test_quantized_keep_holds_the_slot_rows_in_8_bits_and_every_dropped_row_in_4
 
 class _GivenRows(oracle._LayerCache):
     """The oracle's layer resuming from given rows: the kept ones (selectable) and the dropped ones
-    (seen by the last `chunk` new tokens only), as a quantized entry holds them."""
+    (seen by the last `tail` new tokens only), as a quantized entry holds them."""
 
-    chunk = TINY_EXPORT.chunk
+    tail = TINY_EXPORT.tail
 
     def start_resume(self, resume_at):
         keys, values, positions, dropped_keys, dropped_values = (torch.from_numpy(np.array(a)) for a in self.given)
@@ -83,14 +83,14 @@ class _GivenRows(oracle._LayerCache):
         seen_v = torch.cat([values[:, :kept], dropped_values, values[:, kept:]], dim=1)
         new, dropped = keys.shape[1] - kept, dropped_keys.shape[1]
         visible = oracle.resumed_visible(new, kept + dropped)
-        visible[: max(new - self.chunk, 0), kept:kept + dropped] = False
+        visible[: max(new - self.tail, 0), kept:kept + dropped] = False
         return oracle._attend(query, seen_k[None], seen_v[None], scale, visible)
 
 
 def test_a_resumed_turn_attends_over_the_dropped_rows_and_selects_among_the_kept(tiny_llama, tiny_snap_dir):
     """The engine's resumed turn from a quantized entry equals the oracle's given the entry's rows
-    (the kept ones and, for the last prefill chunk of new tokens only, the dropped ones), step by
-    step; the question is long enough for a chunk before that one."""
+    (the kept ones and, for the last T new tokens only, the dropped ones), step by step; the
+    question is longer than the tail, so a prefill chunk runs before the tail graph."""
     document, question = random_prompts([160, 90], seed=22)
     engine = _engine(tiny_snap_dir, session_cache_bytes=2**26, session_keep="quantized")
     first, = engine.generate([Request(document, max_new_tokens=4, ignore_eos=True)])
@@ -133,6 +133,14 @@ def test_quantized_keep_is_refused_with_summaries_and_off_without_a_store(tiny_s
     with pytest.raises(SnapcompileError, match="--session-keep quantized keeps the dropped rows themselves"):
         _engine(tiny_summary_dir, session_cache_bytes=2**26, session_keep="quantized")
     assert not _engine(tiny_snap_dir, session_keep="quantized").backend.keep_dropped
+
+
+def test_quantized_keep_needs_the_tail_graph(tiny_llama, tmp_path):
+    from dataclasses import replace
+    folder = build_artifact(tiny_llama, tmp_path / "no-tail", replace(TINY_EXPORT, tail=0), TINY_SNAPSTREAM)
+    with pytest.raises(SnapcompileError, match="graph prefill_tail, which this artifact lacks .* convert it again"):
+        _engine(folder, session_cache_bytes=2**26, session_keep="quantized")
+    assert _engine(folder, session_cache_bytes=2**26).sessions is not None     # the other modes do without it
 
 
 def test_dropped_rows_follow_a_sequence_moved_to_a_lower_slot(tiny_snap_dir):

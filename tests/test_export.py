@@ -25,7 +25,7 @@ def test_artifact_layout_and_manifest(tiny_dense_dir):
     assert {"prefill.onnx", "decode.onnx", "weights.bin", MANIFEST, "tokenizer.json"} <= names
     manifest = json.loads((tiny_dense_dir / MANIFEST).read_text())
     assert manifest["export"] == {"slots": 3, "max_context": 512, "chunk": 64, "weight_format": "fp32",
-                                  "block_size": 32, "slot_buckets": True}
+                                  "block_size": 32, "slot_buckets": True, "tail": 32}
     assert manifest["weights_report"]["format"] == "fp32" and manifest["weights_file"] == "weights.bin"
     assert manifest["policy"]["policy"] == "dense"
     assert {"onnx", "onnxruntime", "torch", "transformers"} <= set(manifest["versions"])
@@ -56,7 +56,7 @@ def test_weights_are_stored_once(tiny_dense_dir, tiny_llama):
 def test_prefill_buckets_hold_whole_chunks_and_leave_no_gap_wider_than_a_step(chunk, max_context):
     if chunk > max_context:
         return
-    buckets = ExportConfig(chunk=chunk, max_context=max_context).prefill_buckets()
+    buckets = ExportConfig(chunk=chunk, max_context=max_context, tail=0).prefill_buckets()
     step = max(2 * chunk, -(-max_context // (8 * chunk)) * chunk)
     assert buckets == sorted(set(buckets)) and all(b % chunk == 0 and 2 * chunk <= b < max_context for b in buckets)
     for below, above in zip([0, *buckets], [*buckets, max_context]):
@@ -71,12 +71,14 @@ def test_prefill_buckets_double_then_step_by_an_eighth_of_max_context(tiny_dense
     assert ExportConfig(max_context=512, chunk=256).prefill_buckets() == []
     from snapcompile.artifact.naming import bucket_rows, is_prefill_graph
     assert [bucket_rows(n) for n in ("prefill_128", "prefill", "decode", "select")] == [128, None, None, None]
-    assert [is_prefill_graph(n) for n in ("prefill", "prefill_128", "decode")] == [True, True, False]
+    assert [is_prefill_graph(n) for n in ("prefill", "prefill_128", "prefill_tail", "decode")] == [True, True,
+                                                                                                 True, False]
     manifest = read_manifest(tiny_dense_dir)
     assert sorted(manifest.graphs) == ["decode", "decode_1", "decode_2", "prefill", "prefill_128", "prefill_256",
-                                       "prefill_384"]
-    past = {i["name"]: i["shape"] for i in manifest.graphs["prefill_128"]["inputs"]}["past_key.0"]
-    assert past == [1, 2, 128, 16]
+                                       "prefill_384", "prefill_tail"]
+    inputs = {name: {i["name"]: i["shape"] for i in manifest.graphs[name]["inputs"]} for name in manifest.graphs}
+    assert inputs["prefill_128"]["past_key.0"] == [1, 2, 128, 16]
+    assert inputs["prefill_tail"]["past_key.0"] == [1, 2, 512, 16] and inputs["prefill_tail"]["input_ids"] == [1, 32]
 
 
 def test_each_chunk_runs_on_the_smallest_bucket_that_holds_the_rows_filled_so_far(tiny_dense_dir):

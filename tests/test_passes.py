@@ -101,9 +101,9 @@ def test_compressing_twice_is_refused(dense_graphs, tiny_llama):
     manifest = new_manifest(tiny_llama, EXPORT, PolicyConfig(policy="dense"))
     policy = PolicyConfig(budget=48, window=8, kernel=5)
     graphs = compress_graphs(dict(dense_graphs), manifest, policy)
-    assert set(graphs) == {"prefill", "prefill_64", "decode", "decode_1", "select", "select_64"}
-    assert [p["pass"] for p in manifest.passes] == ["compress_decode", "compress_decode", "add_window_queries",
-                                                   "add_window_queries", "snapkv_select", "snapkv_select"]
+    assert set(graphs) == {"prefill", "prefill_64", "prefill_tail", "decode", "decode_1", "select", "select_64"}
+    assert [p["pass"] for p in manifest.passes] == ["compress_decode", "compress_decode", *["add_window_queries"] * 3,
+                                                   "snapkv_select", "snapkv_select"]
     assert {p["graph"] for p in manifest.passes if p["pass"] == "compress_decode"} == {"decode", "decode_1"}
     select_64 = {i.name: [d.dim_value for d in i.type.tensor_type.shape.dim] for i in graphs["select_64"].graph.input}
     assert select_64["key.0"][2] == 64 and graphs["select_64"].graph.name == "select_64"

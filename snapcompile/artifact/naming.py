@@ -1,9 +1,12 @@
 """Which graphs an artifact holds and what they are called: "prefill", "decode", "select", the
-buckets "<kind>_<rows>" over fewer cache rows, and the decode graphs "decode_<slots>" for fewer
-slots. Pure functions of the export shapes and the policy."""
+buckets "<kind>_<rows>" over fewer cache rows, the decode graphs "decode_<slots>" for fewer
+slots, and "prefill_tail" (a prefill of export.tail tokens). Pure functions of the export shapes
+and the policy."""
 from __future__ import annotations
 
 from snapcompile.config import ExportConfig, PolicyConfig
+
+TAIL_GRAPH = "prefill_tail"
 
 
 def graph_name(kind: str, size: int, full_size: int) -> str:
@@ -16,9 +19,11 @@ def graph_name(kind: str, size: int, full_size: int) -> str:
 def expected_graphs(export: ExportConfig, policy: PolicyConfig) -> set[str]:
     """The graphs an artifact of these shapes and this policy consists of: prefill (with its
     buckets) and decode, plus for snapstream select and one select bucket per prefill bucket of
-    more rows than the prompt share (a prompt that fits in P is never selected from)."""
+    more rows than the prompt share (a prompt that fits in P is never selected from); the tail
+    prefill graph where export.tail is set."""
     buckets = export.prefill_buckets()
     names = {"prefill", *(graph_name("prefill", rows, export.max_context) for rows in buckets)}
+    names |= {TAIL_GRAPH} if export.tail else set()
     names |= {graph_name("decode", slots, export.slots) for slots in export.decode_sizes()}
     if policy.policy == "snapstream":
         names |= {graph_name("select", rows, export.max_context) for rows in select_rows(export, policy)}
@@ -33,7 +38,7 @@ def select_rows(export: ExportConfig, policy: PolicyConfig) -> list[int]:
 
 
 def is_prefill_graph(name: str) -> bool:
-    return name == "prefill" or bucket_rows(name) is not None
+    return name in ("prefill", TAIL_GRAPH) or bucket_rows(name) is not None
 
 
 def is_decode_graph(name: str) -> bool:

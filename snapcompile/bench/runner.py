@@ -71,7 +71,7 @@ class BenchConfig:
     def export(self, context: int, slots: int, weights: str = "fp32") -> ExportConfig:
         """The shapes of the artifacts measured at a context: room for the new tokens after it."""
         return ExportConfig(slots=slots, max_context=context + self.new_tokens + 1, chunk=min(self.chunk, context),
-                            weight_format=weights)
+                            weight_format=weights, tail=0)      # no turn resumes here: no tail graph
 
 
 def _stats(values: list[float]) -> dict:

@@ -30,6 +30,10 @@ _export_options = option_group(
                  help="Also write decode graphs for 1, 2, 4, ... slots below N, so that a step with few active "
                       "requests does not pay for N slots (each costs one graph and, on ONNX Runtime, its "
                       "own pre-packed weights)."),
+    click.option("--tail", default=default(ExportConfig, "tail"), show_default=True, type=click.IntRange(min=0),
+                 help="Tokens of the tail prefill graph, which runs a resumed conversation turn's last tokens over "
+                      "the rows earlier selections dropped (serve/run --session-keep quantized); at least the "
+                      "observation window. 0: no tail graph."),
     click.option("-o", "--output", "output", required=True, type=click.Path(path_type=Path),
                  help="Artifact folder to write (atomically)."),
     click.option("--force", is_flag=True, help="Replace the output folder if it exists."),
@@ -68,9 +72,9 @@ _policy_options = option_group(
 )
 
 
-def _export_config(slots, max_context, chunk, weight_format, block_size, slot_buckets) -> ExportConfig:
+def _export_config(slots, max_context, chunk, weight_format, block_size, slot_buckets, tail) -> ExportConfig:
     return ExportConfig(slots=slots, max_context=max_context, chunk=chunk, weight_format=weight_format,
-                        block_size=block_size, slot_buckets=slot_buckets)
+                        block_size=block_size, slot_buckets=slot_buckets, tail=tail)
 
 
 @click.command()
@@ -95,7 +99,7 @@ def export(model, output, force, **export_args):
 @_export_options
 @_policy_options
 def convert(model, output, force, lowering, slots, max_context, chunk, weight_format, block_size, slot_buckets,
-            **policy_args):
+            tail, **policy_args):
     """Export MODEL and compress its cache in one go (export + passes).
 
     The budget bounds the decode cache at B rows per slot whatever the context; prompts up to
@@ -104,7 +108,7 @@ def convert(model, output, force, lowering, slots, max_context, chunk, weight_fo
     from snapcompile.export import export_model
     from snapcompile.models import load_model
     from snapcompile.passes.pipeline import compress_graphs
-    export_cfg = _export_config(slots, max_context, chunk, weight_format, block_size, slot_buckets)
+    export_cfg = _export_config(slots, max_context, chunk, weight_format, block_size, slot_buckets, tail)
     policy = PolicyConfig(**policy_args)
     policy.check_against(export_cfg)
     refuse_existing(output, force)

@@ -124,7 +124,8 @@ class Engine:
             raise SnapcompileError("--session-keep quantized keeps the dropped rows themselves: it does not go with "
                                    "an artifact converted with --summaries (their rows take the same place)")
         backend.keep_full_prompt = self.sessions is not None and policy.compressed and session_keep == "full"
-        backend.keep_dropped = self.sessions is not None and policy.compressed and session_keep == "quantized"
+        if self.sessions is not None and policy.compressed and session_keep == "quantized":
+            backend.keep_dropped_rows()
 
     @classmethod
     def from_artifact(cls, folder, provider: str = "cpu", threads: int | None = None,

@@ -57,7 +57,7 @@ class EvalConfig:
     def export(self) -> ExportConfig:
         """The shapes of every artifact this evaluation runs."""
         return ExportConfig(slots=self.slots, max_context=self.max_context, chunk=self.chunk,
-                            weight_format=self.weight_format)
+                            weight_format=self.weight_format, tail=0)   # no turn resumes here: no tail graph
 
     @property
     def reference_export(self) -> ExportConfig:

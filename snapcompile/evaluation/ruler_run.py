@@ -66,7 +66,7 @@ class RulerConfig:
 
     def export(self, weights: str) -> ExportConfig:
         return ExportConfig(slots=self.slots, max_context=max(self.lengths) + CONTEXT_MARGIN, chunk=self.chunk,
-                            weight_format=weights)
+                            weight_format=weights, tail=0)       # no turn resumes here: no tail graph
 
     def units(self) -> list[tuple[str, str, int]]:
         """(weights, cell, length) for every run, dense first."""

@@ -7,7 +7,7 @@ import onnx
 
 from snapcompile.artifact.atomic import atomic_directory
 from snapcompile.artifact.manifest import WEIGHTS, Manifest
-from snapcompile.artifact.naming import graph_name
+from snapcompile.artifact.naming import TAIL_GRAPH, graph_name
 from snapcompile.artifact.onnx_io import WeightsFile, save_graphs
 from snapcompile.config import ExportConfig, PolicyConfig
 from snapcompile.errors import SnapcompileError
@@ -52,6 +52,9 @@ def build_dense_graphs(loaded: LoadedModel, export: ExportConfig,
     for rows in export.prefill_buckets():
         bucket = PrefillWriter(loaded.spec, weights, export, rows, store)
         graphs[graph_name("prefill", rows, export.max_context)] = bucket.build().model()
+    if export.tail:
+        tail = PrefillWriter(loaded.spec, weights, export, store=store, chunk=export.tail, name=TAIL_GRAPH)
+        graphs[TAIL_GRAPH] = tail.build().model()
     for name, model in graphs.items():
         check_graph(model, name)
     report = {"format": export.weight_format, "weight_bytes": weights.nbytes(),

@@ -4,7 +4,7 @@ Graph contracts (L = max_context, C = chunk, N = slots, Hkv KV heads, D head dim
 
 prefill (one sequence, one chunk of C tokens, against a cache of R rows: R = L for the graph
   "prefill", R = Lb for the bucket graphs "prefill_<Lb>" that serve prompts of at most Lb tokens
-  without attending over L rows):
+  without attending over L rows; "prefill_tail" is the same over L rows with C = T, export.tail):
   inputs  input_ids [1, C] int64; start [1] int64 (cache rows [0, start) are valid and precede
           the chunk); position [1] int64 (RoPE position of the chunk's first token: start for a
           fresh prompt, more for a resumed conversation whose kept rows are fewer than its
@@ -102,17 +102,20 @@ class LlamaGraphWriter:
 
 
 class PrefillWriter(LlamaGraphWriter):
-    """The prefill graph against a cache of `cache_rows` rows (default: max_context)."""
+    """The prefill graph of `chunk` tokens (default: C) against a cache of `cache_rows` rows
+    (default: max_context), named `name` (default: "prefill" or its bucket's name)."""
 
     def __init__(self, spec: ModelSpec, weights: Weights, export: ExportConfig, cache_rows: int | None = None,
-                 store=None):
+                 store=None, chunk: int | None = None, name: str | None = None):
         super().__init__(spec, weights, export, store)
         self.cache_rows = cache_rows or export.max_context
+        self.chunk = chunk or export.chunk
+        self.name = name or graph_name("prefill", self.cache_rows, export.max_context)
 
     def build(self) -> GraphBuilder:
-        s, c, L = self.spec, self.export.chunk, self.cache_rows
+        s, c, L = self.spec, self.chunk, self.cache_rows
         hkv, g, d = s.num_kv_heads, s.group_size, s.head_dim
-        b = GraphBuilder(graph_name("prefill", L, self.export.max_context), self.store)
+        b = GraphBuilder(self.name, self.store)
         self._attach_weights(b)
         ids = b.input("input_ids", np.int64, [1, c])
         start = b.input("start", np.int64, [1])
@@ -143,7 +146,7 @@ class PrefillWriter(LlamaGraphWriter):
 
     def _heads(self, b: GraphBuilder, x: str, heads: int, cos: str | None, sin: str | None) -> str:
         """[1, C, heads*D] -> [1, heads, C, D], rotated when cos/sin are given."""
-        x = b.op("Transpose", b.op("Reshape", x, b.const([1, self.export.chunk, heads, self.spec.head_dim])),
+        x = b.op("Transpose", b.op("Reshape", x, b.const([1, self.chunk, heads, self.spec.head_dim])),
                  perm=[0, 2, 1, 3])
         return x if cos is None else self._rotate(b, x, cos, sin)
 

@@ -20,6 +20,7 @@ import numpy as np
 
 from snapcompile.artifact.manifest import Manifest, read_manifest
 from snapcompile.artifact.naming import (
+    TAIL_GRAPH,
     bucket_rows,
     decode_graph_size,
     expected_graphs,
@@ -72,13 +73,13 @@ def chunk_starts(prompt_len: int, chunk: int) -> list[int]:
     return starts
 
 
-def _chunk_spans(length: int, split: int, chunk: int):
+def _chunk_spans(length: int, split: int, chunk: int, last_chunk: int):
     """(offset, count) of the chunks of `length` new tokens, none across `split` (0: one run):
-    chunk_starts over [0, split), then over [split, length)."""
-    for first, last in ((0, split), (split, length)):
+    chunk_starts over [0, split) in chunks of `chunk`, then over [split, length) in `last_chunk`."""
+    for first, last, size in ((0, split, chunk), (split, length, last_chunk)):
         if last > first:
-            for offset in chunk_starts(last - first, chunk):
-                yield first + offset, min(chunk, last - first - offset)
+            for offset in chunk_starts(last - first, size):
+                yield first + offset, min(size, last - first - offset)
 
 
 def drain(chunks) -> PrefillResult:
@@ -154,10 +155,11 @@ class SlotBackend:
         self.keep_full_prompt = False
         self._full_prompts: dict[int, tuple[list[np.ndarray], list[np.ndarray]]] = {}
         self._summaries: dict[int, RowSummaries] = {}    # slot -> its sequence's dropped rows (summaries on)
-        # keep_dropped (session store, mode "quantized"): slot -> the dropped rows its sequence's
-        # entry will hold (the resumed entry's and its own prefill's selection's)
+        # keep_dropped (session store, mode "quantized", `keep_dropped_rows`): slot -> the dropped
+        # rows its sequence's entry will hold (the resumed entry's and its own prefill's selection's)
         self.keep_dropped = False
         self._dropped: dict[int, DroppedRows] = {}
+        self.tail_graph: Graph | None = None      # loaded by keep_dropped_rows
 
     def _kv(self, batch: int, rows: int):
         return self.device.zeros((batch, self.manifest.spec.num_kv_heads, rows, self.manifest.spec.head_dim), "float32")
@@ -255,6 +257,32 @@ class SlotBackend:
             for i in self._layers:
                 g.bind(f"window_query.{i}", self.window_q[i], output=True)
 
+    def keep_dropped_rows(self) -> None:
+        """Turn keep_dropped on (a compressed artifact's session store in mode "quantized"): load the
+        tail graph, which runs a resumed turn's last T (export.tail) tokens over the entry's
+        dropped rows, bound to the scratch cache. Raises SnapcompileError for an artifact without it."""
+        m, zeros = self.manifest, self.device.zeros
+        if TAIL_GRAPH not in m.graphs:
+            raise SnapcompileError(f"{self.folder}: --session-keep quantized runs a resumed turn's last tokens on the "
+                                   f"graph {TAIL_GRAPH}, which this artifact lacks (converted before it, or with "
+                                   "--tail 0); convert it again")
+        g = self.tail_graph = self.device.graph(TAIL_GRAPH, m)
+        self.t_ids = zeros((1, m.export.tail), "int64")
+        self.t_new_k = [self._kv(1, m.export.tail) for _ in self._layers]
+        self.t_new_v = [self._kv(1, m.export.tail) for _ in self._layers]
+        for name, array in (("input_ids", self.t_ids), ("start", self.p_start), ("position", self.p_pos),
+                            ("chunk_len", self.p_len)):
+            g.bind(name, array)
+        g.bind("logits", self.p_logits, output=True)
+        for i in self._layers:
+            g.bind(f"past_key.{i}", self.scratch_k[i])
+            g.bind(f"past_value.{i}", self.scratch_v[i])
+            g.bind(f"key.{i}", self.t_new_k[i], output=True)
+            g.bind(f"value.{i}", self.t_new_v[i], output=True)
+            if self.select_graph is not None:
+                g.bind(f"window_query.{i}", self.window_q[i], output=True)
+        self.keep_dropped = True
+
     def _init_decode(self) -> None:
         """Per-step buffers for N slots; a decode graph of k slots is bound to their first k rows
         (and to the first k slot caches), so every graph reads and writes the same buffers."""
@@ -320,6 +348,8 @@ class SlotBackend:
             raise SnapcompileError(f"cannot resume {len(token_ids)} tokens at token {plan.resume_at} from "
                                    f"{plan.rows} kept rows and {plan.dropped_rows} dropped ones: {rows} rows, "
                                    f"the artifact's resumed prefill takes {self.max_resume_rows()}")
+        if plan.dropped_rows and self.tail_graph is None:
+            raise SnapcompileError("a resumed prefill over dropped rows runs on the tail graph: keep_dropped_rows first")
         return (yield from self._prefill(slot, token_ids, plan))
 
     def _prefill(self, slot: int, token_ids: list[int], plan: ResumePlan | None):
@@ -327,34 +357,34 @@ class SlotBackend:
         prompt); a bucket's own cache is a copy of their first rows, filled when a chunk moves
         to that bucket (the buckets share one buffer, so one holds this prompt at a time).
         A resumed prefill with summaries attends over them as rows between the kept rows and the
-        new tokens; with the entry's dropped rows, only its last chunk of new tokens does (which
-        holds the window): they lie between the earlier new tokens and that chunk. The rows after
-        them move down over them before the selection."""
+        new tokens; with the entry's dropped rows, only its last T new tokens do (export.tail,
+        which hold the window), on the tail graph: the dropped rows lie between the earlier new
+        tokens and those. The rows after them move down over them before the selection."""
         targets = self._prefill_targets(slot)
         if self._bias_set:               # a resumed prefill abandoned mid-way (its request cancelled)
             self._clear_cache_bias()
         base, first_position = (plan.rows, plan.resume_at) if plan else (0, 0)
         new = token_ids[first_position:]
         extra_rows = self.manifest.policy.summaries + plan.dropped_rows if plan else 0
-        early = max(len(new) - self.chunk, 0) if plan and plan.dropped_rows else 0
+        tail = self.manifest.export.tail if plan and plan.dropped_rows else 0
+        early = max(len(new) - tail, 0) if tail else 0
         if plan:
             self._load_kept(targets, plan, base + early)
-        ids = np.zeros((1, self.chunk), np.int64)
         synced = None                    # the bucket whose cache holds the rows filled so far
         began = time.perf_counter()
-        for offset, count in _chunk_spans(len(new), early, self.chunk):
+        for offset, count in _chunk_spans(len(new), early, self.chunk, tail or self.chunk):
             start = base + offset + (extra_rows if offset >= early else 0)
-            if offset == early:
-                synced = None            # the extra rows were loaded after the bucket was filled
+            tokens = new[offset:offset + count]
+            if tail and offset >= early:
+                self._run_chunk(self.tail_graph, self.t_ids, tokens, start, first_position + offset)
+                self._write_chunk(targets, start, count, (self.t_new_k, self.t_new_v))
+                yield count
+                continue
             rows = self.chunk_rows(start)
             if rows != synced:
                 synced = self._prepare_chunk_graph(rows, targets, start)
-            ids[0, :count] = new[offset:offset + count]
-            ids[0, count:] = 0
-            self.device.upload(self.p_ids, ids)
-            for array, value in ((self.p_start, start), (self.p_pos, first_position + offset), (self.p_len, count)):
-                self.device.upload(array, np.array([value], np.int64))
-            (self.bucket_graphs.get(rows) or self.prefill_graph).run()
+            self._run_chunk(self.bucket_graphs.get(rows) or self.prefill_graph, self.p_ids, tokens, start,
+                            first_position + offset)
             self._write_chunk(targets, start, count)
             if synced is not None:
                 if start + count <= synced:
@@ -503,12 +533,24 @@ class SlotBackend:
             target[0][i][:, :, :count] = source[0][i][:, :, :count]
             target[1][i][:, :, :count] = source[1][i][:, :, :count]
 
-    def _write_chunk(self, caches, start: int, count: int) -> None:
-        """The chunk's new K/V (the prefill graph's outputs) into rows [start, start + count)."""
+    def _run_chunk(self, graph: Graph, ids, tokens: list[int], start: int, position: int) -> None:
+        """Run a prefill graph whose input_ids are `ids` ([1, chunk]) on `tokens` (at most a chunk),
+        the first of them at cache row `start` and RoPE position `position`."""
+        host = np.zeros(ids.shape, np.int64)
+        host[0, :len(tokens)] = tokens
+        self.device.upload(ids, host)
+        for array, value in ((self.p_start, start), (self.p_pos, position), (self.p_len, len(tokens))):
+            self.device.upload(array, np.array([value], np.int64))
+        graph.run()
+
+    def _write_chunk(self, caches, start: int, count: int, outputs=None) -> None:
+        """The chunk's new K/V (`outputs`, per layer [1, Hkv, chunk, D]: the prefill graphs' by
+        default) into rows [start, start + count)."""
         keys, values = caches
+        new_keys, new_values = outputs or (self.p_new_k, self.p_new_v)
         for i in self._layers:
-            keys[i][:, :, start:start + count] = self.p_new_k[i][:, :, :count]
-            values[i][:, :, start:start + count] = self.p_new_v[i][:, :, :count]
+            keys[i][:, :, start:start + count] = new_keys[i][:, :, :count]
+            values[i][:, :, start:start + count] = new_values[i][:, :, :count]
 
     def _prefill_targets(self, slot: int):
         if self.manifest.policy.compressed:
