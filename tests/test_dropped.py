@@ -127,6 +127,9 @@ def test_the_backend_refuses_a_plan_whose_dropped_rows_would_not_fit(tiny_snap_d
     too_many = replace(plan, dropped_rows=backend.max_resume_rows())
     with pytest.raises(SnapcompileError, match="dropped ones: .* rows, the artifact's resumed prefill takes"):
         drain(backend.resume_chunks(0, too_many, document + question))
+    without_tail = _engine(tiny_snap_dir).backend                   # no quantized store: no tail graph loaded
+    with pytest.raises(SnapcompileError, match="runs on the tail graph: call keep_dropped_rows first"):
+        drain(without_tail.resume_chunks(0, plan, document + question))
 
 
 def test_quantized_keep_is_refused_with_summaries_and_off_without_a_store(tiny_summary_dir, tiny_snap_dir):

@@ -349,7 +349,8 @@ class SlotBackend:
                                    f"{plan.rows} kept rows and {plan.dropped_rows} dropped ones: {rows} rows, "
                                    f"the artifact's resumed prefill takes {self.max_resume_rows()}")
         if plan.dropped_rows and self.tail_graph is None:
-            raise SnapcompileError("a resumed prefill over dropped rows runs on the tail graph: keep_dropped_rows first")
+            raise SnapcompileError("a resumed prefill over dropped rows runs on the tail graph: call "
+                                   "keep_dropped_rows first")
         return (yield from self._prefill(slot, token_ids, plan))
 
     def _prefill(self, slot: int, token_ids: list[int], plan: ResumePlan | None):
@@ -434,11 +435,13 @@ class SlotBackend:
             self.device.upload(targets[0][i][0, :, :plan.rows], keys)
             self.device.upload(targets[1][i][0, :, :plan.rows], values)
         if plan.dropped_rows:
-            rows = slice(dropped_at, dropped_at + plan.dropped_rows)
             for i in self._layers:
-                keys, values = plan.kept.dropped.layer(i)
-                self.device.upload(targets[0][i][0, :, rows], keys)
-                self.device.upload(targets[1][i][0, :, rows], values)
+                first = dropped_at
+                for keys, values in plan.kept.dropped.layer_chunks(i):
+                    rows = slice(first, first + keys.shape[1])
+                    self.device.upload(targets[0][i][0, :, rows], keys)
+                    self.device.upload(targets[1][i][0, :, rows], values)
+                    first = rows.stop
         if not self.manifest.policy.summaries:
             return
         summaries = plan.kept.summaries or self._no_summaries()

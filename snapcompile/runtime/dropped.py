@@ -65,11 +65,17 @@ class DroppedRows:
 
     def layer(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
         """Keys and values [Hkv, rows, D] float32 of every chunk's rows in `layer`, oldest first."""
-        return (np.concatenate([c.keys[layer].dequantize() for c in self.chunks], axis=1),
-                np.concatenate([c.values[layer].dequantize() for c in self.chunks], axis=1))
+        keys, values = zip(*self.layer_chunks(layer))
+        return np.concatenate(keys, axis=1), np.concatenate(values, axis=1)
+
+    def layer_chunks(self, layer: int):
+        """Per chunk, oldest first: its keys and values [Hkv, m, D] float32 in `layer`."""
+        for chunk in self.chunks:
+            yield chunk.keys[layer].dequantize(), chunk.values[layer].dequantize()
 
     def with_chunk(self, chunk: DroppedChunk | None) -> DroppedRows:
         return self if chunk is None else DroppedRows((*self.chunks, chunk))
 
     def without_oldest(self) -> DroppedRows:
         return DroppedRows(self.chunks[1:])
+

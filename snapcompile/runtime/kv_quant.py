@@ -43,13 +43,17 @@ class QuantizedRows:
     def dequantize(self, rows: int | None = None) -> np.ndarray:
         """The first `rows` rows (all: None) as float32 [Hkv, rows, D]: code * step + low."""
         hkv, n, dim = self.shape
-        padded = [hkv, n, dim]
-        padded[self.axis] += -padded[self.axis] % GROUP
-        codes = self.codes if self.bits == 8 else _unpack4(self.codes)[..., :padded[2]]
-        grouped = _grouped(codes.astype(np.float32), self.axis)
-        values = grouped * self.step.astype(np.float32)[..., None] + self.low.astype(np.float32)[..., None]
-        out = _ungrouped(values, self.axis, tuple(padded))[:, :n if rows is None else min(rows, n), :dim]
-        return np.ascontiguousarray(out)
+        rows = n if rows is None else min(rows, n)
+        whole = -(-rows // GROUP) * GROUP if self.axis == KEY_AXIS else rows     # rows of whole groups
+        codes = self.codes[:, :whole]
+        if self.bits == 4:                         # the last axis, padded to whole bytes: back to its codes
+            codes = _unpack4(codes)[..., :dim if self.axis == KEY_AXIS else dim + -dim % GROUP]
+        grouped, group_axis = _grouped(codes, self.axis)
+        low, step = (np.expand_dims(a[:, :whole // GROUP if self.axis == KEY_AXIS else whole], group_axis)
+                     .astype(np.float32) for a in (self.low, self.step))
+        values = np.multiply(grouped, step, dtype=np.float32)
+        values += low
+        return np.ascontiguousarray(values.reshape(codes.shape)[:, :rows, :dim])
 
 
 def quantize_rows(rows: np.ndarray, bits: int, axis: int) -> QuantizedRows:
@@ -58,33 +62,31 @@ def quantize_rows(rows: np.ndarray, bits: int, axis: int) -> QuantizedRows:
     if bits not in STORED_BITS or axis not in (KEY_AXIS, VALUE_AXIS):
         raise ValueError(f"bits must be one of {STORED_BITS} and axis {KEY_AXIS} or {VALUE_AXIS}")
     hkv, n, dim = rows.shape
-    padding = [(0, 0), (0, 0), (0, 0)]
-    padding[axis] = (0, -rows.shape[axis] % GROUP)
-    padded = np.pad(np.asarray(rows, np.float32), padding, mode="edge")
-    grouped = _grouped(padded, axis)                                           # [..., groups, GROUP]
-    low, high = grouped.min(axis=-1), grouped.max(axis=-1)
+    padded = np.asarray(rows, np.float32)
+    if rows.shape[axis] % GROUP:
+        padding = [(0, 0), (0, 0), (0, 0)]
+        padding[axis] = (0, -rows.shape[axis] % GROUP)
+        padded = np.pad(padded, padding, mode="edge")
+    grouped, group_axis = _grouped(padded, axis)
+    low, high = grouped.min(axis=group_axis), grouped.max(axis=group_axis)
     step = ((high - low) / (2 ** bits - 1)).astype(np.float16)
     low = low.astype(np.float16)
     safe = np.where(step > 0, step.astype(np.float32), 1.0)
-    codes = np.rint((grouped - low.astype(np.float32)[..., None]) / safe[..., None])
-    codes = np.clip(codes, 0, 2 ** bits - 1).astype(np.uint8)
-    codes = _ungrouped(codes, axis, padded.shape)
+    codes = grouped - np.expand_dims(low.astype(np.float32), group_axis)
+    codes /= np.expand_dims(safe, group_axis)
+    codes = np.clip(np.rint(codes, out=codes), 0, 2 ** bits - 1, out=codes).astype(np.uint8).reshape(padded.shape)
     packed = codes if bits == 8 else _pack4(codes)
     return QuantizedRows(np.ascontiguousarray(packed), low, step, (hkv, n, dim), axis, bits)
 
 
-def _grouped(array: np.ndarray, axis: int) -> np.ndarray:
-    """[Hkv, n, D] (the axis a whole number of groups) -> [..., groups, GROUP], groups last."""
+def _grouped(array: np.ndarray, axis: int) -> tuple[np.ndarray, int]:
+    """[Hkv, n, D] (the axis a whole number of groups) as a view with the GROUP members of each
+    group along an axis of their own, and that axis: [Hkv, n/G, G, D] (keys, axis 2) or
+    [Hkv, n, D/G, G] (values, axis 3). Reducing over it gives one value per group."""
     hkv, n, dim = array.shape
     if axis == VALUE_AXIS:
-        return array.reshape(hkv, n, dim // GROUP, GROUP)
-    return array.reshape(hkv, n // GROUP, GROUP, dim).transpose(0, 1, 3, 2)   # [Hkv, n/G, D, G]
-
-
-def _ungrouped(grouped: np.ndarray, axis: int, shape: tuple[int, ...]) -> np.ndarray:
-    if axis == VALUE_AXIS:
-        return grouped.reshape(shape)
-    return grouped.transpose(0, 1, 3, 2).reshape(shape)
+        return array.reshape(hkv, n, dim // GROUP, GROUP), 3
+    return array.reshape(hkv, n // GROUP, GROUP, dim), 2
 
 
 def _pack4(codes: np.ndarray) -> np.ndarray:
@@ -95,6 +97,7 @@ def _pack4(codes: np.ndarray) -> np.ndarray:
 
 
 def _unpack4(packed: np.ndarray) -> np.ndarray:
+    """[..., m] bytes -> [..., 2m] codes, low nibble first."""
     out = np.empty((*packed.shape[:-1], packed.shape[-1] * 2), np.uint8)
     out[..., 0::2], out[..., 1::2] = packed & 0x0F, packed >> 4
     return out
