@@ -60,6 +60,13 @@ def test_corrupt_gguf(tmp_path):
     assert not (tmp_path / "o").exists()
 
 
+def test_a_tail_shorter_than_the_window_is_refused_before_anything_is_written(tmp_path):
+    result = invoke("convert", "tiny-llama", "-o", tmp_path / "o", "--budget", 64, "--window", 8, "--kernel", 5,
+                    "--max-context", 256, "--chunk", 64, "--tail", 4)
+    assert_one_line_error(result, "window 8 is longer than the tail graph's 4 tokens: convert with --tail 8")
+    assert not (tmp_path / "o").exists()
+
+
 def test_unsupported_architecture(tmp_path):
     folder = tmp_path / "gpt2"
     folder.mkdir()
