@@ -39,7 +39,7 @@ def inspect(artifact, verify, as_json):
     click.echo(f"model          {info['model']} ({manifest.spec.architecture}, {manifest.spec.num_layers} layers)")
     click.echo(f"policy         {json.dumps(info['policy'])}")
     click.echo(f"shapes         slots {manifest.export.slots}, max context {manifest.export.max_context}, "
-               f"chunk {manifest.export.chunk}")
+               f"chunk {manifest.export.chunk}, tail {manifest.export.tail or 'none'}")
     click.echo(f"graphs         {', '.join(info['graphs'])}")
     click.echo(f"rewritten      {info['blocks_rewritten'] or 'nothing (dense)'} by {', '.join(info['passes']) or '-'}")
     click.echo(f"weights        {_weights_line(manifest, info['weights_file_bytes'])}")
