@@ -157,7 +157,6 @@ class SlotBackend:
         self._summaries: dict[int, RowSummaries] = {}    # slot -> its sequence's dropped rows (summaries on)
         # keep_dropped (session store, mode "quantized", `keep_dropped_rows`): slot -> the dropped
         # rows its sequence's entry will hold (the resumed entry's and its own prefill's selection's)
-        self.keep_dropped = False
         self._dropped: dict[int, DroppedRows] = {}
         self.tail_graph: Graph | None = None      # loaded by keep_dropped_rows
 
@@ -281,7 +280,11 @@ class SlotBackend:
             g.bind(f"value.{i}", self.t_new_v[i], output=True)
             if self.select_graph is not None:
                 g.bind(f"window_query.{i}", self.window_q[i], output=True)
-        self.keep_dropped = True
+
+    @property
+    def keep_dropped(self) -> bool:
+        """Each selection's dropped rows are kept for `keep` (on once `keep_dropped_rows` ran)."""
+        return self.tail_graph is not None
 
     def _init_decode(self) -> None:
         """Per-step buffers for N slots; a decode graph of k slots is bound to their first k rows

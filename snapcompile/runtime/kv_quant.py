@@ -44,13 +44,14 @@ class QuantizedRows:
         """The first `rows` rows (all: None) as float32 [Hkv, rows, D]: code * step + low."""
         hkv, n, dim = self.shape
         rows = n if rows is None else min(rows, n)
-        whole = -(-rows // GROUP) * GROUP if self.axis == KEY_AXIS else rows     # rows of whole groups
+        keys = self.axis == KEY_AXIS               # groups run along rows (else along dimensions)
+        whole = -(-rows // GROUP) * GROUP if keys else rows          # rows of whole groups
         codes = self.codes[:, :whole]
         if self.bits == 4:                         # the last axis, padded to whole bytes: back to its codes
-            codes = _unpack4(codes)[..., :dim if self.axis == KEY_AXIS else dim + -dim % GROUP]
+            codes = _unpack4(codes)[..., :dim if keys else dim + -dim % GROUP]
         grouped, group_axis = _grouped(codes, self.axis)
-        low, step = (np.expand_dims(a[:, :whole // GROUP if self.axis == KEY_AXIS else whole], group_axis)
-                     .astype(np.float32) for a in (self.low, self.step))
+        low_rows = whole // GROUP if keys else whole                 # their rows of low and step
+        low, step = (np.expand_dims(a[:, :low_rows], group_axis).astype(np.float32) for a in (self.low, self.step))
         values = np.multiply(grouped, step, dtype=np.float32)
         values += low
         return np.ascontiguousarray(values.reshape(codes.shape)[:, :rows, :dim])
