@@ -188,7 +188,7 @@ def assign_weights(model, state: dict, folder: Path) -> None:
 def check_model_fits(spec: ModelSpec) -> None:
     """Loading holds the float32 model and the checkpoint's tensors: refuse, before either is
     allocated, a config whose sizes could not be loaded here."""
-    from snapcompile.runtime.memory import check_fits
+    from snapcompile.memory import check_fits
     check_fits(2 * spec.weight_bytes, f"loading this model ({spec.num_layers} layers, {spec.weight_bytes / 2**30:.1f} "
                "GiB of float32 weights)", "check the config's sizes")
 

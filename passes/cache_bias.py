@@ -2,7 +2,7 @@
 
 Adds per layer the input cache_bias.{i} [1, Hkv, R] float32 (R: the graph's cache rows), added to
 every query's logit of cache row r of KV head h: 0 for an ordinary row, log(n) for a row that
-stands for n dropped rows (their mean key and value, `runtime/summaries.py`), MASK_MIN for an
+stands for n dropped rows (their mean key and value, `sessions/summaries.py`), MASK_MIN for an
 empty one. Layer i's mask (the joined attention's, shared by every layer before) becomes
 Add(mask [C, R + C], Concat(cache_bias.{i}, zeros [C]) as [1, Hkv, 1, 1, R + C]); the block keeps
 the form `passes/match.py` finds (Add(scores, mask)), so the window-query pass runs after this one.

@@ -6,6 +6,7 @@ import shutil
 import numpy as np
 import pytest
 
+from snapcompile.compiler.route import compile_artifact
 from snapcompile.config import ExportConfig, PolicyConfig
 from snapcompile.export import export_model
 from snapcompile.models import load_model
@@ -27,13 +28,9 @@ def random_prompts(lengths, seed=0, vocab=250):
 
 
 def build_artifact(loaded, folder, export=TINY_EXPORT, policy: PolicyConfig | None = None):
-    """Export (and compress, when `policy` is compressed) `loaded` into folder."""
-    from snapcompile.passes.pipeline import compress_graphs
-
-    def transform(graphs, manifest):
-        return compress_graphs(graphs, manifest, policy)
-    compressed = policy is not None and policy.compressed
-    export_model(loaded, export, folder, policy=policy, transform=transform if compressed else None)
+    """The artifact of `loaded` for `export` shapes and `policy` (dense by default) in folder, built as
+    `convert` builds it."""
+    compile_artifact(loaded, export, policy or PolicyConfig(policy="dense"), folder)
     return folder
 
 

@@ -1,8 +1,8 @@
 """ArtifactCache: built once per (source, shapes, policy), filed under the shapes it really has."""
 import pytest
 
-from snapcompile.artifact.cache import ArtifactCache
 from snapcompile.artifact.manifest import read_manifest
+from snapcompile.compiler.cache import ArtifactCache
 from snapcompile.config import ExportConfig, PolicyConfig
 from snapcompile.errors import SnapcompileError
 from tests.conftest import TINY_EXPORT

@@ -1,5 +1,5 @@
 """--session-keep quantized: the slot's rows in 8 bits and every row its selections dropped in 4,
-attended by a resumed turn's new tokens (runtime/dropped.py, runtime/kept.py, the backend)."""
+attended by a resumed turn's new tokens (sessions/dropped.py, sessions/kept.py, the backend)."""
 import numpy as np
 import pytest
 import torch
@@ -7,9 +7,9 @@ import torch
 from snapcompile.engine.request import Request
 from snapcompile.errors import SnapcompileError
 from snapcompile.reference import oracle
-from snapcompile.runtime.dropped import DroppedChunk, DroppedRows
-from snapcompile.runtime.kept import KeptCache, plan_resume
-from snapcompile.runtime.kv_quant import QuantizedRows
+from snapcompile.sessions.dropped import DroppedChunk, DroppedRows
+from snapcompile.sessions.kept import KeptCache, plan_resume
+from snapcompile.sessions.kv_quant import QuantizedRows
 from tests.conftest import TINY_EXPORT, TINY_SNAPSTREAM, build_artifact, random_prompts
 from tests.test_engine import _engine
 
@@ -64,7 +64,7 @@ def test_quantized_keep_holds_the_slot_rows_in_8_bits_and_every_dropped_row_in_4
     bound = exact.backend.manifest.kv_bytes_per_slot() + held.token_ids.nbytes \
         + len(held.positions) * held.positions[0].shape[0] * TINY_SNAPSTREAM.slot_rows * 8
     assert held.nbytes <= bound
-    assert not quantized.backend._dropped
+    assert not quantized.keeper._held
 
 
 class _GivenRows(oracle._LayerCache):
@@ -128,14 +128,17 @@ def test_the_backend_refuses_a_plan_whose_dropped_rows_would_not_fit(tiny_snap_d
     with pytest.raises(SnapcompileError, match="dropped ones: .* rows, the artifact's resumed prefill takes"):
         drain(backend.resume_chunks(0, too_many, document + question))
     without_tail = _engine(tiny_snap_dir).backend                   # no quantized store: no tail graph loaded
-    with pytest.raises(SnapcompileError, match="runs on the tail graph: call keep_dropped_rows first"):
+    with pytest.raises(SnapcompileError, match="dropped rows but 0 were given"):
         drain(without_tail.resume_chunks(0, plan, document + question))
+    with pytest.raises(SnapcompileError, match="runs on the tail graph: call load_tail_graph first"):
+        drain(without_tail.resume_chunks(0, plan, document + question, engine.keeper.resume_rows(plan)))
 
 
 def test_quantized_keep_is_refused_with_summaries_and_off_without_a_store(tiny_summary_dir, tiny_snap_dir):
     with pytest.raises(SnapcompileError, match="--session-keep quantized keeps the dropped rows themselves"):
         _engine(tiny_summary_dir, session_cache_bytes=2**26, session_keep="quantized")
-    assert not _engine(tiny_snap_dir, session_keep="quantized").backend.keep_dropped
+    off = _engine(tiny_snap_dir, session_keep="quantized")
+    assert off.keeper is None and off.backend.tail_graph is None
 
 
 def test_quantized_keep_needs_the_tail_graph(tiny_llama, tmp_path):
@@ -153,6 +156,6 @@ def test_dropped_rows_follow_a_sequence_moved_to_a_lower_slot(tiny_snap_dir):
                                                                                    ignore_eos=True)])
     alone.generate([Request(long, max_new_tokens=12, ignore_eos=True)])
     moved, solo = together.sessions.newest(), alone.sessions.newest()
-    assert np.array_equal(moved.token_ids, solo.token_ids) and not together.backend._dropped
+    assert np.array_equal(moved.token_ids, solo.token_ids) and not together.keeper._held
     assert moved.dropped.rows == solo.dropped.rows > 0
     np.testing.assert_allclose(moved.dropped.layer(0)[0], solo.dropped.layer(0)[0], atol=1e-2)

@@ -90,7 +90,7 @@ def test_each_chunk_runs_on_the_smallest_bucket_that_holds_the_rows_filled_so_fa
     assert [backend.prefill_rows(n) for n in (1, 128, 129, 256, 257, 385, 511)] == [128, 128, 256, 256, 384, 512, 512]
     assert [backend.chunk_rows(s) for s in chunk_starts(500, 64)] == [128, 128, 128, 256, 256, 384, 384, 512]
     full_only = OrtBackend(tiny_dense_dir)
-    full_only.bucket_graphs = {}                        # as an artifact exported without buckets
+    full_only.prefills.bucket_graphs = {}                      # as an artifact exported without buckets
     for length in (200, 500):                           # ends on a bucket; crosses both into the full graph
         prompt = random_prompts([length], seed=length)[0]
         on_buckets, on_full = backend.prefill(0, prompt).logits, full_only.prefill(0, prompt).logits

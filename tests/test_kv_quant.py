@@ -1,10 +1,10 @@
-"""Low-precision cache rows (runtime/kv_quant.py): KIVI-style groups, no model."""
+"""Low-precision cache rows (sessions/kv_quant.py): KIVI-style groups, no model."""
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from snapcompile.runtime.kv_quant import GROUP, KEY_AXIS, VALUE_AXIS, QuantizedRows, quantize_rows
+from snapcompile.sessions.kv_quant import GROUP, KEY_AXIS, VALUE_AXIS, QuantizedRows, quantize_rows
 
 
 def _rows(shape, seed=0, outlier_channel=None):

@@ -70,11 +70,11 @@ def test_select_buckets_equal_the_full_select_graph(tiny_snap_dir):
 
     from snapcompile.runtime.ort_backend import OrtBackend
     bucketed, full = OrtBackend(tiny_snap_dir), OrtBackend(tiny_snap_dir)
-    full.select_buckets = {}
-    assert sorted(bucketed.select_buckets) == [128, 256, 384]
+    full.prefills.select_buckets = {}
+    assert sorted(bucketed.prefills.select_buckets) == [128, 256, 384]
     for length in (100, 200, 300, 450):          # selected from each bucket and from the full cache
         prompt = random_prompts([length], seed=length)[0]
-        assert bucketed.prefill_rows(length) in [*bucketed.select_buckets, 512]
+        assert bucketed.prefill_rows(length) in [*bucketed.prefills.select_buckets, 512]
         ours, theirs = bucketed.prefill(0, prompt), full.prefill(0, prompt)
         for mine, other in zip(ours.kept_positions, theirs.kept_positions):
             assert (mine == other).all()

@@ -6,10 +6,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from snapcompile.engine.request import Request
-from snapcompile.engine.sessions import SessionStore
 from snapcompile.errors import PromptError
 from snapcompile.reference.oracle import ReferenceSequence
-from snapcompile.runtime.kept import KeptCache, common_prefix, plan_resume
+from snapcompile.sessions.kept import KeptCache, common_prefix, plan_resume
+from snapcompile.sessions.store import SessionStore
 from tests.conftest import TINY_SNAPSTREAM, TINY_SUMMARIES, random_prompts
 from tests.test_engine import _engine
 
@@ -257,7 +257,7 @@ def test_full_keep_follows_a_sequence_moved_to_a_lower_slot(tiny_snap_dir):
     engine.generate([Request(short, max_new_tokens=2, ignore_eos=True), Request(long, max_new_tokens=12,
                                                                                 ignore_eos=True)])
     kept = engine.sessions.newest()
-    assert kept.rows == len(kept.token_ids) == 150 + 11 and not engine.backend._full_prompts
+    assert kept.rows == len(kept.token_ids) == 150 + 11 and not engine.keeper._held
 
 
 def test_summaries_follow_a_sequence_moved_to_a_lower_slot(tiny_summary_dir):
@@ -267,7 +267,7 @@ def test_summaries_follow_a_sequence_moved_to_a_lower_slot(tiny_summary_dir):
                                                                                    ignore_eos=True)])
     alone.generate([Request(long, max_new_tokens=12, ignore_eos=True)])
     moved, solo = together.sessions.newest(), alone.sessions.newest()
-    assert np.array_equal(moved.token_ids, solo.token_ids) and not together.backend._summaries
+    assert np.array_equal(moved.token_ids, solo.token_ids) and not together.keeper._held
     for a, b in zip(moved.summaries.key_sums + moved.summaries.counts, solo.summaries.key_sums + solo.summaries.counts):
         np.testing.assert_allclose(a, b, atol=1e-5)
     assert moved.summaries.counts[0].sum() > 0
@@ -279,7 +279,7 @@ def test_session_keep_is_checked_and_off_without_a_store(tiny_snap_dir):
     from snapcompile.errors import SnapcompileError
     with pytest.raises(SnapcompileError, match="--session-keep must be one of compressed, full"):
         _engine(tiny_snap_dir, session_cache_bytes=2**26, session_keep="all")
-    assert not _engine(tiny_snap_dir, session_keep="full").backend.keep_full_prompt
+    assert _engine(tiny_snap_dir, session_keep="full").keeper is None
     full = _engine(tiny_snap_dir, session_cache_bytes=2**26, session_keep="full")
     assert full.prompt_limit == full.backend.max_prompt_len(), "every row is kept: the conversation must fit"
 
@@ -291,7 +291,8 @@ def test_an_abandoned_resumed_prefill_leaves_no_summary_bias_behind(tiny_summary
     document, question, other = random_prompts([200, 150, 120], seed=21)
     first, = engine.generate([Request(document, max_new_tokens=4, ignore_eos=True)])
     ids = document + first.output_ids + question
-    chunks = engine.backend.resume_chunks(0, engine.sessions.lookup(ids), ids)
+    plan = engine.sessions.lookup(ids)
+    chunks = engine.backend.resume_chunks(0, plan, ids, engine.keeper.resume_rows(plan))
     next(chunks)
     chunks.close()
     after = engine.backend.prefill(0, other).logits

@@ -9,7 +9,7 @@ from snapcompile.errors import SnapcompileError
 from snapcompile.export import build_dense_graphs
 from snapcompile.graphs.attention import MASK_MIN
 from snapcompile.passes.cache_bias import add_cache_bias
-from snapcompile.runtime.summaries import RowSummaries
+from snapcompile.sessions.summaries import RowSummaries
 
 EXPORT = ExportConfig(slots=2, max_context=128, chunk=32)
 

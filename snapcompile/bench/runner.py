@@ -16,9 +16,9 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from snapcompile.artifact.cache import ArtifactCache
 from snapcompile.bench import machine, measure
 from snapcompile.bench.store import PointStore
+from snapcompile.compiler.cache import ArtifactCache
 from snapcompile.config import ExportConfig, PolicyConfig
 from snapcompile.errors import SnapcompileError
 
@@ -44,7 +44,7 @@ class BenchConfig:
     budget: int = 512
     new_tokens: int = 64
     repeats: int = 3
-    chunk: int = 64
+    chunk: int = ExportConfig.chunk          # the product's own shapes (convert's default)
     eager: bool = True
     memory_limit_gib: float = 16.0       # for the "largest slot count that fits" figure
     eager_kv_limit_gib: float = 4.0      # eager points whose cache exceeds this are skipped (it is copied per step)
@@ -71,7 +71,7 @@ class BenchConfig:
     def export(self, context: int, slots: int, weights: str = "fp32") -> ExportConfig:
         """The shapes of the artifacts measured at a context: room for the new tokens after it."""
         return ExportConfig(slots=slots, max_context=context + self.new_tokens + 1, chunk=min(self.chunk, context),
-                            weight_format=weights, tail=0)      # no turn resumes here: no tail graph
+                            weight_format=weights)
 
 
 def _stats(values: list[float]) -> dict:

@@ -20,7 +20,7 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from snapcompile.config import PolicyConfig
+from snapcompile.config import ExportConfig, PolicyConfig
 from snapcompile.errors import SnapcompileError
 from snapcompile.evaluation.turns import engine_turns, session_keep_of
 from snapcompile.prompts import FILLER, encode, encode_text
@@ -40,7 +40,7 @@ class TurnsBenchConfig:
     ratio: int = 4                 # budget = final conversation length // ratio
     policy: str = "snapstream"
     weight_format: str = "fp32"
-    chunk: int = 256
+    chunk: int = ExportConfig.chunk          # the product's own shapes (convert's default)
     modes: tuple[str, ...] = DEFAULT_MODES
     kernel: int = PolicyConfig.kernel
     summaries: int = 0             # the compressed artifact's summary rows (PolicyConfig.summaries)

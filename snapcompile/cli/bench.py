@@ -7,6 +7,7 @@ from pathlib import Path
 
 import click
 
+from snapcompile.bench.graph_choice import MEASURES
 from snapcompile.cli.options import config_default, csv_option, report_options
 from snapcompile.cli.reports import write_report
 from snapcompile.config import PolicyConfig
@@ -34,16 +35,27 @@ from snapcompile.config import PolicyConfig
               help="Also measure ONNX Runtime GenAI builds of the same model at these precisions "
                    "(fp32,int4), each point in a subprocess (pip install \"snapcompile[peers]\").")
 @click.option("--force", is_flag=True, help="Replace the --output file if it exists.")
+@click.option("--measure", type=click.Choice(MEASURES), default=MEASURES[0], show_default=True,
+              help="points: the systems at every context x slots point (below). On an artifact folder as MODEL: "
+                   "decode-slots, a decode step per active count (--slots) on the slot-bucket graph the backend "
+                   "picks vs the N-slot graph (each slot holding a --contexts[0]-token prompt, --new-tokens steps); "
+                   "prefill-schedules, one --contexts[0]-token prefill with each chunk on the smallest bucket "
+                   "holding the rows so far vs on the prompt's own bucket. Both print only.")
 @report_options("bench.json", "bench", "Results JSON; the Markdown table and plots are written beside it.")
 def bench(model, contexts, slots, budget, new_tokens, repeats, prefill_repeats, no_eager, eager_kv_limit_gib,
-          memory_limit_gib, weights, peers, force, cache_dir, output, as_json):
+          memory_limit_gib, weights, peers, force, measure, cache_dir, output, as_json):
     """Decode throughput, prefill time, KV memory and roofline: SnapStream vs dense vs PyTorch.
 
     MODEL is a built-in name, a Hugging Face folder or a GGUF file (artifacts are built and cached).
     Every point (context x slots) measures the three systems in turn in this process, repeated.
     A killed run resumes: finished points are kept in OUTPUT.partial.jsonl until OUTPUT is written,
     and the same command measures only the others (the JSON counts them as resumed_points).
+    With --measure decode-slots or prefill-schedules, MODEL is an artifact folder and one choice of
+    the backend's graphs is measured against its alternative, side by side.
     """
+    if measure != "points":
+        _graph_choice(measure, Path(model), contexts[0], slots, new_tokens, repeats, as_json)
+        return
     from tqdm import tqdm
 
     from snapcompile.artifact.atomic import check_output_file
@@ -63,3 +75,30 @@ def bench(model, contexts, slots, budget, new_tokens, repeats, prefill_repeats, 
     write_report(output, result, report.markdown(result), lambda stem: report.plots(result, stem), result,
                  as_json, f"{result['seconds']:.0f} s")
     partial_path(output).unlink(missing_ok=True)      # its points are in OUTPUT now
+
+
+def _graph_choice(measure: str, folder: Path, length: int, active: list[int], steps: int, repeats: int,
+                  as_json: bool) -> None:
+    """`--measure decode-slots | prefill-schedules` on the artifact `folder`: a line per row (or JSON)."""
+    import json
+    import os
+
+    from snapcompile.artifact.manifest import MANIFEST
+    from snapcompile.bench import graph_choice
+    from snapcompile.bench.machine import cpu_description, describe_cpu
+    from snapcompile.errors import SnapcompileError
+    from snapcompile.runtime.ort_backend import OrtBackend
+    if not (folder / MANIFEST).is_file():
+        raise SnapcompileError(f"--measure {measure} runs on an artifact folder; {folder} has no {MANIFEST}")
+    backend = OrtBackend(folder)
+    if measure == "decode-slots":
+        rows = graph_choice.decode_slots(backend, active, length, steps, repeats)
+    else:
+        rows = graph_choice.prefill_schedules(backend, length, repeats)
+    machine = {"cpu": describe_cpu(cpu_description()), "load_average": [round(x, 2) for x in os.getloadavg()]}
+    if as_json:
+        click.echo(json.dumps({"artifact": str(folder), "measure": measure, "rows": rows, "machine": machine}))
+        return
+    for row in rows:
+        click.echo("  ".join(f"{key} {value}" for key, value in row.items()))
+    click.echo(f"{machine['cpu']} | load average {' '.join(map(str, machine['load_average']))}")

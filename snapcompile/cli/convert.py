@@ -86,11 +86,10 @@ def export(model, output, force, **export_args):
     MODEL is a built-in name (smollm2-135m-instruct, tiny-llama, tiny-mistral, tiny-qwen2), a
     Hugging Face folder (config.json + safetensors) or a .gguf file.
     """
-    from snapcompile.export import export_model
-    from snapcompile.models import load_model
+    from snapcompile.compiler.route import compile_artifact
     export_cfg = _export_config(**export_args)
     refuse_existing(output, force)
-    manifest = export_model(load_model(model), export_cfg, output, force=force)
+    manifest = compile_artifact(model, export_cfg, PolicyConfig(policy="dense"), output, force=force)
     click.echo(f"wrote {output} ({', '.join(manifest.graphs)} graphs); {peak_memory()}")
 
 
@@ -105,15 +104,12 @@ def convert(model, output, force, lowering, slots, max_context, chunk, weight_fo
     The budget bounds the decode cache at B rows per slot whatever the context; prompts up to
     --max-context tokens are compressed to the prompt share P at prefill.
     """
-    from snapcompile.export import export_model
-    from snapcompile.models import load_model
-    from snapcompile.passes.pipeline import compress_graphs
+    from snapcompile.compiler.route import compile_artifact
     export_cfg = _export_config(slots, max_context, chunk, weight_format, block_size, slot_buckets, tail)
     policy = PolicyConfig(**policy_args)
     policy.check_against(export_cfg)
     refuse_existing(output, force)
-    manifest = export_model(load_model(model), export_cfg, output, force=force, policy=policy,
-                            transform=lambda graphs, m: compress_graphs(graphs, m, policy, lowering))
+    manifest = compile_artifact(model, export_cfg, policy, output, lowering, force=force)
     click.echo(f"wrote {output}: policy {policy.policy}, {decode_blocks(manifest)} attention blocks rewritten; "
                f"{peak_memory()}")
 
@@ -136,7 +132,7 @@ def peak_memory() -> str:
     the libraries, the loaded model and one copy of its weights in graph layout, whatever --slots
     and --max-context are (SmolLM2: 1.6 GiB)."""
     from snapcompile.bench.machine import peak_rss_bytes
-    from snapcompile.runtime.memory import gib
+    from snapcompile.memory import gib
     return f"peak RSS {gib(peak_rss_bytes())}"
 
 

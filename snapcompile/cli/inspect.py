@@ -15,9 +15,9 @@ import click
 def inspect(artifact, verify, as_json):
     """Show an artifact's model, policy, rewritten blocks, KV bytes per slot and memory needed."""
     from snapcompile.artifact.files import check_files
+    from snapcompile.artifact.footprint import memory_needed
     from snapcompile.artifact.manifest import read_manifest
     from snapcompile.artifact.onnx_io import load_graph
-    from snapcompile.runtime.backend import memory_needed
     manifest = read_manifest(artifact)
     check_files(artifact, manifest, checksums=verify)
     for name in manifest.graphs:

@@ -146,9 +146,9 @@ def bench_turns(model_or_dir, turns, turn_tokens, answer_tokens, repeats, ratio,
     from tqdm import tqdm
 
     from snapcompile.artifact.atomic import check_output_file
-    from snapcompile.artifact.cache import ArtifactCache
     from snapcompile.bench import turns as bench
     from snapcompile.bench.machine import cpu_description
+    from snapcompile.compiler.cache import ArtifactCache
     from snapcompile.config import ExportConfig
     from snapcompile.models.loader import cache_root
     output = check_output_file(output, force=True, read_folders=(Path(model_or_dir),))

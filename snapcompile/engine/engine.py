@@ -14,13 +14,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from snapcompile.config import SESSION_KEEP
 from snapcompile.engine.request import Request, Sequence
 from snapcompile.engine.sampling import sample, token_logprob, top_logprobs
 from snapcompile.engine.scheduler import Scheduler
-from snapcompile.engine.sessions import SessionStore
 from snapcompile.errors import PromptError, SnapcompileError, first_line
-from snapcompile.runtime.memory import available_host_memory
+from snapcompile.memory import available_host_memory
+from snapcompile.sessions.keepers import keeper_for
+from snapcompile.sessions.store import SessionStore
 
 log = logging.getLogger("snapcompile.engine")
 STEP_TIMES_KEPT = 100_000      # decode step durations kept for percentiles (a server runs forever)
@@ -117,15 +117,11 @@ class Engine:
             session_cache_bytes = available_host_memory() // 8
         self.sessions = SessionStore(session_cache_bytes, policy.selection_window, backend.max_resume_rows(),
                                      backend.chunk) if session_cache_bytes else None
-        if session_keep not in SESSION_KEEP:
-            raise SnapcompileError(f"--session-keep must be one of {', '.join(SESSION_KEEP)}, got {session_keep!r}")
         self.session_keep = session_keep
-        if session_keep == "quantized" and policy.summaries:
-            raise SnapcompileError("--session-keep quantized keeps the dropped rows themselves: it does not go with "
-                                   "an artifact converted with --summaries (their rows take the same place)")
-        backend.keep_full_prompt = self.sessions is not None and policy.compressed and session_keep == "full"
-        if self.sessions is not None and policy.compressed and session_keep == "quantized":
-            backend.keep_dropped_rows()
+        keeper = keeper_for(backend.manifest, session_keep)      # checks the mode whether the store is on or not
+        self.keeper = keeper if self.sessions is not None else None
+        if self.keeper is not None and self.keeper.needs_tail:
+            backend.load_tail_graph()
 
     @classmethod
     def from_artifact(cls, folder, provider: str = "cpu", threads: int | None = None,
@@ -248,14 +244,14 @@ class Engine:
         if plan is None:
             return self.backend.prefill_chunks(seq.slot, ids)
         seq.cached_tokens = plan.resume_at
-        return self.backend.resume_chunks(seq.slot, plan, ids)
+        return self.backend.resume_chunks(seq.slot, plan, ids, self.keeper.resume_rows(plan))
 
     def _keep(self, seq: Sequence) -> None:
         """Put a finished sequence's cache into the session store: it stands for the prompt and
         every output token but the last (never fed)."""
         fed = seq.output_ids[:-1]
-        self.sessions.put(self.backend.keep(seq.slot, seq.layout, seq.kept_positions, len(fed),
-                                            list(seq.request.prompt_ids) + fed))
+        self.sessions.put(self.keeper.keep(seq.slot, seq.layout, seq.kept_positions, len(fed),
+                                           list(seq.request.prompt_ids) + fed, self.backend))
 
     def _advance_prefill(self, events: list[TokenEvent]) -> None:
         tokens_left = self.scheduler.prefill_tokens_per_step
@@ -264,6 +260,8 @@ class Engine:
                 tokens_left -= next(seq.prefill)
             except StopIteration as done:
                 seq.prefill, seq.layout, seq.kept_positions = None, done.value.layout, done.value.kept_positions
+                if self.keeper is not None and done.value.rows is not None:
+                    self.keeper.selected(done.value.rows)
                 self.scheduler.prefill_done(seq)
                 events.append(self._emit(seq, done.value.logits))
             except Exception as err:   # this request cannot be served; the others go on
@@ -274,6 +272,8 @@ class Engine:
         for seq, left in self.scheduler.compact():
             rows = min(self.backend.rows_per_slot, len(seq.request.prompt_ids) + len(seq.output_ids))
             self.backend.move_slot(left, seq.slot, rows)
+            if self.keeper is not None:
+                self.keeper.move(left, seq.slot)
         running = dict(self.scheduler.decoding)
         tokens = {slot: seq.output_ids[-1] for slot, seq in running.items()}
         steps = {slot: seq.layout.step(len(seq.output_ids) - 1) for slot, seq in running.items()}
@@ -366,7 +366,7 @@ class Engine:
                 self._keep(seq)
             except Exception:        # the answer stands; only its reuse is lost
                 log.exception("request %s: its cache could not be kept", seq.request.request_id)
-        if seq.slot is not None:
-            self.backend.forget(seq.slot)
+        if seq.slot is not None and self.keeper is not None:
+            self.keeper.forget(seq.slot)
         seq.finish(reason, self.clock(), error)
         self.scheduler.release(seq)

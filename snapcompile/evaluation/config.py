@@ -24,7 +24,7 @@ class EvalConfig:
     samples: int
     seed: int
     slots: int = 4
-    chunk: int = 256
+    chunk: int = ExportConfig.chunk          # the product's own shapes (convert's default)
     scope: str = "head"              # SnapStream selection scope (head | layer)
     kernel: int = PolicyConfig.kernel  # SnapStream's pooling kernel K
     ratios: tuple[int, ...] = ()     # compression ratios: budget = length // ratio, per length
@@ -57,7 +57,7 @@ class EvalConfig:
     def export(self) -> ExportConfig:
         """The shapes of every artifact this evaluation runs."""
         return ExportConfig(slots=self.slots, max_context=self.max_context, chunk=self.chunk,
-                            weight_format=self.weight_format, tail=0)   # no turn resumes here: no tail graph
+                            weight_format=self.weight_format)
 
     @property
     def reference_export(self) -> ExportConfig:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from snapcompile.artifact.cache import ArtifactCache
+from snapcompile.compiler.cache import ArtifactCache
 from snapcompile.evaluation.config import RECALL_CUE, RECALL_TOKENS, EvalConfig, policy_for
 from snapcompile.evaluation.metrics import kl_divergence
 from snapcompile.evaluation.store import ResultStore

@@ -40,7 +40,7 @@ class RulerConfig:
     weights: tuple[str, ...] = ("fp32",)
     limit: int = 5                            # samples per task and length
     slots: int = 4                            # of every artifact; lm-eval sends this many requests at once
-    chunk: int = 256
+    chunk: int = ExportConfig.chunk          # the product's own shapes (convert's default)
     scope: str = "head"                       # SnapStream's selection scope (head | layer)
     kernel: int = PolicyConfig.kernel         # SnapStream's pooling kernel K
 
@@ -66,7 +66,7 @@ class RulerConfig:
 
     def export(self, weights: str) -> ExportConfig:
         return ExportConfig(slots=self.slots, max_context=max(self.lengths) + CONTEXT_MARGIN, chunk=self.chunk,
-                            weight_format=weights, tail=0)       # no turn resumes here: no tail graph
+                            weight_format=weights)
 
     def units(self) -> list[tuple[str, str, int]]:
         """(weights, cell, length) for every run, dense first."""
@@ -136,7 +136,7 @@ def run_ruler(config: RulerConfig, results_path: Path, cache_dir: Path, work_dir
               log: Callable[[str], None] = print) -> tuple[list[dict], dict[str, dict]]:
     """Run every unit not yet in the store, then measure dense's margin on the samples they lost;
     returns all units in config.units() order and the margins by ruler_margin.margin_id."""
-    from snapcompile.artifact.cache import ArtifactCache
+    from snapcompile.compiler.cache import ArtifactCache
     store = UnitStore(results_path, config)
     pending = [u for u in config.units() if unit_id(*u) not in store.units]
     if progress:

@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from snapcompile.artifact.cache import ArtifactCache
 from snapcompile.artifact.manifest import read_manifest
+from snapcompile.compiler.cache import ArtifactCache
 from snapcompile.evaluation.config import EvalConfig, policy_for
 from snapcompile.evaluation.fidelity import run_fidelity
 from snapcompile.evaluation.retrieval import run_retrieval

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from snapcompile.config import PolicyConfig
+from snapcompile.config import ExportConfig, PolicyConfig
 from snapcompile.errors import SnapcompileError
 from snapcompile.evaluation.config import policy_for
 from snapcompile.evaluation.store import append_partial, partial_path, read_partial
@@ -140,7 +140,7 @@ class TurnsConfig:
     ratio: int = 4                    # budget = final conversation length // ratio
     policy: str = "snapstream"
     weight_format: str = "fp32"
-    chunk: int = 256
+    chunk: int = ExportConfig.chunk          # the product's own shapes (convert's default)
     answer_tokens: int = 24           # "The special number for WORD is NNNNNN." with room to spare
     modes: tuple[str, ...] = DEFAULT_MODES
     kernel: int = PolicyConfig.kernel  # the policy's pooling kernel K

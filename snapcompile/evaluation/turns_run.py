@@ -34,9 +34,9 @@ def export_of(config: TurnsConfig) -> ExportConfig:
 def run_turns(config: TurnsConfig, output: Path, cache_dir: Path, progress: Callable[[int], None] | None = None,
               log: Callable[[str], None] = print) -> list[dict]:
     """Every mode on every conversation not yet in the store; returns all records."""
-    from snapcompile.artifact.cache import ArtifactCache
     from snapcompile.artifact.files import artifact_tokenizer
     from snapcompile.artifact.manifest import read_manifest
+    from snapcompile.compiler.cache import ArtifactCache
     store = TurnsStore(output, config)
     cache = ArtifactCache(config.source, cache_dir, log)
     dense = cache.dense(export_of(config))

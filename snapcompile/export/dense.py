@@ -6,6 +6,7 @@ from pathlib import Path
 import onnx
 
 from snapcompile.artifact.atomic import atomic_directory
+from snapcompile.artifact.footprint import check_memory
 from snapcompile.artifact.manifest import WEIGHTS, Manifest
 from snapcompile.artifact.naming import TAIL_GRAPH, graph_name
 from snapcompile.artifact.onnx_io import WeightsFile, save_graphs
@@ -15,7 +16,6 @@ from snapcompile.export.llama_graph import DecodeWriter, PrefillWriter
 from snapcompile.export.weights import Quantizer, Weights
 from snapcompile.graphs.checks import check_graph
 from snapcompile.models.loader import LoadedModel
-from snapcompile.runtime.backend import check_memory
 
 
 def check_export_config(loaded: LoadedModel, export: ExportConfig) -> None:

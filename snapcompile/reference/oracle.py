@@ -237,7 +237,7 @@ class ReferenceSequence:
     policies can start from this prefill (`from_prefill`).
     """
 
-    cache_type = _LayerCache     # a study may subclass it (scripts/resume_study.py)
+    cache_type = _LayerCache     # a study may subclass it (studies/resume_study.py)
 
     def __init__(self, model, policy: PolicyConfig, rows_per_slot: int,
                  forced_selection: list[torch.Tensor] | None = None, record_window: int = 0):

@@ -17,7 +17,8 @@ from snapcompile.errors import SnapcompileError
 from snapcompile.reference.oracle import ReferenceSequence
 from snapcompile.runtime import open_backend
 from snapcompile.runtime.backend import drain
-from snapcompile.runtime.kept import plan_resume
+from snapcompile.sessions.keepers import keeper_for
+from snapcompile.sessions.kept import plan_resume
 
 
 @dataclass
@@ -146,6 +147,7 @@ class Validator:
             total = len(ids) + turns * (steps + 1 + len(follow_up))
             ref = self._reference(total, 0)
             result, logits, resumed = self.backend.prefill(0, ids), ref.feed(ids), 0
+            keeper = keeper_for(self.manifest, "compressed")
             for turn in range(1, turns + 1):
                 report = PromptReport(len(ids), result.layout.compressed, turn=turn, resumed_tokens=resumed)
                 if result.kept_positions is not None:
@@ -155,7 +157,9 @@ class Validator:
                 reports.append(report)
                 if turn == turns:
                     break
-                kept = self.backend.keep(0, result.layout, result.kept_positions, steps, ids + fed[:-1])
+                if result.rows is not None:
+                    keeper.selected(result.rows)
+                kept = keeper.keep(0, result.layout, result.kept_positions, steps, ids + fed[:-1], self.backend)
                 ids = ids + fed + follow_up
                 plan = plan_resume(kept, ids, window, self.backend.max_resume_rows())
                 if plan is None:
@@ -163,7 +167,7 @@ class Validator:
                                            f"{len(fed) + len(follow_up)} tokens and must add at least the "
                                            f"observation window ({window}); give more --steps or a longer "
                                            "--follow-up")
-                result = drain(self.backend.resume_chunks(0, plan, ids))
+                result = drain(self.backend.resume_chunks(0, plan, ids, keeper.resume_rows(plan)))
                 logits, resumed = ref.resume(ids, plan.resume_at), plan.resume_at
             if progress:
                 progress(1)

@@ -10,9 +10,9 @@ from snapcompile.artifact.manifest import WEIGHTS, Manifest
 from snapcompile.artifact.naming import is_prefill_graph
 from snapcompile.artifact.onnx_io import load_graph
 from snapcompile.errors import SnapcompileError
+from snapcompile.memory import available_host_memory
 from snapcompile.runtime import PROVIDERS
 from snapcompile.runtime.backend import SlotBackend
-from snapcompile.runtime.memory import available_host_memory
 
 
 class OrtGraph:

@@ -16,10 +16,10 @@ from pathlib import Path
 
 from snapcompile.artifact.atomic import atomic_directory
 from snapcompile.artifact.files import check_files
+from snapcompile.artifact.footprint import memory_needed
 from snapcompile.artifact.manifest import MANIFEST, read_manifest
 from snapcompile.errors import SnapcompileError
-from snapcompile.runtime.backend import memory_needed
-from snapcompile.runtime.memory import check_fits, gib
+from snapcompile.memory import check_fits, gib
 
 MARKER = "snapcompile.json"
 MODEL_FILE = Path(__file__).with_name("model.py")

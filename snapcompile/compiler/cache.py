@@ -1,8 +1,10 @@
-"""Artifacts that `eval` and `bench` build once and reuse, kept under a cache folder.
+"""Artifacts that the measuring tools (eval, eval-ruler, eval-turns, bench, bench-turns) build once
+and reuse, kept under a cache folder.
 
 A folder's name is `artifact_key(source, export shapes, policy)`, so any change of model, shapes,
-policy or of the graphs this version writes builds a new one. Compressed artifacts are made from
-the dense artifact of the same shapes by the passes (`compress`), so the model loads at most once.
+policy or of the graphs this version writes builds a new one. From a model, every artifact is
+built by `compile_artifact`, the route `convert` takes (the model loads at most once); from a dense
+artifact folder, compressed ones are made by the passes (`compress`).
 """
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from snapcompile.artifact.manifest import MANIFEST, artifact_key, read_manifest
+from snapcompile.compiler.route import compile_artifact
 from snapcompile.config import ExportConfig, PolicyConfig
 from snapcompile.errors import SnapcompileError
 
@@ -56,10 +59,9 @@ class ArtifactCache:
         if folder == Path(self.source):
             return folder
         if not (folder / MANIFEST).is_file():
-            from snapcompile.export import export_model
             self.log(f"exporting {self.source} to {folder} ({export.slots} slots, max context {export.max_context}, "
                      f"{export.weight_format} weights)")
-            export_model(self.loaded, export, folder, force=True)
+            compile_artifact(self.loaded, export, PolicyConfig(policy="dense"), folder, force=True)
         return folder
 
     def folder_of(self, export: ExportConfig, policy: PolicyConfig) -> Path:
@@ -74,8 +76,12 @@ class ArtifactCache:
         if not policy.compressed:
             return self.dense(export)
         folder = self.folder_of(export, policy)
-        if not (folder / MANIFEST).is_file():
+        if (folder / MANIFEST).is_file():
+            return folder
+        self.log(f"building {policy.policy} budget {policy.budget} into {folder}")
+        if self._source_export(export) is None:
+            compile_artifact(self.loaded, export, policy, folder, force=True)
+        else:
             from snapcompile.passes.pipeline import compress_artifact
-            self.log(f"compressing for {policy.policy} budget {policy.budget} into {folder}")
-            compress_artifact(self.dense(export), folder, policy, force=True)
+            compress_artifact(Path(self.source), folder, policy, force=True)
         return folder

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Write pass-key prompts as JSONL for `snapcompile run --prompts` (each line: id, prompt, answer).
 
-    python scripts/passkey_prompts.py --count 32 --min-tokens 1000 --max-tokens 4000 -o passkey32.jsonl
+    python studies/passkey_prompts.py --count 32 --min-tokens 1000 --max-tokens 4000 -o passkey32.jsonl
 Lengths are spread evenly over [min, max] (approximate, in SmolLM2 tokens), depths cycle over 0.1..0.9.
 """
 from __future__ import annotations

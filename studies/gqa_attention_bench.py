@@ -5,7 +5,7 @@ of 64 queries, 9 query / 3 KV heads, D = 64, against L cache rows of which `star
 writes into a past buffer shared with its output through IOBinding); prints the median
 milliseconds of each and their largest difference.
 
-    .venv/bin/python scripts/gqa_attention_bench.py
+    .venv/bin/python studies/gqa_attention_bench.py
 """
 from __future__ import annotations
 

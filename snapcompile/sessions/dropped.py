@@ -3,7 +3,7 @@
 only, no device code.
 
 Each selection adds one chunk: per layer the rows it did not keep, [Hkv, m, D] keys and values in
-4 bits (runtime/kv_quant.py, keys grouped per channel over the chunk's rows), with their positions.
+4 bits (sessions/kv_quant.py, keys grouped per channel over the chunk's rows), with their positions.
 Every head drops as many rows as the others (a selection keeps P of the same rows in each), so a
 chunk is [Hkv, m, ...] in every layer. A resumed turn's new tokens attend over every chunk's rows;
 the selection and decode never see them.
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from snapcompile.runtime.kv_quant import KEY_AXIS, VALUE_AXIS, QuantizedRows, quantize_rows
+from snapcompile.sessions.kv_quant import KEY_AXIS, VALUE_AXIS, QuantizedRows, quantize_rows
 
 DROPPED_BITS = 4
 

@@ -9,7 +9,7 @@ itself nearly answered the other way.
 Use it to tune SnapStream's parameters for a model before building artifacts; confirm the chosen
 configuration with `snapcompile eval`, which runs the compiled graphs.
 
-    python scripts/policy_sweep.py --task multikey --lengths 1000,2000 --samples 2 \\
+    python studies/policy_sweep.py --task multikey --lengths 1000,2000 --samples 2 \\
         --variant head=scope:head --variant layer=scope:layer --variant layer-k31=scope:layer,kernel:31
 
 A variant is NAME=key:value,... with PolicyConfig fields (policy, sinks, window, kernel, pooling,

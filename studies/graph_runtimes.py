@@ -7,7 +7,7 @@ attends over `--start` filled rows of the graph's cache. OpenVINO lives in its o
 peers' set-up, ../shared/peers/README.md): give its interpreter with --ov-python; each round runs
 both runtimes, one process each, and prints one JSON line per runtime, then the medians.
 
-    .venv/bin/python scripts/graph_runtimes.py ARTIFACT --graph prefill_2048 --start 1536 \
+    .venv/bin/python studies/graph_runtimes.py ARTIFACT --graph prefill_2048 --start 1536 \
         --ov-python ../peers/ovenv/bin/python --rounds 3
 """
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Compare `snapcompile eval` results of the same cases under two weight formats.
 
-    .venv/bin/python scripts/compare_weights.py REFERENCE.json OTHER.json [OTHER.json ...]
+    .venv/bin/python studies/compare_weights.py REFERENCE.json OTHER.json [OTHER.json ...]
 
 REFERENCE: an fp32 run; each OTHER: a run with another --weights and the same seed (a case is the
 same case in every run with that seed; only cases present in all the files are compared, so the

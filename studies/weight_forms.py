@@ -2,7 +2,7 @@
 the standard blocked DequantizeLinear + MatMul that snapcompile writes (ORT fuses it into its
 MatMulNBits kernel at session creation) and ORT's contrib MatMulNBits written directly.
 
-    .venv/bin/python scripts/weight_forms.py ARTIFACT [--steps 50]
+    .venv/bin/python studies/weight_forms.py ARTIFACT [--steps 50]
 
 ARTIFACT: an int4 or int8 artifact (`convert --weights int4`). Prints one JSON line per form
 (median ms per decode step over --steps, same inputs, same session options).

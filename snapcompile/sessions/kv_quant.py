@@ -1,5 +1,5 @@
 """Cache rows held in low precision in host memory: a `quantized` session entry's rows (8 bits)
-and dropped rows (4 bits; runtime/dropped.py), and the study's (scripts/resume_study.py). Host
+and dropped rows (4 bits; sessions/dropped.py), and the study's (studies/resume_study.py). Host
 arrays only.
 
 As KIVI stores a KV cache (Liu et al., 2024): asymmetric round-to-nearest integers in groups of

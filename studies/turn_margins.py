@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Dense's own margin on every later-turn answer of resume_study's conversations.
 
-For each conversation of a `scripts/resume_study.py` JSON, dense's whole conversation (every turn
+For each conversation of a `studies/resume_study.py` JSON, dense's whole conversation (every turn
 and dense's recorded answers, re-encoded) goes through the dense model once, teacher-forced; the
 logits at each answer step give the gap between dense's two likeliest tokens, and an answer's
 margin is the least gap over the tokens that spell the asked number (as `eval`'s multikey
@@ -9,7 +9,7 @@ margins). A rebuilt answer that is not dense's own greedy continuation (its text
 re-encode to the tokens generated) gets no margin. Printed: per variant, of the later answers
 dense gave right, how many it kept, and of those dense was sure of (margin >= --sure) how many.
 
-    python scripts/turn_margins.py resume-study.json resume-study-16-32.json --json margins.json
+    python studies/turn_margins.py resume-study.json resume-study-16-32.json --json margins.json
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The session store: finished sequences' caches kept in host memory, least recently used first
 out, bounded by bytes (`--session-cache-bytes`). A request that begins with a kept sequence's
-tokens resumes from it (`runtime/kept.py`). Entries are never changed; the engine thread is the
+tokens resumes from it (`sessions/kept.py`). Entries are never changed; the engine thread is the
 only one that touches the store."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from snapcompile.runtime.kept import KeptCache, ResumePlan, plan_resume
+from snapcompile.sessions.kept import KeptCache, ResumePlan, plan_resume
 
 MAX_ENTRIES = 1024        # a lookup compares the prompt with every entry
 

@@ -13,7 +13,7 @@ with five facts in turn 1, turns 2..5 asking about the others) is run greedily i
   all-rows-early, all-rows-late  all-rows in the first (last) half of the layers, resume in the
             others
   all-rows-q4, all-rows-q8  all-rows with the rows a head did not keep seen through 4-bit (8-bit)
-            quantization (runtime/kv_quant.py: KIVI's groups, keys per channel, values per
+            quantization (sessions/kv_quant.py: KIVI's groups, keys per channel, values per
             position; every position before the resume point is quantized, the dropped ones
             shown); the kept rows exact. all-rows-q4-kept8: besides, the kept rows held in 8 bits
             between turns (they are what the re-selection keeps and decode attends over)
@@ -42,7 +42,7 @@ with five facts in turn 1, turns 2..5 asking about the others) is run greedily i
             are then dropped. Later turns resume and re-select as in resume. reconstruct-1: the
             same without pooling (kernel 1)
 
-    python scripts/resume_study.py --samples 8 --kernel 31 --variants dense,resume,all-rows,summary \\
+    python studies/resume_study.py --samples 8 --kernel 31 --variants dense,resume,all-rows,summary \\
         --json resume-study.json
 
 Correct: the asked number appears in the answer. Printed per variant: turns 2..5 answered, and of
@@ -72,7 +72,7 @@ def study_sequence_type(variant: str, recall: int = 2):
 
     from snapcompile.reference import oracle
     from snapcompile.reference.policy import snapkv_select
-    from snapcompile.runtime.kv_quant import KEY_AXIS, VALUE_AXIS
+    from snapcompile.sessions.kv_quant import KEY_AXIS, VALUE_AXIS
 
     class AllRowsCache(oracle._LayerCache):
         """Keeps every row computed ([Hkv, positions, D], in position order) for resumed tokens."""
@@ -399,10 +399,10 @@ def study_sequence_type(variant: str, recall: int = 2):
 
 def quantized(rows, bits: int, axis: int):
     """rows [Hkv, n, D] (a torch tensor) as the session store holds them in `bits` bits and gives
-    them back (runtime/kv_quant.py)."""
+    them back (sessions/kv_quant.py)."""
     import torch
 
-    from snapcompile.runtime.kv_quant import quantize_rows
+    from snapcompile.sessions.kv_quant import quantize_rows
     return torch.from_numpy(quantize_rows(rows.numpy(), bits, axis).dequantize())
 
 

@@ -1,0 +1,28 @@
+"""`compile_artifact`: a model and a configuration -> an artifact folder. `export`, `convert` and every
+measuring tool (eval, eval-ruler, eval-turns, bench, bench-turns, through ArtifactCache) build
+artifacts here, so the artifacts a table measures are the ones users convert."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from snapcompile.artifact.manifest import Manifest
+from snapcompile.config import ExportConfig, PolicyConfig
+
+
+def compile_artifact(model, export: ExportConfig, policy: PolicyConfig, output: Path, lowering: str = "standard",
+                     force: bool = False) -> Manifest:
+    """Write the artifact of `export` shapes and `policy` for `model` to `output` atomically: the dense
+    graphs, rewritten by the passes before they are saved when the policy compresses.
+
+    model: a loaded model (snapcompile.models.LoadedModel) or what `load_model` takes (a built-in
+    name, a Hugging Face folder, a .gguf file)."""
+    from snapcompile.export import export_model
+    from snapcompile.models import load_model
+    from snapcompile.models.loader import LoadedModel
+    from snapcompile.passes.pipeline import compress_graphs
+    policy.check_against(export)
+    loaded = model if isinstance(model, LoadedModel) else load_model(model)
+
+    def transform(graphs, manifest):
+        return compress_graphs(graphs, manifest, policy, lowering)
+    return export_model(loaded, export, Path(output), force=force, policy=policy, transform=transform)

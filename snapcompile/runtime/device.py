@@ -1,0 +1,69 @@
+"""What the slot backend asks of a device (ONNX Runtime on host memory, TensorRT on CUDA memory), and
+the prefill's result and chunking rules that its parts share."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+
+from snapcompile.artifact.manifest import Manifest
+from snapcompile.runtime.layout import SlotLayout
+from snapcompile.sessions.keepers import PromptRows
+
+
+class Graph(Protocol):
+    def bind(self, name: str, array, output: bool = False) -> None: ...
+    def run(self) -> None: ...
+
+
+class Device(Protocol):
+    """Allocates arrays, runs graphs, and moves small arrays to and from the host."""
+
+    def check(self, folder: Path, manifest: Manifest) -> None: ...
+    def available_bytes(self) -> int: ...
+    def zeros(self, shape: tuple[int, ...], dtype: str): ...
+    def graph(self, name: str, manifest: Manifest) -> Graph: ...
+    def kernels(self, manifest: Manifest) -> str: ...
+    def upload(self, target, host: np.ndarray) -> None: ...
+    def download(self, array) -> np.ndarray: ...
+    def indices(self, host: np.ndarray): ...
+
+
+@dataclass
+class PrefillResult:
+    """logits: [V] float32 for the prompt's last token. kept_positions: per layer [Hkv, kept]
+    prompt positions now in the slot, ascending (None when they are 0 .. kept-1: the whole prompt
+    was kept). rows: a compressed prompt's prefilled rows for the session keeper (None: dense)."""
+
+    logits: np.ndarray
+    layout: SlotLayout
+    kept_positions: list[np.ndarray] | None
+    rows: PromptRows | None = None
+
+
+def chunk_starts(prompt_len: int, chunk: int) -> list[int]:
+    """Chunk start positions; the last chunk ends exactly at the prompt's end (it may overlap
+    the previous one) so the observation window always lies inside one chunk."""
+    starts = list(range(0, max(prompt_len - chunk, 0), chunk))
+    starts.append(max(prompt_len - chunk, 0))
+    return starts
+
+
+def chunk_spans(length: int, split: int, chunk: int, last_chunk: int):
+    """(offset, count) of the chunks of `length` new tokens, none across `split` (0: one run):
+    chunk_starts over [0, split) in chunks of `chunk`, then over [split, length) in `last_chunk`."""
+    for first, last, size in ((0, split, chunk), (split, length, last_chunk)):
+        if last > first:
+            for offset in chunk_starts(last - first, size):
+                yield first + offset, min(size, last - first - offset)
+
+
+def drain(chunks) -> PrefillResult:
+    """Run a prefill generator (`prefill_chunks`, `resume_chunks`) to its end; its result."""
+    while True:
+        try:
+            next(chunks)
+        except StopIteration as stop:
+            return stop.value

@@ -1,0 +1,365 @@
+"""The prefill side of the slot backend: a prompt's chunks through the prefill graphs, and a
+compressed prompt's rows selected into its slot.
+
+Each chunk runs on the smallest bucket graph that holds the rows filled before it (or the full
+graph), so no chunk pays attention over more rows than it needs. A dense prompt is prefilled
+straight into its slot; a compressed one into a scratch cache of max_context rows, from which the
+select graph (or the StreamingLLM rule) moves the kept rows into the slot once per request.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+
+from snapcompile.artifact.manifest import Manifest
+from snapcompile.artifact.naming import TAIL_GRAPH, bucket_rows
+from snapcompile.errors import SnapcompileError
+from snapcompile.runtime.device import Device, Graph, PrefillResult, chunk_spans
+from snapcompile.runtime.layout import SlotLayout
+from snapcompile.sessions.keepers import PromptRows, ResumeRows
+from snapcompile.sessions.kept import ResumePlan, positions_of_rows
+
+
+class PrefillRunner:
+    """Owns the prefill graphs (full, buckets, select, tail) and their buffers; writes into the
+    backend's slot caches `keys` / `values` (per layer [N, Hkv, rows_per_slot, D]). One prefill
+    runs at a time."""
+
+    def __init__(self, folder: Path, manifest: Manifest, device: Device, keys: list, values: list):
+        self.folder, self.manifest, self.device, self.keys, self.values = folder, manifest, device, keys, values
+        m = manifest
+        self.num_layers, self.chunk, self.rows_per_slot = m.spec.num_layers, m.export.chunk, m.rows_per_slot
+        self._layers = range(self.num_layers)
+        self.prefill_graph = device.graph("prefill", m)
+        self.bucket_graphs = {bucket_rows(name): device.graph(name, m)           # rows -> graph
+                              for name in m.graphs if bucket_rows(name) is not None}
+        self.select_graph = device.graph("select", m) if "select" in m.graphs else None
+        self.select_buckets = {bucket_rows(name, "select"): device.graph(name, m)  # rows -> graph
+                               for name in m.graphs if bucket_rows(name, "select") is not None}
+        self.tail_graph: Graph | None = None      # loaded by load_tail_graph
+        self.last_seconds = {"chunks": 0.0, "select": 0.0}   # of the latest prefill, for benchmarks
+        self._init_buffers()
+
+    def _kv(self, batch: int, rows: int):
+        return self.device.zeros((batch, self.manifest.spec.num_kv_heads, rows, self.manifest.spec.head_dim), "float32")
+
+    def _init_buffers(self) -> None:
+        m, zeros = self.manifest, self.device.zeros
+        self.p_ids = zeros((1, self.chunk), "int64")
+        self.p_start, self.p_pos, self.p_len = (zeros((1,), "int64") for _ in range(3))
+        self.p_logits = zeros((1, m.spec.vocab_size), "float32")
+        self.p_new_k = [self._kv(1, self.chunk) for _ in self._layers]
+        self.p_new_v = [self._kv(1, self.chunk) for _ in self._layers]
+        if m.policy.compressed:    # the full prompt lives here until it is compressed into a slot
+            self.scratch_k = [self._kv(1, m.export.max_context) for _ in self._layers]
+            self.scratch_v = [self._kv(1, m.export.max_context) for _ in self._layers]
+        for g in self._all_prefill_graphs():
+            for name, array in (("input_ids", self.p_ids), ("start", self.p_start), ("position", self.p_pos),
+                                ("chunk_len", self.p_len)):
+                g.bind(name, array)
+            g.bind("logits", self.p_logits, output=True)
+            for i in self._layers:
+                g.bind(f"key.{i}", self.p_new_k[i], output=True)
+                g.bind(f"value.{i}", self.p_new_v[i], output=True)
+        self._init_buckets()
+        self._init_cache_bias()
+        if self.select_graph is not None:
+            self._init_select()
+
+    def _init_cache_bias(self) -> None:
+        """With summaries, every prefill graph's cache_bias.{i} [1, Hkv, R]: zero but while a resumed
+        prefill attends over summary rows (passes/cache_bias.py)."""
+        self.p_bias: dict[int, list] = {}          # graph rows R -> per layer bias
+        self._bias_set = False                     # a resumed prefill's summaries are in p_bias
+        if not self.manifest.policy.summaries:
+            return
+        hkv = self.manifest.spec.num_kv_heads
+        graphs = {self.manifest.export.max_context: self.prefill_graph, **self.bucket_graphs}
+        for rows, g in graphs.items():
+            self.p_bias[rows] = [self.device.zeros((1, hkv, rows), "float32") for _ in self._layers]
+            for i in self._layers:
+                g.bind(f"cache_bias.{i}", self.p_bias[rows][i])
+
+    def _all_prefill_graphs(self) -> list[Graph]:
+        return [self.prefill_graph, *self.bucket_graphs.values()]
+
+    def _init_buckets(self) -> None:
+        """One K and one V buffer per layer, as large as the largest bucket; each bucket graph
+        sees its prefix as [1, Hkv, rows, D] (one prefill runs at a time)."""
+        self.bucket_k, self.bucket_v = {}, {}
+        if not self.bucket_graphs:
+            return
+        hkv, d = self.manifest.spec.num_kv_heads, self.manifest.spec.head_dim
+        size = hkv * max(self.bucket_graphs) * d
+        flat_k = [self.device.zeros((size,), "float32") for _ in self._layers]
+        flat_v = [self.device.zeros((size,), "float32") for _ in self._layers]
+        for rows, g in self.bucket_graphs.items():
+            shape = (1, hkv, rows, d)
+            self.bucket_k[rows] = [flat[: hkv * rows * d].reshape(shape) for flat in flat_k]
+            self.bucket_v[rows] = [flat[: hkv * rows * d].reshape(shape) for flat in flat_v]
+            for i in self._layers:
+                g.bind(f"past_key.{i}", self.bucket_k[rows][i])
+                g.bind(f"past_value.{i}", self.bucket_v[rows][i])
+
+    def prefill_rows(self, prompt_len: int) -> int:
+        """The smallest bucket that holds `prompt_len` cache rows, else max_context (the full
+        prefill graph): the cache a whole prompt of that length is selected from."""
+        fitting = [rows for rows in self.bucket_graphs if rows >= prompt_len]
+        return min(fitting) if fitting else self.manifest.export.max_context
+
+    def _init_select(self) -> None:
+        m, zeros = self.manifest, self.device.zeros
+        heads, window, d = m.spec.num_heads, m.policy.window, m.spec.head_dim
+        share, hkv = m.policy.resolved_prompt_share, m.spec.num_kv_heads
+        self.window_q = [zeros((1, heads, window, d), "float32") for _ in self._layers]
+        self.sel_k = [self._kv(1, share) for _ in self._layers]
+        self.sel_v = [self._kv(1, share) for _ in self._layers]
+        self.sel_idx = [zeros((1, hkv, share), "int64") for _ in self._layers]
+        self.sel_len = zeros((1,), "int64")
+        missing = set(self.select_buckets) - set(self.bucket_k)
+        if missing:
+            raise SnapcompileError(f"{self.folder}: select graphs for {sorted(missing)} rows have no prefill bucket "
+                                   "of those rows; convert the artifact again")
+        reads = [(self.select_graph, self.scratch_k, self.scratch_v),    # each select graph and its cache
+                 *((s, self.bucket_k[rows], self.bucket_v[rows]) for rows, s in self.select_buckets.items())]
+        for s, keys, values in reads:
+            s.bind("prompt_len", self.sel_len)
+            for i in self._layers:
+                s.bind(f"window_query.{i}", self.window_q[i])
+                s.bind(f"key.{i}", keys[i])
+                s.bind(f"value.{i}", values[i])
+                s.bind(f"selected_key.{i}", self.sel_k[i], output=True)
+                s.bind(f"selected_value.{i}", self.sel_v[i], output=True)
+                s.bind(f"selected_index.{i}", self.sel_idx[i], output=True)
+        for g in self._all_prefill_graphs():
+            for i in self._layers:
+                g.bind(f"window_query.{i}", self.window_q[i], output=True)
+
+    def load_tail_graph(self) -> None:
+        """Load the tail graph (for a session keeper with `needs_tail`), which runs a resumed turn's
+        last T (export.tail) tokens over rows only they see, bound to the scratch cache. Raises
+        SnapcompileError for an artifact without it."""
+        m, zeros = self.manifest, self.device.zeros
+        if TAIL_GRAPH not in m.graphs:
+            raise SnapcompileError(f"{self.folder}: --session-keep quantized runs a resumed turn's last tokens on the "
+                                   f"graph {TAIL_GRAPH}, which this artifact lacks (converted before it, or with "
+                                   "--tail 0); convert it again")
+        g = self.tail_graph = self.device.graph(TAIL_GRAPH, m)
+        self.t_ids = zeros((1, m.export.tail), "int64")
+        self.t_new_k = [self._kv(1, m.export.tail) for _ in self._layers]
+        self.t_new_v = [self._kv(1, m.export.tail) for _ in self._layers]
+        for name, array in (("input_ids", self.t_ids), ("start", self.p_start), ("position", self.p_pos),
+                            ("chunk_len", self.p_len)):
+            g.bind(name, array)
+        g.bind("logits", self.p_logits, output=True)
+        for i in self._layers:
+            g.bind(f"past_key.{i}", self.scratch_k[i])
+            g.bind(f"past_value.{i}", self.scratch_v[i])
+            g.bind(f"key.{i}", self.t_new_k[i], output=True)
+            g.bind(f"value.{i}", self.t_new_v[i], output=True)
+            if self.select_graph is not None:
+                g.bind(f"window_query.{i}", self.window_q[i], output=True)
+
+    def chunk_rows(self, start: int) -> int:
+        """Cache rows the chunk starting at `start` attends over: those of the smallest bucket that
+        holds the `start` rows already filled (`prefill_rows`, the same rule). So a prompt's chunks
+        follow the causal triangle in bucket steps instead of all paying the whole prompt's bucket."""
+        return self.prefill_rows(start)
+
+    def chunks(self, slot: int, token_ids: list[int], plan: ResumePlan | None, extra: ResumeRows | None):
+        """Every chunk's K/V goes to the targets (the slot, or the scratch cache of a compressed
+        prompt); a bucket's own cache is a copy of their first rows, filled when a chunk moves
+        to that bucket (the buckets share one buffer, so one holds this prompt at a time).
+        A resumed prefill's `extra` rows sit right after the kept rows, seen by every new token, or
+        (tail_only) after the earlier new tokens, seen only by the last T new tokens (export.tail,
+        which hold the window), run on the tail graph. The rows after them move down over them
+        before the selection."""
+        targets = self._prefill_targets(slot)
+        if self._bias_set:               # a resumed prefill abandoned mid-way (its request cancelled)
+            self._clear_cache_bias()
+        base, first_position = (plan.rows, plan.resume_at) if plan else (0, 0)
+        new = token_ids[first_position:]
+        extra_rows = extra.count if extra else 0
+        tail = self.manifest.export.tail if extra and extra.tail_only else 0
+        early = max(len(new) - tail, 0) if tail else 0
+        if plan:
+            self._load_kept(targets, plan, extra, base + early)
+        began = time.perf_counter()
+        synced = yield from self._run_chunks(targets, new, base, first_position, early, tail, extra_rows)
+        chunks_done = time.perf_counter()
+        if extra_rows:
+            self._drop_extra_rows(targets, base + early, extra_rows, len(new) - early)
+            synced = None
+        result = self._select(slot, targets, token_ids, base + len(new), plan, synced)
+        self.last_seconds = {"chunks": chunks_done - began, "select": time.perf_counter() - chunks_done}
+        return result
+
+    def _run_chunks(self, targets, new: list[int], base: int, first_position: int, early: int, tail: int,
+                    extra_rows: int):
+        """Prefill the `new` tokens from cache row `base` (RoPE position `first_position`): those
+        before `early` in chunks on the bucket graphs, the rest on the tail graph when `tail`, past
+        the `extra_rows` loaded after the earlier ones. Yields each chunk's token count; returns the
+        bucket whose cache holds every row filled (None: none does)."""
+        synced = None                    # the bucket whose cache holds the rows filled so far
+        for offset, count in chunk_spans(len(new), early, self.chunk, tail or self.chunk):
+            start = base + offset + (extra_rows if offset >= early else 0)
+            tokens = new[offset:offset + count]
+            if tail and offset >= early:
+                self._run_chunk(self.tail_graph, self.t_ids, tokens, start, first_position + offset)
+                self._write_chunk(targets, start, count, (self.t_new_k, self.t_new_v))
+                yield count
+                continue
+            rows = self.chunk_rows(start)
+            if rows != synced:
+                synced = self._prepare_chunk_graph(rows, targets, start)
+            self._run_chunk(self.bucket_graphs.get(rows) or self.prefill_graph, self.p_ids, tokens, start,
+                            first_position + offset)
+            self._write_chunk(targets, start, count)
+            if synced is not None:
+                if start + count <= synced:
+                    self._write_chunk(self._bucket_cache(synced), start, count)
+                else:
+                    synced = None        # the bucket has no room for these rows
+            yield count
+        return synced
+
+    def _select(self, slot: int, targets, token_ids: list[int], filled: int, plan: ResumePlan | None,
+                synced: int | None) -> PrefillResult:
+        """The prefill's result once its `filled` rows are in the targets: a compressed prompt's
+        rows selected into the slot (a bucket's select graph reads the bucket's own cache, copied
+        here unless it is the `synced` one)."""
+        policy = self.manifest.policy
+        layout = SlotLayout.for_rows(len(token_ids), filled, self.rows_per_slot,
+                                     policy.resolved_prompt_share if policy.compressed else None)
+        logits = self.device.download(self.p_logits)[0].copy()
+        if not policy.compressed:
+            return PrefillResult(logits, layout, None)
+        rows = self.prefill_rows(filled)
+        if rows in self.select_buckets and rows != synced:
+            self._copy_rows(targets, self._bucket_cache(rows), filled)
+        kept_rows = self._compress_into_slot(slot, layout, filled, rows)
+        spec, download = self.manifest.spec, self.device.download
+        prompt_rows = PromptRows(slot, plan, len(token_ids), filled, kept_rows, spec.num_kv_heads, self.num_layers,
+                                 lambda i: (download(targets[0][i][0, :, :filled]),
+                                            download(targets[1][i][0, :, :filled])))
+        kept = positions_of_rows(plan, len(token_ids), kept_rows, layout.kept) if plan else kept_rows
+        return PrefillResult(logits, layout, kept, prompt_rows)
+
+    def _load_kept(self, targets, plan: ResumePlan, extra: ResumeRows | None, extra_at: int) -> None:
+        """The plan's first kept rows into rows [0, plan.rows) of the prompt's cache, and the
+        `extra` rows from row `extra_at` on (right after the kept rows unless tail_only), each
+        piece's logit bias, where it has one, in every prefill graph's cache_bias input."""
+        for i in self._layers:
+            keys, values = plan.kept.layer_rows(i, plan.rows)
+            self.device.upload(targets[0][i][0, :, :plan.rows], keys)
+            self.device.upload(targets[1][i][0, :, :plan.rows], values)
+        if extra is None:
+            return
+        for i in self._layers:
+            first = extra_at
+            for keys, values, bias in extra.pieces(i):
+                rows = slice(first, first + keys.shape[1])
+                self.device.upload(targets[0][i][0, :, rows], keys)
+                self.device.upload(targets[1][i][0, :, rows], values)
+                if bias is not None:
+                    self._set_cache_bias(i, rows, bias)
+                first = rows.stop
+
+    def _set_cache_bias(self, layer: int, rows: slice, bias: np.ndarray) -> None:
+        if not self.p_bias:
+            raise SnapcompileError("rows with a logit bias need an artifact converted with --summaries")
+        for graph_rows, layers in self.p_bias.items():
+            if rows.stop <= graph_rows:
+                self.device.upload(layers[layer][0, :, rows], bias)
+        self._bias_set = True
+
+    def _drop_extra_rows(self, targets, first: int, count: int, new: int) -> None:
+        """After a resumed prefill: the `new` tokens' rows move from `first + count` down to `first`
+        (over the extra rows) and every cache bias is zero again."""
+        for cache in (*targets[0], *targets[1]):
+            moved = self.device.download(cache[0, :, first + count:first + count + new]).copy()
+            self.device.upload(cache[0, :, first:first + new], moved)
+        self._clear_cache_bias()
+
+    def _clear_cache_bias(self) -> None:
+        for layers in self.p_bias.values():
+            for bias in layers:
+                self.device.upload(bias, np.zeros(bias.shape, np.float32))
+        self._bias_set = False
+
+    def _prepare_chunk_graph(self, rows: int, targets, filled: int) -> int | None:
+        """Make the prefill graph over `rows` cache rows see the `filled` rows of the targets:
+        copy them into the bucket's cache (returns rows, the bucket now in sync), or bind the
+        full graph to the targets themselves (returns None)."""
+        if rows in self.bucket_graphs:
+            self._copy_rows(targets, self._bucket_cache(rows), filled)
+            return rows
+        for i in self._layers:
+            self.prefill_graph.bind(f"past_key.{i}", targets[0][i])
+            self.prefill_graph.bind(f"past_value.{i}", targets[1][i])
+        return None
+
+    def _bucket_cache(self, rows: int):
+        return self.bucket_k[rows], self.bucket_v[rows]
+
+    def _copy_rows(self, source, target, count: int) -> None:
+        """Rows [0, count) of every layer's K and V from the caches `source` to `target`."""
+        for i in self._layers:
+            target[0][i][:, :, :count] = source[0][i][:, :, :count]
+            target[1][i][:, :, :count] = source[1][i][:, :, :count]
+
+    def _run_chunk(self, graph: Graph, ids, tokens: list[int], start: int, position: int) -> None:
+        """Run a prefill graph whose input_ids are `ids` ([1, chunk]) on `tokens` (at most a chunk),
+        the first of them at cache row `start` and RoPE position `position`."""
+        host = np.zeros(ids.shape, np.int64)
+        host[0, :len(tokens)] = tokens
+        self.device.upload(ids, host)
+        for array, value in ((self.p_start, start), (self.p_pos, position), (self.p_len, len(tokens))):
+            self.device.upload(array, np.array([value], np.int64))
+        graph.run()
+
+    def _write_chunk(self, caches, start: int, count: int, outputs=None) -> None:
+        """The chunk's new K/V (`outputs`, per layer [1, Hkv, chunk, D]: the prefill graphs' by
+        default) into rows [start, start + count)."""
+        keys, values = caches
+        new_keys, new_values = outputs or (self.p_new_k, self.p_new_v)
+        for i in self._layers:
+            keys[i][:, :, start:start + count] = new_keys[i][:, :, :count]
+            values[i][:, :, start:start + count] = new_values[i][:, :, :count]
+
+    def _prefill_targets(self, slot: int):
+        if self.manifest.policy.compressed:
+            return self.scratch_k, self.scratch_v
+        return [k[slot:slot + 1] for k in self.keys], [v[slot:slot + 1] for v in self.values]
+
+    def _compress_into_slot(self, slot: int, layout: SlotLayout, filled: int, rows: int) -> list[np.ndarray] | None:
+        """Move the kept prompt rows from the `filled` rows of the scratch cache into the slot (once
+        per request); returns per layer [Hkv, kept] the scratch rows kept, ascending (None: rows
+        [0, kept), all of them). rows: the cache rows the prompt was prefilled on; a select graph of
+        that bucket, where the artifact has one, selects from the bucket's cache instead of
+        scoring max_context rows."""
+        kept = layout.kept
+        if kept == filled:
+            for i in self._layers:
+                self.keys[i][slot, :, :kept] = self.scratch_k[i][0, :, :kept]
+                self.values[i][slot, :, :kept] = self.scratch_v[i][0, :, :kept]
+            return None
+        if self.select_graph is None:
+            return self._streaming_into_slot(slot, filled, kept)
+        self.device.upload(self.sel_len, np.array([filled], np.int64))
+        self.select_buckets.get(rows, self.select_graph).run()
+        for i in self._layers:
+            self.keys[i][slot, :, :kept] = self.sel_k[i][0]
+            self.values[i][slot, :, :kept] = self.sel_v[i][0]
+        return [self.device.download(idx)[0].copy() for idx in self.sel_idx]
+
+    def _streaming_into_slot(self, slot: int, filled: int, kept: int) -> list[np.ndarray]:
+        positions = np.array(self.manifest.policy.streaming_positions(filled), np.int64)
+        rows = self.device.indices(positions)
+        for i in self._layers:
+            self.keys[i][slot, :, :kept] = self.scratch_k[i][0][:, rows]
+            self.values[i][slot, :, :kept] = self.scratch_v[i][0][:, rows]
+        hkv = self.manifest.spec.num_kv_heads
+        return [np.broadcast_to(positions, (hkv, kept)).copy() for _ in self._layers]

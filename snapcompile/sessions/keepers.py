@@ -1,0 +1,210 @@
+"""What a finished sequence leaves in the session store, one keeper per `--session-keep` mode
+(docs/design.md, "Conversations that keep their cache"). Host arrays only: the backend hands a
+keeper the prompt's rows after each selection (`PromptRows`) and the slot's rows at the end
+(`SlotRows`); a keeper hands the backend what a resumed prefill attends over besides the kept rows
+(`ResumeRows`). The engine drives both; neither calls the other.
+
+| mode | entry | a resumed turn's new tokens also see |
+|---|---|---|
+| `compressed` | the slot's rows (B) in float32 | the summaries, on an artifact converted with them |
+| `full` | every position of the conversation in float32 | (nothing: every row is kept) |
+| `quantized` | the slot's rows in 8 bits, every dropped row in 4 | the dropped rows (the last tail tokens) |
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+from typing import Protocol
+
+import numpy as np
+
+from snapcompile.config import SESSION_KEEP
+from snapcompile.errors import SnapcompileError
+from snapcompile.sessions.dropped import DroppedChunk, DroppedRows
+from snapcompile.sessions.kept import KeptCache, ResumePlan, row_positions
+from snapcompile.sessions.summaries import RowSummaries
+
+
+@dataclass(frozen=True)
+class PromptRows:
+    """A compressed prompt's prefilled rows right after their selection, readable until the next
+    prefill starts. read(layer): keys, values [Hkv, filled, D] float32 on the host. kept_rows: per
+    layer [Hkv, kept] the rows the selection kept (None: it kept rows [0, filled), every one)."""
+
+    slot: int
+    plan: ResumePlan | None
+    prompt_len: int
+    filled: int
+    kept_rows: list[np.ndarray] | None
+    kv_heads: int
+    layers: int
+    read: Callable[[int], tuple[np.ndarray, np.ndarray]]
+
+    def not_kept(self) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
+        """Per layer i: (i, positions [Hkv, filled] of the rows, [Hkv, filled] bool: not kept)."""
+        tables = row_positions(self.plan, self.prompt_len, self.filled, self.kv_heads, self.layers)
+        for i in range(self.layers):
+            dropped = np.ones(tables[i].shape, bool)
+            np.put_along_axis(dropped, self.kept_rows[i], False, axis=1)
+            yield i, tables[i], dropped
+
+
+class SlotRows(Protocol):
+    """The backend's side of `keep`: a finished slot's rows on the host."""
+
+    def slot_cache(self, slot: int, layout, kept_positions, fed: int, token_ids: list[int]) -> KeptCache: ...
+    def read_slot(self, slot: int, layer: int, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]: ...
+
+
+@dataclass(frozen=True)
+class ResumeRows:
+    """Rows a resumed prefill's new tokens attend over besides the plan's kept rows, `count` per
+    layer and KV head. tail_only: only the last `export.tail` new tokens see them (on the tail
+    graph), and they sit after the earlier new tokens; else every new token does and they sit
+    right after the kept rows. pieces(layer): (keys, values [Hkv, m, D] float32, logit bias
+    [Hkv, m] or None) in row order."""
+
+    count: int
+    tail_only: bool
+    pieces: Callable[[int], Iterator[tuple[np.ndarray, np.ndarray, np.ndarray | None]]]
+
+
+class Keeper:
+    """`compressed`: an entry is the slot's rows; on an artifact with summaries (policy.summaries
+    rows) a resumed turn sees the entry's summaries (empty ones for an entry without). Per-slot
+    state follows the sequence (`move`) and is dropped with it (`forget`)."""
+
+    needs_tail = False          # resumed turns run their last tokens on the tail graph
+
+    def __init__(self, manifest):
+        self.manifest = manifest
+        self._held: dict[int, object] = {}     # slot -> what this mode holds for the sequence until `keep`
+
+    def selected(self, rows: PromptRows) -> None:
+        """A compressed prompt's rows were just selected into its slot."""
+
+    def keep(self, slot: int, layout, kept_positions, fed: int, token_ids: list[int], slots: SlotRows) -> KeptCache:
+        """The entry of the finished sequence in `slot` (see `SlotRows.slot_cache` for the arguments)."""
+        return slots.slot_cache(slot, layout, kept_positions, fed, token_ids)
+
+    def resume_rows(self, plan: ResumePlan) -> ResumeRows | None:
+        summaries = self.manifest.policy.summaries
+        if not summaries:
+            return None
+        held = plan.kept.summaries or _no_summaries(self.manifest)
+
+        def pieces(layer):
+            yield held.attended(layer)
+        return ResumeRows(summaries, False, pieces)
+
+    def forget(self, slot: int) -> None:
+        self._held.pop(slot, None)
+
+    def move(self, source: int, target: int) -> None:
+        if source in self._held:
+            self._held[target] = self._held.pop(source)
+
+
+class SummaryKeeper(Keeper):
+    """`compressed` on an artifact with summaries: each selection's dropped rows are summed into
+    the entry's summaries (sessions/summaries.py)."""
+
+    def selected(self, rows: PromptRows) -> None:
+        before = (rows.plan.kept.summaries if rows.plan else None) or _no_summaries(self.manifest)
+        if rows.kept_rows is None:
+            self._held[rows.slot] = before
+            return
+        layer_rows = [(*rows.read(i), positions, dropped) for i, positions, dropped in rows.not_kept()]
+        self._held[rows.slot] = before.with_dropped(self.manifest.policy.summary_index, layer_rows)
+
+    def keep(self, slot, layout, kept_positions, fed, token_ids, slots):
+        kept = super().keep(slot, layout, kept_positions, fed, token_ids, slots)
+        return replace(kept, summaries=self._held.pop(slot, None))
+
+
+class FullKeeper(Keeper):
+    """`full`: the whole prompt cache is copied to the host at its selection, and an entry is it
+    plus the fed decode tokens after it while the ring still holds every one of them (else the
+    prompt alone): every position, in order. A resume from rows that are not every position before
+    it (a compressed entry) keeps nothing."""
+
+    def selected(self, rows: PromptRows) -> None:
+        self._held.pop(rows.slot, None)
+        if rows.plan is None or rows.plan.rows == rows.plan.resume_at:
+            self._held[rows.slot] = [tuple(a.copy() for a in rows.read(i)) for i in range(rows.layers)]
+
+    def keep(self, slot, layout, kept_positions, fed, token_ids, slots):
+        prompt = self._held.pop(slot, None)
+        if prompt is None:
+            return super().keep(slot, layout, kept_positions, fed, token_ids, slots)
+        decoded = layout.fed_rows(fed)
+        if len(decoded) != fed:
+            decoded, token_ids = [], token_ids[:layout.prompt_len]
+        rows = np.array([r for r, _ in decoded], np.int64)
+        keys, values = [], []
+        for i, (k, v) in enumerate(prompt):
+            new = slots.read_slot(slot, i, rows) if len(rows) else None
+            keys.append(k if new is None else np.concatenate([k, new[0]], axis=1))
+            values.append(v if new is None else np.concatenate([v, new[1]], axis=1))
+        hkv, n = keys[0].shape[:2]
+        positions = tuple(np.broadcast_to(np.arange(n, dtype=np.int64), (hkv, n)).copy() for _ in keys)
+        return KeptCache(np.array(token_ids, np.int64), tuple(keys), tuple(values), positions, 0)
+
+
+class QuantizedKeeper(Keeper):
+    """`quantized`: each selection's dropped rows are kept in 4 bits (sessions/dropped.py); an
+    entry is the slot's rows in 8 bits with them beside, less the oldest chunks until it costs no
+    more than a float32 entry of the slot's every row would. A resumed turn's last tail tokens
+    attend over every dropped row."""
+
+    needs_tail = True
+
+    def selected(self, rows: PromptRows) -> None:
+        before = (rows.plan.kept.dropped if rows.plan else None) or DroppedRows()
+        if rows.kept_rows is None:
+            self._held[rows.slot] = before
+            return
+        layers = []
+        for i, positions, dropped in rows.not_kept():
+            picked = np.nonzero(dropped)[1].reshape(dropped.shape[0], -1)     # each head drops as many rows
+            keys, values = rows.read(i)
+            layers.append((np.take_along_axis(keys, picked[..., None], axis=1),
+                           np.take_along_axis(values, picked[..., None], axis=1),
+                           np.take_along_axis(positions, picked, axis=1)))
+        self._held[rows.slot] = before.with_chunk(DroppedChunk.of(layers) if layers[0][2].shape[1] else None)
+
+    def keep(self, slot, layout, kept_positions, fed, token_ids, slots):
+        kept = super().keep(slot, layout, kept_positions, fed, token_ids, slots)
+        dropped = self._held.pop(slot, None)
+        if dropped is None:
+            return kept
+        m = self.manifest
+        rows_bound = m.kv_bytes_per_slot() + m.spec.num_layers * kept.positions[0].shape[0] * m.rows_per_slot \
+            * kept.positions[0].itemsize
+        return kept.quantized(dropped, rows_bound + kept.token_ids.nbytes)
+
+    def resume_rows(self, plan: ResumePlan) -> ResumeRows | None:
+        if not plan.dropped_rows:
+            return None
+
+        def pieces(layer):
+            for keys, values in plan.kept.dropped.layer_chunks(layer):
+                yield keys, values, None
+        return ResumeRows(plan.dropped_rows, True, pieces)
+
+
+def keeper_for(manifest, mode: str) -> Keeper:
+    """The keeper of `mode` (SESSION_KEEP) for an artifact (a dense one keeps its slot's rows)."""
+    if mode not in SESSION_KEEP:
+        raise SnapcompileError(f"--session-keep must be one of {', '.join(SESSION_KEEP)}, got {mode!r}")
+    if mode == "quantized" and manifest.policy.summaries:
+        raise SnapcompileError("--session-keep quantized keeps the dropped rows themselves: it does not go with "
+                               "an artifact converted with --summaries (their rows take the same place)")
+    if not manifest.policy.compressed or mode == "compressed":
+        return SummaryKeeper(manifest) if manifest.policy.summaries else Keeper(manifest)
+    return FullKeeper(manifest) if mode == "full" else QuantizedKeeper(manifest)
+
+
+def _no_summaries(manifest) -> RowSummaries:
+    spec = manifest.spec
+    return RowSummaries.empty(spec.num_layers, spec.num_kv_heads, manifest.policy.summaries, spec.head_dim)
