@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from snapcompile.artifact.atomic import atomic_directory
+from snapcompile.atomic import atomic_directory
 from snapcompile.errors import SnapcompileError, first_line, parse_json
 from snapcompile.models.spec import ModelSpec, check_config_dict
 from snapcompile.models.tokenizer import load_tokenizer, refuse_remote_code

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import onnx
 
-from snapcompile.artifact.atomic import atomic_directory
 from snapcompile.artifact.files import check_files, copy_support_files
 from snapcompile.artifact.manifest import WEIGHTS, Manifest, read_manifest
 from snapcompile.artifact.naming import graph_name, is_decode_graph, is_prefill_graph, select_rows
 from snapcompile.artifact.onnx_io import load_graph, save_graphs
+from snapcompile.atomic import atomic_directory
 from snapcompile.config import LOWERINGS, PolicyConfig
 from snapcompile.errors import SnapcompileError
 from snapcompile.graphs.select import SelectionWriter, plugin_select_graph

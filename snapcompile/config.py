@@ -126,10 +126,11 @@ class PolicyConfig:
     queries). kernel: K, pooling width (odd). pooling: "max" | "avg". prompt_share: P, slots
     reserved for the compressed prompt; None means B minus a ring of at least B/4.
     scope: "head" (each KV head selects its own positions) or "layer" (one set per layer).
-    summaries: S, rows per layer and KV head that sum the rows each selection drops, one per
+    summaries: M, rows per layer and KV head that sum the rows each selection drops, one per
     summary_segment positions (the last also takes every later position), for a resumed turn's
     new tokens to attend over (docs/design.md, "Summaries of the dropped rows"); they count in
-    B: a slot holds B - S rows (`slot_rows`) and the default prompt share is lowered by S.
+    B: a slot holds B - M rows (`slot_rows`) and the default prompt share is lowered by M.
+    (S is the sinks alone.)
     For policy "dense" the budget is ignored (the cache holds max_context positions).
     """
 
@@ -198,11 +199,11 @@ class PolicyConfig:
 
     @property
     def slot_rows(self) -> int:
-        """Rows of a slot's cache: the budget less the summary rows (B - S)."""
+        """Rows of a slot's cache: the budget less the summary rows (B - M)."""
         return self.budget - self.summaries
 
     def summary_index(self, positions):
-        """The summary row (0 .. S-1) of each position: position // segment, the last for all later."""
+        """The summary row (0 .. M-1) of each position: position // segment, the last for all later."""
         return (positions // self.summary_segment).clip(max=self.summaries - 1)
 
     @property
@@ -258,3 +259,6 @@ class ServerLimits:
     max_connections: int = 512           # open connections (and tasks); beyond: 503 from uvicorn
     render_timeout_s: float = 10.0       # to render a chat template (a file of the artifact); 400 beyond
     max_prompts: int = 32                # prompts in one /v1/completions request (each one engine request)
+
+
+MAX_WAITING = 256    # requests waiting for a slot before `serve` answers 429 (ServerSettings, --max-waiting)

@@ -151,7 +151,7 @@ def main() -> int:
                           f"{s['dense_correct']}{_margins(s)})" for length, s in by_length.items())
         print(f"{name:>16}  {cells}")
     if args.json_path:
-        from snapcompile.artifact.atomic import write_json_atomic
+        from snapcompile.atomic import write_json_atomic
         write_json_atomic(args.json_path, {"args": vars(args), "summary": summary, "records": records})
     return 0
 

@@ -591,7 +591,7 @@ def main() -> int:
             if s["dense_correct"] is not None else ""
         print(f"{variant:>8}  turns 2-{FACTS}: {s['later_correct']}/{s['later_turns']}{paired}")
     if args.json_path:
-        from snapcompile.artifact.atomic import write_json_atomic
+        from snapcompile.atomic import write_json_atomic
         write_json_atomic(args.json_path, {"args": vars(args), "policies": {v: str(p) for v, p in policies.items()},
                                            "summary": summary, "records": records})
     return 0

@@ -127,7 +127,7 @@ def main() -> int:
         print(f"{variant:>10}  kept {s['kept']}/{s['dense_right']} of dense's right later answers, "
               f"{s['kept_of_sure']}/{s['dense_sure']} where dense was sure (margin >= {args.sure}); lost: {lost}")
     if args.json_path:
-        from snapcompile.artifact.atomic import write_json_atomic
+        from snapcompile.atomic import write_json_atomic
         write_json_atomic(args.json_path, {"studies": args.studies, "sure": args.sure, "margins": margins,
                                            "summary": summary})
     return 0

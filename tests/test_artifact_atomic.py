@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from snapcompile.artifact.atomic import atomic_directory
 from snapcompile.artifact.manifest import MANIFEST, WEIGHTS
+from snapcompile.atomic import atomic_directory
 from snapcompile.errors import SnapcompileError
 from tests.cli_helpers import assert_one_line_error, invoke
 
@@ -156,7 +156,7 @@ def test_report_files_beside_the_output_are_never_written_through_a_link_or_into
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from snapcompile.artifact.atomic import save_figure_atomic, write_text_atomic
+    from snapcompile.atomic import save_figure_atomic, write_text_atomic
     target = tmp_path / "precious.txt"
     target.write_text("keep")
     (tmp_path / "report.md").symlink_to(target)

@@ -110,10 +110,10 @@ def test_a_hostile_manifest_is_one_error_line(artifact, text, fragment):
 def test_files_the_manifest_does_not_list_change_nothing(artifact):
     """An added_tokens.json or an extra chat template dropped beside the listed files is not read."""
     from snapcompile.engine.engine import Engine
-    before = Engine.from_artifact(artifact).encode("zzz hello", chat=False)
+    before = Engine.from_artifact(artifact, session_cache_bytes=0).encode("zzz hello", chat=False)
     (artifact / "added_tokens.json").write_text(json.dumps({"zzz": 258}))
     (artifact / "additional_chat_templates").mkdir()
     (artifact / "additional_chat_templates" / "default.jinja").write_text("HIJACKED {{ messages }}")
-    engine = Engine.from_artifact(artifact)
+    engine = Engine.from_artifact(artifact, session_cache_bytes=0)
     assert engine.encode("zzz hello", chat=False) == before
     assert "HIJACKED" not in engine.tokenizer.apply_chat_template([{"role": "user", "content": "x"}], tokenize=False)

@@ -10,6 +10,7 @@ from snapcompile.bench.report import markdown
 from snapcompile.bench.runner import BenchConfig, run_bench
 from snapcompile.cli import main
 from snapcompile.errors import SnapcompileError
+from tests.cli_helpers import assert_one_line_error, invoke
 
 
 def test_rss_counts_touched_memory_and_the_peak_outlives_it():
@@ -176,3 +177,30 @@ def test_a_killed_bench_resumes_from_its_finished_points(tmp_path):
         PointStore(output, other)
 
 
+
+
+def test_bench_measures_the_backend_s_choice_of_graphs_on_an_artifact(tiny_snap_dir):
+    """--measure decode-slots: the bucket graph the backend picks against the N-slot graph per active
+    count; --measure prefill-schedules: the causal chunk schedule against the prompt's own bucket."""
+    decode = invoke("bench", tiny_snap_dir, "--measure", "decode-slots", "--slots", "1,2,3,9", "--contexts", 100,
+                    "--new-tokens", 2, "--repeats", 1, "--json")
+    rows = json.loads(decode.output)["rows"]
+    assert [(r["active"], r["graph_slots"], r["full_slots"]) for r in rows] == [(1, 1, 3), (2, 2, 3), (3, 3, 3)]
+    assert all(r["bucket_ms"] > 0 and r["full_ms"] > 0 for r in rows)
+    prefill = invoke("bench", tiny_snap_dir, "--measure", "prefill-schedules", "--contexts", 300, "--repeats", 2,
+                     "--json")
+    rows = json.loads(prefill.output)["rows"]
+    assert [r["schedule"] for r in rows] == ["causal", "whole-prompt"]
+    assert all(0 < r["min_s"] <= r["median_s"] <= r["max_s"] and r["length"] == 300 for r in rows)
+    assert_one_line_error(invoke("bench", "tiny-llama", "--measure", "decode-slots"), "runs on an artifact folder")
+    assert_one_line_error(invoke("bench", tiny_snap_dir, "--measure", "prefill-schedules", "--contexts", 600),
+                          "does not fit")
+
+
+def test_the_whole_prompt_schedule_runs_every_chunk_on_the_prompt_s_bucket(tiny_dense_dir):
+    from snapcompile.bench.graph_choice import _whole_prompt
+    from snapcompile.runtime.ort_backend import OrtBackend
+    backend = OrtBackend(tiny_dense_dir)
+    with _whole_prompt(backend, 300):
+        assert {backend.chunk_rows(start) for start in (0, 64, 256)} == {backend.prefill_rows(300)}
+    assert backend.chunk_rows(0) < backend.prefill_rows(300)

@@ -136,10 +136,12 @@ def test_results_carry_top_logprobs_of_every_token_only_when_asked(tiny_snap_dir
         assert top[0][1] >= top[1][1] >= top[2][1] and top[0][1] <= 0.0
 
 
-def _engine(folder, **kwargs):
+def _engine(folder, session_cache_bytes=0, **kwargs):
+    """An engine on folder, with no session store unless asked."""
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
     backend = OrtBackend(folder)
-    return Engine(backend, tokenizer, backend.manifest.eos_token_ids, **kwargs)
+    return Engine(backend, tokenizer, backend.manifest.eos_token_ids, session_cache_bytes=session_cache_bytes,
+                  **kwargs)
 
 
 @pytest.mark.parametrize("artifact", ["tiny_dense_dir", "tiny_snap_dir"])
@@ -248,7 +250,7 @@ def test_compressed_sequence_stops_at_the_models_last_position(tiny_snap_dir):
 
 def test_a_request_failing_inside_the_engine_fails_alone(artifact, faulty_sampling):
     from snapcompile import Engine, Request, SamplingParams
-    engine = Engine.from_artifact(artifact)
+    engine = Engine.from_artifact(artifact, session_cache_bytes=0)
     requests = [Request(engine.encode("one"), max_new_tokens=3),
                 Request(engine.encode("two"), max_new_tokens=3, sampling=SamplingParams(seed=FAULT_SEED)),
                 Request(engine.encode("three"), max_new_tokens=3)]

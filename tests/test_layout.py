@@ -2,7 +2,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from snapcompile.runtime.layout import SlotLayout
+from snapcompile.layout import SlotLayout
 
 
 def test_dense_layout_writes_at_position():

@@ -3,7 +3,7 @@ import pytest
 
 from snapcompile.config import PolicyConfig
 from snapcompile.models import load_model
-from snapcompile.reference.parity import Validator, summarize
+from snapcompile.validate.parity import Validator, summarize
 from tests.conftest import build_artifact, random_prompts
 
 
@@ -88,8 +88,8 @@ def test_near_ties_are_reported_and_real_differences_fail():
     import numpy as np
     import torch
 
-    from snapcompile.reference.parity import compare_selection
     from snapcompile.reference.policy import Selection
+    from snapcompile.validate.parity import compare_selection
     scores = torch.tensor([[float("-inf"), 0.5, 0.5 + 1e-8, 0.1, 0.9, float("-inf")]])
     reference = [Selection(torch.tensor([[0, 2, 4, 5]]), scores)]
     tie, _ = compare_selection([np.array([[0, 1, 4, 5]])], reference, tie_gap=1e-6)

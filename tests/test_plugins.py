@@ -12,9 +12,9 @@ from snapcompile.config import PolicyConfig
 from snapcompile.errors import SnapcompileError
 from snapcompile.passes.pipeline import compress_artifact
 from snapcompile.plugins.contracts import DECODE_ATTENTION, DOMAIN, SELECT
-from snapcompile.reference.parity import Validator, summarize
 from snapcompile.runtime.ort_backend import OrtBackend
 from snapcompile.runtime.trt_backend import check_trt_limits
+from snapcompile.validate.parity import Validator, summarize
 from tests.conftest import TINY_SNAPSTREAM, TINY_SUMMARIES, random_prompts
 
 HAVE_TRT = importlib.util.find_spec("tensorrt") is not None

@@ -212,7 +212,7 @@ def _check_answers_are_the_artifacts(cache):
     from snapcompile.prompts import encode_text
     for log in sorted((cache / "ruler-work" / "samples").glob("*/*.jsonl")):
         folder = cache / log.stem.rsplit("-", 1)[0]
-        engine = Engine.from_artifact(folder)
+        engine = Engine.from_artifact(folder, session_cache_bytes=0)
         entries = [json.loads(line) for line in log.read_text().splitlines()]
         firsts = {entry["task"]: entry for entry in entries if entry["doc_id"] == 0}
         assert set(firsts) == set(TASK_ANSWER_TOKENS)
@@ -227,7 +227,7 @@ def test_parting_char_and_the_step_that_writes_it(tiny_dense_dir):
     from snapcompile import Engine
     from snapcompile.evaluation.ruler_margin import parting_char, step_at
     assert parting_char("12345", "12945") == 2 and parting_char("123", "12345") == 3 and parting_char("", "x") == 0
-    tokenizer = Engine.from_artifact(tiny_dense_dir).tokenizer
+    tokenizer = Engine.from_artifact(tiny_dense_dir, session_cache_bytes=0).tokenizer
     ids = tokenizer.encode("hello world again", add_special_tokens=False)
     text = tokenizer.decode(ids)
     for char in (0, 5, len(text) - 1):
@@ -249,7 +249,7 @@ def test_dense_margin_is_read_where_the_lost_answer_parts_from_dense(tiny_dense_
 
     from snapcompile import Engine
     from snapcompile.evaluation.ruler_margin import margin_id, measure, step_at
-    engine = Engine.from_artifact(tiny_dense_dir)
+    engine = Engine.from_artifact(tiny_dense_dir, session_cache_bytes=0)
     context = "alpha beta gamma delta " * 6
     reference = _greedy(engine, context, 12)
     char = len(engine.tokenizer.decode(reference.output_ids[:3], skip_special_tokens=True))

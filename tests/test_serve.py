@@ -59,7 +59,7 @@ def test_completions_take_prompt_lists_and_token_ids_as_openai_defines_them(clie
     """A list of prompts (text or token ids) is one choice each, in order, each equal to the prompt
     alone; usage is the sum; echo puts the prompt's text before each choice's."""
     from snapcompile import Engine
-    encode = Engine.from_artifact(artifact).encode
+    encode = Engine.from_artifact(artifact, session_cache_bytes=0).encode
     ids = [encode(prompt) for prompt in PROMPTS[:3]]
     for prompt in (PROMPTS[:3], ids, ids[0]):
         reply = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0)
@@ -79,7 +79,7 @@ def test_completions_take_prompt_lists_and_token_ids_as_openai_defines_them(clie
 
 def test_chat_equals_the_engine_with_the_chat_template(client, artifact):
     from snapcompile import Engine, Request
-    engine = Engine.from_artifact(artifact)
+    engine = Engine.from_artifact(artifact, session_cache_bytes=0)
     for text in PROMPTS[:3]:
         expected = engine.generate([Request(engine.encode(text, chat=True), max_new_tokens=10)])[0]
         messages = [{"role": "user", "content": text}]
@@ -117,7 +117,7 @@ def test_32_requests_from_16_clients_on_4_slots(client, artifact, server):
     from snapcompile import Engine, Request
     prompts = [f"request {i} " * (1 + i % 7) for i in range(32)]
     lengths = [4 + i % 9 for i in range(32)]
-    engine = Engine.from_artifact(artifact)
+    engine = Engine.from_artifact(artifact, session_cache_bytes=0)
     alone = [engine.generate([Request(engine.encode(p, chat=False), max_new_tokens=n)])[0].text
              for p, n in zip(prompts, lengths)]
 

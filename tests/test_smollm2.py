@@ -6,7 +6,7 @@ from snapcompile.engine.engine import Engine
 from snapcompile.engine.request import Request
 from snapcompile.passes.pipeline import compress_artifact
 from snapcompile.prompts import encode, passkey_prompt
-from snapcompile.reference.parity import Validator, summarize
+from snapcompile.validate.parity import Validator, summarize
 
 pytestmark = pytest.mark.slow
 
@@ -62,14 +62,14 @@ def test_resumed_turns_parity_budget_256(smollm2, smol_snap):
 
 
 def test_continuous_batching_on_real_model(smol_snap):
-    engine = Engine.from_artifact(smol_snap, prefill_tokens_per_step=256)
+    engine = Engine.from_artifact(smol_snap, prefill_tokens_per_step=256, session_cache_bytes=0)
     specs = [(12345, 600, 0.5), (67890, 1200, 0.2), (24680, 300, 0.7), (13579, 900, 0.9), (11223, 450, 0.1)]
     prompts = _prompts(engine.tokenizer, specs)
     def requests():
         return [Request(p, max_new_tokens=12, request_id=f"r{i}") for i, p in enumerate(prompts)]
     together = engine.generate(requests())
     for request, result in zip(requests(), together):
-        alone = Engine.from_artifact(smol_snap).generate([request])[0]
+        alone = Engine.from_artifact(smol_snap, session_cache_bytes=0).generate([request])[0]
         assert result.output_ids == alone.output_ids
     answered = sum(str(key) in r.text for (key, _, _), r in zip(specs, together))
     assert answered >= 3, [r.text for r in together]
@@ -105,7 +105,7 @@ def test_weight_formats_keep_parity(smollm2, tmp_path, weights, policy):
     from snapcompile.config import ExportConfig
     from snapcompile.export import export_model
     from snapcompile.passes.pipeline import compress_graphs
-    from snapcompile.reference.parity import oracle_model
+    from snapcompile.validate.parity import oracle_model
     export = ExportConfig(slots=2, max_context=1280, chunk=256, weight_format=weights)
     config = PolicyConfig(policy=policy, budget=256)
     transform = (lambda graphs, m: compress_graphs(graphs, m, config)) if config.compressed else None

@@ -15,8 +15,8 @@ from click.testing import CliRunner
 from snapcompile.cli import main
 from snapcompile.config import ExportConfig
 from snapcompile.errors import SnapcompileError
-from snapcompile.triton import launch
-from snapcompile.triton.repository import MARKER, write_repository
+from snapcompile.tritonserver import launch
+from snapcompile.tritonserver.repository import MARKER, write_repository
 from tests.conftest import TINY_SNAPSTREAM, build_artifact, run_results
 from tests.server_process import free_port
 
@@ -128,7 +128,7 @@ def test_generate_stream_yields_the_same_text_token_by_token(triton, run_texts):
 
 def test_16_concurrent_requests_on_2_instances_and_a_bad_one(triton, artifact):
     from snapcompile import Engine, Request
-    engine = Engine.from_artifact(artifact)
+    engine = Engine.from_artifact(artifact, session_cache_bytes=0)
     prompts = [f"request {i} " * (1 + i % 5) for i in range(16)]
     alone = [engine.generate([Request(engine.encode(p), max_new_tokens=6)])[0].text for p in prompts]
     bodies = [{"text_input": p, "max_tokens": 6} for p in prompts]
@@ -309,7 +309,7 @@ class _TritonRequest:
 def test_an_engine_step_fault_is_an_error_to_the_triton_client_not_a_cancel(artifact, monkeypatch):
     from snapcompile.artifact.manifest import read_manifest
     from snapcompile.engine.engine import Engine
-    from snapcompile.triton.worker import TritonWorker
+    from snapcompile.tritonserver.worker import TritonWorker
     real_step = Engine.step
 
     def step(self):
@@ -340,7 +340,7 @@ def test_an_engine_step_fault_is_an_error_to_the_triton_client_not_a_cancel(arti
 ])
 def test_bad_triton_inputs_are_named_errors_not_exception_names(artifact, inputs, fragment):
     from snapcompile.artifact.manifest import read_manifest
-    from snapcompile.triton.worker import TritonWorker
+    from snapcompile.tritonserver.worker import TritonWorker
     worker = TritonWorker(_StandInBackendUtils, artifact, read_manifest(artifact).fingerprint(), slots=None)
     try:
         request = _TritonRequest("hello")
@@ -354,7 +354,7 @@ def test_bad_triton_inputs_are_named_errors_not_exception_names(artifact, inputs
 
 def test_a_stop_string_that_only_looks_like_json_is_a_literal_stop(artifact):
     from snapcompile.artifact.manifest import read_manifest
-    from snapcompile.triton.worker import TritonWorker
+    from snapcompile.tritonserver.worker import TritonWorker
     worker = TritonWorker(_StandInBackendUtils, artifact, read_manifest(artifact).fingerprint(), slots=None)
     try:
         for stop, expected in ((b"[END]", ("[END]",)), (b'["a", "b"]', ("a", "b"))):

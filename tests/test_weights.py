@@ -12,10 +12,10 @@ from snapcompile.artifact.manifest import read_manifest
 from snapcompile.artifact.onnx_io import load_graph
 from snapcompile.config import ExportConfig, PolicyConfig
 from snapcompile.errors import SnapcompileError
+from snapcompile.export.gguf_blocks import _split_blocks, _unpermute_rows, hf_name, kept_blocks
 from snapcompile.export.quantize import BlockQuantized, pack_int4, quantize
 from snapcompile.export.weights import graph_weights
-from snapcompile.models.gguf_blocks import _split_blocks, _unpermute_rows, hf_name, kept_blocks
-from snapcompile.reference.parity import Validator, oracle_model, summarize
+from snapcompile.validate.parity import Validator, oracle_model, summarize
 from tests.conftest import TINY_SNAPSTREAM, build_artifact, random_prompts
 
 QUANT_EXPORT = dict(slots=3, max_context=512, chunk=64)

@@ -18,7 +18,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNS_INSIDE_TRITON = {   # imported by tritonserver's Python backend, which provides this module
-    "snapcompile.triton.model": "No module named 'triton_python_backend_utils'"}
+    "snapcompile.tritonserver.model": "No module named 'triton_python_backend_utils'"}
 IMPORT_EVERY_MODULE = """
 import importlib, json, pkgutil, sys
 import snapcompile
@@ -84,7 +84,7 @@ def test_the_installed_wheel_imports_every_module_from_itself(installed):
     report = json.loads(_run(python, away, "-c", IMPORT_EVERY_MODULE))
     assert Path(report["file"]).is_relative_to(python.parents[1]), report["file"]
     assert report["failed"] == RUNS_INSIDE_TRITON, report["failed"]
-    for package in ("snapcompile.passes", "snapcompile.plugins", "snapcompile.models", "snapcompile.triton",
+    for package in ("snapcompile.passes", "snapcompile.plugins", "snapcompile.models", "snapcompile.tritonserver",
                     "snapcompile.sessions", "snapcompile.compiler"):
         assert any(name.startswith(package + ".") for name in report["modules"]), package
     source_modules = {".".join(p.relative_to(ROOT / "snapcompile").with_suffix("").parts)

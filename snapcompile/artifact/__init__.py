@@ -4,6 +4,5 @@
 - naming: which graphs an artifact of given shapes and policy holds, and their names
 - files: each file's size and sha256, recorded and checked
 - onnx_io: graphs saved with one shared weights.bin, loaded back and matched to the manifest
-- atomic: outputs written in a staging folder and moved into place; --force replaces only our own
-- cache: artifacts that eval and bench build once and reuse
+- footprint: the memory an artifact needs to run, from its manifest alone
 """

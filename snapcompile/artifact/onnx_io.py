@@ -10,9 +10,9 @@ from pathlib import Path
 import onnx
 from onnx import TensorProto, external_data_helper, numpy_helper
 
-from snapcompile.artifact.atomic import write_json_atomic
 from snapcompile.artifact.files import record_files
 from snapcompile.artifact.manifest import MANIFEST, METADATA_KEY, WEIGHTS, Manifest
+from snapcompile.atomic import write_json_atomic
 from snapcompile.errors import SnapcompileError, first_line
 
 EXTERNAL_MIN_BYTES = 1024

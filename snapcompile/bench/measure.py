@@ -14,8 +14,8 @@ import time
 import numpy as np
 import torch
 
+from snapcompile.layout import SlotLayout
 from snapcompile.models.spec import hf_head_dim
-from snapcompile.runtime.layout import SlotLayout
 
 
 def ort_decode_seconds(backend, context: int, slots: int, steps: int, seed: int = 0) -> list[float]:

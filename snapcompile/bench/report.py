@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from snapcompile.artifact.atomic import save_figure_atomic
+from snapcompile.atomic import save_figure_atomic
 from snapcompile.bench.runner import reference_systems
 
 

@@ -58,7 +58,7 @@ def bench(model, contexts, slots, budget, new_tokens, repeats, prefill_repeats, 
         return
     from tqdm import tqdm
 
-    from snapcompile.artifact.atomic import check_output_file
+    from snapcompile.atomic import check_output_file
     from snapcompile.bench import report
     from snapcompile.bench.runner import BenchConfig, run_bench
     from snapcompile.bench.store import PointStore, partial_path
@@ -81,7 +81,6 @@ def _graph_choice(measure: str, folder: Path, length: int, active: list[int], st
                   as_json: bool) -> None:
     """`--measure decode-slots | prefill-schedules` on the artifact `folder`: a line per row (or JSON)."""
     import json
-    import os
 
     from snapcompile.artifact.manifest import MANIFEST
     from snapcompile.bench import graph_choice
@@ -95,10 +94,10 @@ def _graph_choice(measure: str, folder: Path, length: int, active: list[int], st
         rows = graph_choice.decode_slots(backend, active, length, steps, repeats)
     else:
         rows = graph_choice.prefill_schedules(backend, length, repeats)
-    machine = {"cpu": describe_cpu(cpu_description()), "load_average": [round(x, 2) for x in os.getloadavg()]}
+    cpu = describe_cpu(cpu_description())          # with the load average
     if as_json:
-        click.echo(json.dumps({"artifact": str(folder), "measure": measure, "rows": rows, "machine": machine}))
+        click.echo(json.dumps({"artifact": str(folder), "measure": measure, "rows": rows, "cpu": cpu}))
         return
     for row in rows:
         click.echo("  ".join(f"{key} {value}" for key, value in row.items()))
-    click.echo(f"{machine['cpu']} | load average {' '.join(map(str, machine['load_average']))}")
+    click.echo(cpu)

@@ -143,5 +143,5 @@ def decode_blocks(manifest) -> int:
 
 def refuse_existing(output: Path, force: bool, marker: str = "manifest.json") -> None:
     """Fail before loading a model when the output may not be written (the atomic writer checks again)."""
-    from snapcompile.artifact.atomic import check_replaceable, resolve_output
+    from snapcompile.atomic import check_replaceable, resolve_output
     check_replaceable(resolve_output(output), force, marker)

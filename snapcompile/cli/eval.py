@@ -59,7 +59,7 @@ def eval_command(model_or_dir, task, policies, budgets, ratios, lengths, depths,
     """
     from tqdm import tqdm
 
-    from snapcompile.artifact.atomic import check_output_file
+    from snapcompile.atomic import check_output_file
     from snapcompile.evaluation import report
     from snapcompile.evaluation.runner import run_eval
     from snapcompile.evaluation.store import partial_path

@@ -11,7 +11,7 @@ def write_report(output: Path, payload: dict, table: str, make_plots, printed: d
                  timing: str) -> None:
     """Write OUTPUT (JSON), OUTPUT.md and the plots (make_plots(stem) -> paths), all atomically
     written, then print `printed` as JSON or the table and what was written."""
-    from snapcompile.artifact.atomic import write_json_atomic, write_text_atomic
+    from snapcompile.atomic import write_json_atomic, write_text_atomic
     stem = output.with_suffix("")
     write_json_atomic(output, payload)
     write_text_atomic(stem.with_suffix(".md"), table)

@@ -50,7 +50,7 @@ def eval_ruler(model_or_dir, tasks, lengths, cells, weights, limit, slots, chunk
     """
     from tqdm import tqdm
 
-    from snapcompile.artifact.atomic import check_output_file
+    from snapcompile.atomic import check_output_file
     from snapcompile.evaluation import ruler_report
     from snapcompile.evaluation.ruler_run import run_ruler
     from snapcompile.evaluation.store import partial_path

@@ -74,7 +74,7 @@ def run(artifact, prompt, prompts_file, demo, max_new_tokens, temperature, top_k
     """
     from tqdm import tqdm
 
-    from snapcompile.artifact.atomic import check_output_file
+    from snapcompile.atomic import check_output_file
     from snapcompile.engine.conversation import Conversation, run_conversations
     from snapcompile.engine.engine import Engine
     if output is not None:
@@ -114,7 +114,7 @@ def run(artifact, prompt, prompts_file, demo, max_new_tokens, temperature, top_k
     if any("correct" in row for row in rows):
         summary["correct"] = sum(row.get("correct", False) for row in rows)
     if output:
-        from snapcompile.artifact.atomic import write_text_atomic
+        from snapcompile.atomic import write_text_atomic
         write_text_atomic(output, "".join(json.dumps(row) + "\n" for row in rows))
     if as_json:
         click.echo(json.dumps({"results": rows, "summary": summary}))
@@ -236,7 +236,7 @@ def validate(artifact, prompt, prompts_file, demo, steps, raw, tolerance, min_ag
     from snapcompile.artifact.files import artifact_tokenizer
     from snapcompile.artifact.manifest import read_manifest
     from snapcompile.prompts import encode
-    from snapcompile.reference.parity import Validator, oracle_model, summarize
+    from snapcompile.validate.parity import Validator, oracle_model, summarize
     if not (prompt or prompts_file or demo):
         demo = True
     records = _load_prompt_records(prompt, prompts_file, demo)

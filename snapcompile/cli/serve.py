@@ -10,7 +10,7 @@ from pathlib import Path
 import click
 
 from snapcompile.cli.options import config_default, session_cache_option
-from snapcompile.config import ServerLimits
+from snapcompile.config import MAX_WAITING, ServerLimits
 from snapcompile.runtime import BACKENDS
 
 LOOPBACK = ("localhost",)
@@ -23,7 +23,7 @@ LOOPBACK = ("localhost",)
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535))
 @click.option("--slots", type=click.IntRange(min=1), default=None,
               help="Serve at most this many requests at once (default: all of the artifact's static slots).")
-@click.option("--max-waiting", type=click.IntRange(min=0), default=256, show_default=True,
+@click.option("--max-waiting", type=click.IntRange(min=0), default=MAX_WAITING, show_default=True,
               help="Answer 429 (with Retry-After) once this many requests wait for a slot.")
 @click.option("--api-key", envvar="SNAPCOMPILE_API_KEY", default=None,
               help="Require 'Authorization: Bearer KEY' on /v1 routes (or set SNAPCOMPILE_API_KEY).")
@@ -139,7 +139,7 @@ def bench_serve(url, model, num_requests, concurrency, prompt_tokens, output_tok
     """
     from tqdm import tqdm
 
-    from snapcompile.artifact.atomic import check_output_file, write_json_atomic, write_text_atomic
+    from snapcompile.atomic import check_output_file, write_json_atomic, write_text_atomic
     from snapcompile.serve.bench import (
         ServeBenchConfig,
         conversation_parts,

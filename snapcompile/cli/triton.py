@@ -40,7 +40,7 @@ def triton_repo(artifact, output, model_name, instances, backend, slots, threads
     (/v2/models/NAME/generate, and /generate_stream with "stream": true) and tritonclient. Needs no
     Triton to write; serve it with `snapcompile triton-serve` or `tritonserver --model-repository`.
     """
-    from snapcompile.triton.repository import write_repository
+    from snapcompile.tritonserver.repository import write_repository
     name = model_name or Path(artifact).resolve().name
     info = write_repository(artifact, output, name, instances, backend, slots, link, force, threads,
                             session_cache_bytes, session_keep)
@@ -65,8 +65,8 @@ def triton_serve(repository, host, http_port, grpc_port, metrics_port, workdir):
     Python-backend stub for this Python and starts it. Its exit code is the server's.
     """
     from snapcompile.errors import SnapcompileError
-    from snapcompile.triton.launch import start
-    from snapcompile.triton.repository import MARKER
+    from snapcompile.tritonserver.launch import start
+    from snapcompile.tritonserver.repository import MARKER
     if not (Path(repository) / MARKER).is_file():
         raise SnapcompileError(f"{repository} is not a repository written by `snapcompile triton-repo`")
     with tempfile.TemporaryDirectory(prefix="snapcompile-triton-") as scratch:

@@ -62,7 +62,7 @@ def eval_turns(model_or_dir, lengths, samples, seed, ratio, policy, weights, chu
     """
     from tqdm import tqdm
 
-    from snapcompile.artifact.atomic import check_output_file
+    from snapcompile.atomic import check_output_file
     from snapcompile.evaluation.store import partial_path
     from snapcompile.evaluation.turns import check_config, reference_records, retention
     from snapcompile.evaluation.turns_run import run_turns
@@ -145,7 +145,7 @@ def bench_turns(model_or_dir, turns, turn_tokens, answer_tokens, repeats, ratio,
     """
     from tqdm import tqdm
 
-    from snapcompile.artifact.atomic import check_output_file
+    from snapcompile.atomic import check_output_file
     from snapcompile.bench import turns as bench
     from snapcompile.bench.machine import cpu_description
     from snapcompile.compiler.cache import ArtifactCache

@@ -91,11 +91,12 @@ class Engine:
     """Serves requests on a backend (see snapcompile.runtime.ort_backend.OrtBackend)."""
 
     def __init__(self, backend, tokenizer, eos_ids: Iterable[int], prefill_tokens_per_step: int | None = None,
-                 clock=time.perf_counter, max_slots: int | None = None, session_cache_bytes: int | None = 0,
+                 clock=time.perf_counter, max_slots: int | None = None, session_cache_bytes: int | None = None,
                  session_keep: str = "compressed"):
         """max_slots: use at most this many of the backend's static slots (the others stay idle).
         session_cache_bytes: keep finished sequences' caches up to this many bytes, so a request
-        that begins with one resumes from it (0: off; None: an eighth of the host memory available now).
+        that begins with one resumes from it (0: off; None, the default as in `run` and `serve`: an eighth
+        of the host memory available now).
         session_keep (compressed artifacts): "compressed" keeps the slot's B rows; "full" keeps the
         whole prompt cache (every position, as a dense prefix cache does) plus the answer, so a
         resumed turn re-selects from the whole conversation; "quantized" keeps the slot's rows in 8
@@ -126,7 +127,7 @@ class Engine:
     @classmethod
     def from_artifact(cls, folder, provider: str = "cpu", threads: int | None = None,
                       prefill_tokens_per_step: int | None = None, backend: str = "ort",
-                      max_slots: int | None = None, session_cache_bytes: int | None = 0,
+                      max_slots: int | None = None, session_cache_bytes: int | None = None,
                       session_keep: str = "compressed") -> Engine:
         """An engine on an artifact folder (backend "ort") or a TensorRT engine folder ("trt")."""
         from snapcompile.artifact.files import artifact_tokenizer

@@ -5,7 +5,7 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
-from snapcompile.artifact.atomic import save_figure_atomic
+from snapcompile.atomic import save_figure_atomic
 
 SURE_MARGIN = 0.1   # dense answered "surely" when every answer token beat the runner-up by this much
 LONG_GENERATION = ("agreement", "kl", "agreement_past_budget", "first_divergence", "recall", "dense_recall")

@@ -14,7 +14,7 @@ def run_retrieval(folder: Path, cases: list[Case], policy: str, budget: int | No
                    store: ResultStore, progress) -> None:
     from snapcompile.engine.engine import Engine
     from snapcompile.engine.request import Request
-    engine = Engine.from_artifact(folder)
+    engine = Engine.from_artifact(folder, session_cache_bytes=0)
     by_id = {}
     for case in cases:
         request = Request(engine.encode(case.prompt, chat), max_new_tokens=ANSWER_TOKENS,

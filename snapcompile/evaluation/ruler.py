@@ -14,7 +14,7 @@ import os
 import shutil
 from pathlib import Path
 
-from snapcompile.artifact.atomic import write_text_atomic
+from snapcompile.atomic import write_text_atomic
 
 RULER_TASKS = ("niah_single_1", "niah_multikey_2", "niah_multikey_3", "ruler_vt", "ruler_cwe", "ruler_fwe")
 DATA_SEED = 42                   # RULER's own data scripts' default random_seed

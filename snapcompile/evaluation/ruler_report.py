@@ -132,7 +132,7 @@ def plots(rows: list[dict], stem: Path) -> list[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from snapcompile.artifact.atomic import save_figure_atomic
+    from snapcompile.atomic import save_figure_atomic
     written = []
     for weights in sorted({r["weights"] for r in rows}):
         mine = [r for r in rows if r["weights"] == weights]

@@ -168,7 +168,7 @@ def _measure_margins(config: RulerConfig, units: list[dict], store: UnitStore, c
             log(f"no lm-eval log of dense at {length} tokens ({weights}): its margins are not measured")
             continue
         log(f"dense's margin on {len(mine)} lost samples at {length} tokens ({weights})")
-        engine = Engine.from_artifact(folders["dense"])
+        engine = Engine.from_artifact(folders["dense"], session_cache_bytes=0)
         for key, margin in measure(engine, logs["dense"], mine, logs).items():
             store.add_margin(key, margin)
 

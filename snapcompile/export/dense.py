@@ -5,11 +5,11 @@ from pathlib import Path
 
 import onnx
 
-from snapcompile.artifact.atomic import atomic_directory
 from snapcompile.artifact.footprint import check_memory
 from snapcompile.artifact.manifest import WEIGHTS, Manifest
 from snapcompile.artifact.naming import TAIL_GRAPH, graph_name
 from snapcompile.artifact.onnx_io import WeightsFile, save_graphs
+from snapcompile.atomic import atomic_directory
 from snapcompile.config import ExportConfig, PolicyConfig
 from snapcompile.errors import SnapcompileError
 from snapcompile.export.llama_graph import DecodeWriter, PrefillWriter
@@ -41,7 +41,7 @@ def build_dense_graphs(loaded: LoadedModel, export: ExportConfig,
     if export.quantized:
         gguf = None
         if loaded.gguf is not None:
-            from snapcompile.models.gguf_blocks import read_blocks
+            from snapcompile.export.gguf_blocks import read_blocks
             gguf = read_blocks(loaded.gguf, loaded.spec.num_heads, loaded.spec.num_kv_heads)
         quantizer = Quantizer(export, gguf)
     weights = Weights(loaded.model, loaded.spec, quantizer, half=export.weight_format == "fp16")

@@ -35,7 +35,7 @@ class Quantizer:
         self.exact = self.requantized = self.tensors = 0
 
     def __call__(self, hf_name: str, weight: np.ndarray, head: bool = False) -> BlockQuantized:
-        from snapcompile.models.gguf_blocks import GGUF_BLOCK, kept_blocks
+        from snapcompile.export.gguf_blocks import GGUF_BLOCK, kept_blocks
         bits = HEAD_BITS if head else self.bits
         matrix = None
         if hf_name in self.gguf and self.block_size == GGUF_BLOCK:

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import torch
 
 from snapcompile.config import PolicyConfig
+from snapcompile.layout import SlotLayout
 from snapcompile.reference.policy import Selection, ring_decode_attention, snapkv_select, streaming_select
-from snapcompile.runtime.layout import SlotLayout
 
 ATTENTION_NAME = "snapcompile_reference"
 

@@ -19,8 +19,8 @@ from snapcompile.artifact.footprint import check_memory
 from snapcompile.artifact.manifest import Manifest, read_manifest
 from snapcompile.artifact.naming import decode_graph_size, graph_name
 from snapcompile.errors import PromptError, SnapcompileError
+from snapcompile.layout import DecodeStep, SlotLayout
 from snapcompile.runtime.device import Device, PrefillResult, chunk_starts, drain
-from snapcompile.runtime.layout import DecodeStep, SlotLayout
 from snapcompile.runtime.prefill import PrefillRunner
 from snapcompile.sessions.keepers import ResumeRows
 from snapcompile.sessions.kept import KeptCache, ResumePlan

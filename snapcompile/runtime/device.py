@@ -9,7 +9,7 @@ from typing import Protocol
 import numpy as np
 
 from snapcompile.artifact.manifest import Manifest
-from snapcompile.runtime.layout import SlotLayout
+from snapcompile.layout import SlotLayout
 from snapcompile.sessions.keepers import PromptRows
 
 

@@ -16,8 +16,8 @@ import numpy as np
 from snapcompile.artifact.manifest import Manifest
 from snapcompile.artifact.naming import TAIL_GRAPH, bucket_rows
 from snapcompile.errors import SnapcompileError
+from snapcompile.layout import SlotLayout
 from snapcompile.runtime.device import Device, Graph, PrefillResult, chunk_spans
-from snapcompile.runtime.layout import SlotLayout
 from snapcompile.sessions.keepers import PromptRows, ResumeRows
 from snapcompile.sessions.kept import ResumePlan, positions_of_rows
 
@@ -169,7 +169,10 @@ class PrefillRunner:
         return self.prefill_rows(start)
 
     def chunks(self, slot: int, token_ids: list[int], plan: ResumePlan | None, extra: ResumeRows | None):
-        """Every chunk's K/V goes to the targets (the slot, or the scratch cache of a compressed
+        """Prefill `token_ids` for `slot` (resumed from `plan` with the keeper's `extra` rows, or whole):
+        a generator that yields each chunk's token count and returns the PrefillResult.
+
+        Every chunk's K/V goes to the targets (the slot, or the scratch cache of a compressed
         prompt); a bucket's own cache is a copy of their first rows, filled when a chunk moves
         to that bucket (the buckets share one buffer, so one holds this prompt at a time).
         A resumed prefill's `extra` rows sit right after the kept rows, seen by every new token, or

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import numpy as np
 
-from snapcompile.artifact.atomic import atomic_directory, write_json_atomic
 from snapcompile.artifact.files import check_files, copy_support_files, file_sha256
 from snapcompile.artifact.manifest import MANIFEST, Manifest, read_manifest
+from snapcompile.atomic import atomic_directory, write_json_atomic
 from snapcompile.errors import SnapcompileError
 from snapcompile.plugins.trt_plugin import require_tensorrt
 from snapcompile.runtime.backend import SlotBackend

@@ -15,7 +15,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from snapcompile.config import ServerLimits
+from snapcompile.config import MAX_WAITING, ServerLimits
 from snapcompile.serve.completions import OpenAIServing
 from snapcompile.serve.engine_loop import EngineLoop
 from snapcompile.serve.limits import read_json_body
@@ -31,7 +31,7 @@ class ServerSettings:
     artifact: Path
     model_name: str
     api_key: str | None = None
-    max_waiting: int | None = None      # 429 beyond this many requests waiting for a slot
+    max_waiting: int | None = MAX_WAITING   # 429 beyond this many requests waiting for a slot (None: no bound)
     slots: int | None = None            # use at most this many of the artifact's static slots
     backend: str = "ort"
     limits: ServerLimits = field(default_factory=ServerLimits)

@@ -22,7 +22,7 @@ from snapcompile.prompts import max_prompt_chars
 from snapcompile.serve.engine_loop import EngineLoop, Update
 from snapcompile.serve.metrics import Metrics
 
-log = logging.getLogger("snapcompile.triton")
+log = logging.getLogger("snapcompile.tritonserver")
 CANCEL_POLL_S = 0.1
 DEFAULT_MAX_TOKENS = 16
 _ids = itertools.count()

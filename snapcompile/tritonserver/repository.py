@@ -2,7 +2,7 @@
 
     REPO/snapcompile.json            what wrote it (the marker `--force` looks for)
     REPO/NAME/config.pbtxt           python backend, decoupled, K instances on the CPU
-    REPO/NAME/1/model.py             snapcompile/triton/model.py, copied
+    REPO/NAME/1/model.py             snapcompile/tritonserver/model.py, copied
     REPO/NAME/1/artifact/            the artifact: its manifest's files, copied and verified
                                      (or a symbolic link to it with --link)
 """
@@ -14,10 +14,10 @@ import re
 import shutil
 from pathlib import Path
 
-from snapcompile.artifact.atomic import atomic_directory
 from snapcompile.artifact.files import check_files
 from snapcompile.artifact.footprint import memory_needed
 from snapcompile.artifact.manifest import MANIFEST, read_manifest
+from snapcompile.atomic import atomic_directory
 from snapcompile.errors import SnapcompileError
 from snapcompile.memory import check_fits, gib
 

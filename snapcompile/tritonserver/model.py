@@ -1,6 +1,6 @@
 """Triton Python-backend model serving a snapcompile artifact (written by `snapcompile triton-repo`).
 
-Thin on purpose: the engine and the request handling live in snapcompile.triton.worker. The
+Thin on purpose: the engine and the request handling live in snapcompile.tritonserver.worker. The
 artifact sits beside this file (parameter `artifact`); its manifest must match the recorded
 fingerprint. SNAPCOMPILE_SITE_PACKAGES (set by `snapcompile triton-serve`) names the site-packages
 that hold snapcompile when Triton's Python is not the one it was installed into.
@@ -28,7 +28,7 @@ import triton_python_backend_utils as pb_utils  # noqa: E402  (after the site-pa
 
 class TritonPythonModel:
     def initialize(self, args):
-        from snapcompile.triton.worker import TritonWorker
+        from snapcompile.tritonserver.worker import TritonWorker
         config = json.loads(args["model_config"])
         params = {key: value["string_value"] for key, value in config.get("parameters", {}).items()}
         folder = Path(args["model_repository"]) / args["model_version"] / params["artifact"]

@@ -1,0 +1,1 @@
+"""`snapcompile validate`: an artifact compared step by step with the PyTorch oracle (`parity.py`)."""
