@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -68,9 +69,12 @@ def _load_path(path: Path) -> LoadedModel:
         return _load_gguf(path, name=path.stem)
     if path.is_dir():
         return _load_from_folder(path, name=path.name)
+    hub_id = re.fullmatch(r"[\w.-]+/[\w.-]+", str(path)) is not None and not path.exists()
     raise SnapcompileError(
         f"model {str(path)!r} is neither a built-in name ({', '.join(BUILTIN_MODELS)}), "
-        "a folder with config.json and safetensors weights, nor a .gguf file")
+        "a folder with config.json and safetensors weights, nor a .gguf file"
+        + ("; it looks like a Hugging Face Hub id, but snapcompile downloads nothing: download the model first "
+           "and give its local folder" if hub_id else ""))
 
 
 def _tiny_config(name: str):

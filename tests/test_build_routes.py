@@ -81,3 +81,12 @@ if __name__ == "__main__":
     write_golden(Path(sys.argv[1]) if len(sys.argv) > 1 else GOLDEN)
 elif not GOLDEN.is_file():
     pytest.fail(f"{GOLDEN} is missing", pytrace=False)
+
+
+def test_compile_reports_each_dense_graph_as_it_is_built(tmp_path):
+    from snapcompile.artifact.naming import expected_graphs
+    from snapcompile.compiler.route import compile_artifact
+    export, built = ExportConfig(slots=2, max_context=512, chunk=64), []
+    manifest = compile_artifact("tiny-llama", export, PolicyConfig(budget=128), tmp_path / "a", progress=built.append)
+    assert sorted(built) == sorted(expected_graphs(export, PolicyConfig(policy="dense")))
+    assert set(built) < set(manifest.graphs)            # the select graphs come from the passes

@@ -1,6 +1,7 @@
 """The CLI: happy paths on tiny-llama, and one-line errors (exit 2, no traceback) for bad input."""
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -197,3 +198,14 @@ def test_run_takes_conversations_whose_turns_resume_the_kept_cache(tiny_snap_dir
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"turns": []}) + "\n")
     assert_one_line_error(invoke("run", tiny_snap_dir, "--prompts", bad), '"turns" must be a list of 1..64 strings')
+
+
+def test_the_shipped_example_prompts_file_runs(tiny_snap_dir, tmp_path):
+    """examples/prompts.jsonl, which the README's quick start uses: prompts with their own sampling
+    and stop strings, and a two-turn conversation."""
+    examples = Path(__file__).resolve().parents[1] / "examples"
+    result = invoke("run", tiny_snap_dir, "--prompts", examples / "prompts.jsonl",
+                    "-o", tmp_path / "results.jsonl", "--json")
+    assert result.exit_code == 0, result.output
+    rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert [row["id"] for row in rows] == ["colours", "capital", "story", "trip/1", "trip/2"]

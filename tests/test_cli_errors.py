@@ -59,6 +59,7 @@ BAD_INPUTS = [
     (("convert", "tiny-llama", "-o", "{tmp}/o", "--slots", 100000000, "--max-context", 8192), "needs about"),
     (("export", "tiny-llama", "-o", "{tmp}/o", "--bogus"), "No such option '--bogus'"),
     (("export", "{tmp}/nope", "-o", "{tmp}/o"), "neither a built-in name"),
+    (("convert", "HuggingFaceTB/SmolLM2-135M", "-o", "{tmp}/o"), "snapcompile downloads nothing"),
     (("convert", "tiny-llama", "-o", "{tmp}/o", "--policy", "nope"), "'nope' is not one of"),
     (("convert", "tiny-llama", "-o", "{tmp}/o", "--lower", "nope"), "'nope' is not one of"),
     (("convert", "tiny-llama", "-o", "{tmp}/o", "--budget", 30, "--window", 32), "must exceed sinks + window"),
@@ -88,6 +89,12 @@ BAD_INPUTS = [
     (("bench", "tiny-llama", "--contexts", 10), "--contexts must be >= 64"),
     (("bench", "tiny-llama", "--repeats", 0), "--repeats must be >= 1"),
     (("bench", "tiny-llama", "-o", "{dense}/manifest.json"), "already exists (use --force"),
+    (("serve", "{dense}", "--drain-timeout", "nan"), "'nan' is not a finite number"),
+    (("serve", "{dense}", "--head-timeout", "inf"), "'inf' is not a finite number"),
+    (("validate", "{dense}", "--tolerance", "nan"), "'nan' is not a finite number"),
+    (("serve", "{dense}", "--session-cache-bytes", "\u00b2"), "expected 'auto', 0 or a size"),
+    (("serve", "{dense}", "--api-key", " padded"), "printable ASCII without spaces"),
+    (("serve", "{dense}", "--api-key", "cl\u00e9"), "printable ASCII without spaces"),
 ]
 
 

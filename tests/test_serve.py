@@ -190,6 +190,8 @@ def test_completion_errors(server, body, fragment):
     ("POST", "/v1/completions", {}, b'{"model": "tiny", "prompt": "x"}', 415, "Content-Type: application/json"),
     ("POST", "/v1/completions", {"Content-Type": "application/json"}, b" " * (4 * 2**20 + 1), 413, "at most"),
     ("GET", "/v1/nothing", {}, b"", 404, "no such route"),
+    ("POST", "/v1/completions/", {"Content-Type": "application/json"}, b'{"model": "tiny", "prompt": "x"}', 404,
+     "no such route"),                                  # no slash redirect (a 307 that clients may not follow)
     ("GET", "/v1/completions", {}, b"", 405, "Method Not Allowed"),
 ])
 def test_bad_requests_are_refused_in_openai_shape(server, method, path, headers, body, status, fragment):
@@ -508,8 +510,12 @@ def test_a_chat_that_resends_its_history_resumes_its_cache(server, client, artif
 
 
 def test_session_cache_bytes_option(artifact, tmp_path):
-    bad = CliRunner().invoke(main, ["serve", str(artifact), "--session-cache-bytes", "lots"])
-    assert bad.exit_code == 2 and "expected 'auto', 0 or a size such as 512MiB" in bad.output
+    for value in ("lots", "\u00b2", "2TB", "-1", "1e9"):       # "²" is a digit to str.isdigit
+        bad = CliRunner().invoke(main, ["serve", str(artifact), "--session-cache-bytes", value])
+        assert bad.exit_code == 2 and "expected 'auto', 0 or a size such as 512MiB" in bad.output, value
+    from snapcompile.cli.options import parse_session_cache
+    assert [parse_session_cache(None, None, v) for v in ("2GB", "2GiB", "512MB", "auto")] == [2 * 10**9, 2 * 2**30,
+                                                                                            512 * 10**6, None]
     process = ServerProcess(artifact, "--session-cache-bytes", "0", log=tmp_path / "off.log").wait_ready()
     try:
         body = {"model": "tiny", "prompt": "the lazy dog " * 12, "max_tokens": 4, "temperature": 0}
@@ -518,6 +524,9 @@ def test_session_cache_bytes_option(artifact, tmp_path):
         second = httpx.post(process.url + "/v1/completions", json=body, timeout=60).json()
         assert second["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}, second
         assert process.metric("snapcompile_session_cache_hits_total") == 0
+        ready = [line for line in (tmp_path / "off.log").read_text().splitlines() if line.startswith("ready: ")]
+        assert ready == [f"ready: serving tiny at {process.url}/v1 (tiny-llama, snapstream B=64, 4 slots, "
+                         "max context 512, no session store)"], ready
     finally:
         assert process.stop() == 0
 

@@ -2,6 +2,8 @@
 default is the configuration dataclass's own (snapcompile.config)."""
 from __future__ import annotations
 
+import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import click
@@ -89,7 +91,9 @@ def export(model, output, force, **export_args):
     from snapcompile.compiler.route import compile_artifact
     export_cfg = _export_config(**export_args)
     refuse_existing(output, force)
-    manifest = compile_artifact(model, export_cfg, PolicyConfig(policy="dense"), output, force=force)
+    with graph_progress(export_cfg) as progress:
+        manifest = compile_artifact(model, export_cfg, PolicyConfig(policy="dense"), output, force=force,
+                                    progress=progress)
     click.echo(f"wrote {output} ({', '.join(manifest.graphs)} graphs); {peak_memory()}")
 
 
@@ -109,7 +113,8 @@ def convert(model, output, force, lowering, slots, max_context, chunk, weight_fo
     policy = PolicyConfig(**policy_args)
     policy.check_against(export_cfg)
     refuse_existing(output, force)
-    manifest = compile_artifact(model, export_cfg, policy, output, lowering, force=force)
+    with graph_progress(export_cfg) as progress:
+        manifest = compile_artifact(model, export_cfg, policy, output, lowering, force=force, progress=progress)
     click.echo(f"wrote {output}: policy {policy.policy}, {decode_blocks(manifest)} attention blocks rewritten; "
                f"{peak_memory()}")
 
@@ -125,6 +130,21 @@ def compress(dense_dir, output, force, lowering, **policy_args):
     manifest = compress_artifact(dense_dir, output, PolicyConfig(**policy_args), force=force, lowering=lowering)
     click.echo(f"wrote {output}: policy {manifest.policy.policy}, {decode_blocks(manifest)} attention blocks "
                "rewritten")
+
+
+@contextmanager
+def graph_progress(export: ExportConfig):
+    """A progress bar on stderr over the dense graphs an export builds (the passes and the save follow);
+    yields the callback `compile_artifact` takes."""
+    from tqdm import tqdm
+
+    from snapcompile.artifact.naming import expected_graphs
+    total = len(expected_graphs(export, PolicyConfig(policy="dense")))
+    with tqdm(total=total, desc="building graphs", unit="graph", file=sys.stderr, leave=False) as bar:
+        def progress(name: str) -> None:
+            bar.set_postfix_str(name)
+            bar.update(1)
+        yield progress
 
 
 def peak_memory() -> str:

@@ -2,6 +2,7 @@
 commands that write a report (`eval`, `bench`)."""
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import click
@@ -47,11 +48,22 @@ def config_default(config_class, name: str):
     return config_class.__dataclass_fields__[name].default
 
 
-BYTE_UNITS = {"": 1, "k": 2**10, "kib": 2**10, "m": 2**20, "mib": 2**20, "g": 2**30, "gib": 2**30}
+class FiniteRange(click.FloatRange):
+    """click.FloatRange that also refuses nan and inf (nan passes every bound check)."""
+
+    def convert(self, value, param, ctx):
+        number = super().convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value!r} is not a finite number", param, ctx)
+        return number
+
+
+BYTE_UNITS = {"": 1, "k": 2**10, "kib": 2**10, "m": 2**20, "mib": 2**20, "g": 2**30, "gib": 2**30,
+              "kb": 10**3, "mb": 10**6, "gb": 10**9}      # KiB / MiB / GiB binary, kB / MB / GB decimal
 SESSION_CACHE_HELP = ("Keep finished conversations' caches in host memory up to this size (bytes, or with KiB / "
-                      "MiB / GiB), so that a request beginning with one (a chat client resending its history, a "
-                      "shared document or system prompt) prefills only what is new. 'auto': an eighth of the "
-                      "memory available once the artifact is loaded; 0: off.")
+                      "MiB / GiB, or decimal kB / MB / GB), so that a request beginning with one (a chat client "
+                      "resending its history, a shared document or system prompt) prefills only what is new. "
+                      "'auto': an eighth of the memory available once the artifact is loaded; 0: off.")
 
 
 def parse_session_cache(ctx, param, value):
@@ -61,8 +73,8 @@ def parse_session_cache(ctx, param, value):
         return None
     number = text.rstrip("kmgib")
     unit = text[len(number):]
-    if not number.isdigit() or unit not in BYTE_UNITS or len(number) > 15:
-        raise click.BadParameter(f"expected 'auto', 0 or a size such as 512MiB or 2GiB, got {value!r}")
+    if not (number.isascii() and number.isdigit()) or unit not in BYTE_UNITS or len(number) > 15:
+        raise click.BadParameter(f"expected 'auto', 0 or a size such as 512MiB, 2GiB or 2GB, got {value!r}")
     return int(number) * BYTE_UNITS[unit]
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import click
 
 from snapcompile.bench.machine import cpu_description, describe_cpu
-from snapcompile.cli.options import session_cache_option
+from snapcompile.cli.options import FiniteRange, session_cache_option
 from snapcompile.config import DEFAULT_TIE_GAP, DEFAULT_TOLERANCE, FP16_TIE_GAP, FP16_TOLERANCE
 from snapcompile.errors import ParityError, SnapcompileError, check_text
 from snapcompile.runtime import BACKENDS, PROVIDERS
@@ -203,12 +203,12 @@ def _format_summary(s: dict) -> str:
 @click.option("--steps", default=32, show_default=True, type=click.IntRange(min=1),
               help="Decode steps compared after the prefill step.")
 @click.option("--raw", is_flag=True, help="Do not apply the chat template.")
-@click.option("--tolerance", default=None, type=click.FloatRange(min=0),
+@click.option("--tolerance", default=None, type=FiniteRange(min=0),
               help=f"Fail when max |logit difference| exceeds this. [default: {DEFAULT_TOLERANCE:g}; "
                    f"{FP16_TOLERANCE:g} for --weights fp16 artifacts, whose logits are float16]")
-@click.option("--min-agreement", default=1.0, show_default=True, type=click.FloatRange(0, 1),
+@click.option("--min-agreement", default=1.0, show_default=True, type=FiniteRange(0, 1),
               help="Fail when greedy-token agreement (0..1) is below this.")
-@click.option("--tie-gap", default=None, type=click.FloatRange(min=0),
+@click.option("--tie-gap", default=None, type=FiniteRange(min=0),
               help="Selection differences whose score gap is below this are reported as near-ties, not failures. "
                    f"[default: {DEFAULT_TIE_GAP:g}; {FP16_TIE_GAP:g} for --weights fp16]")
 @click.option("--backend", type=click.Choice(BACKENDS), default="ort", show_default=True,

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import click
 
-from snapcompile.cli.options import config_default, session_cache_option
+from snapcompile.cli.options import FiniteRange, config_default, session_cache_option
 from snapcompile.config import MAX_WAITING, ServerLimits
 from snapcompile.runtime import BACKENDS
 
@@ -30,25 +30,25 @@ LOOPBACK = ("localhost",)
 @click.option("--served-model-name", default=None, help="The model name clients send (default: the folder name).")
 @click.option("--backend", type=click.Choice(BACKENDS), default="ort", show_default=True,
               help="ort: ONNX Runtime on an artifact folder; trt: TensorRT engines from `snapcompile build`.")
-@click.option("--drain-timeout", default=30.0, show_default=True, type=click.FloatRange(min=0),
+@click.option("--drain-timeout", default=30.0, show_default=True, type=FiniteRange(min=0),
               help="On SIGTERM / Ctrl-C, seconds running requests get to finish (new ones get 503).")
 @click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]),
               default="info", show_default=True)
 @click.option("--max-body-bytes", type=click.IntRange(min=1024), default=config_default(ServerLimits, "max_body_bytes"),
               show_default=True, help="Largest request body (413 beyond), checked before anything is parsed.")
-@click.option("--body-timeout", type=click.FloatRange(min=0, min_open=True),
+@click.option("--body-timeout", type=FiniteRange(min=0, min_open=True),
               default=config_default(ServerLimits, "body_timeout_s"), show_default=True,
               help="Seconds a client has to send a request body once its head arrived (408 beyond).")
-@click.option("--head-timeout", type=click.FloatRange(min=0, min_open=True),
+@click.option("--head-timeout", type=FiniteRange(min=0, min_open=True),
               default=config_default(ServerLimits, "head_timeout_s"), show_default=True,
               help="Seconds a connection has to deliver a request head, from opening or from its last response "
                    "(slow clients are closed).")
-@click.option("--keep-alive", type=click.FloatRange(min=0, min_open=True),
+@click.option("--keep-alive", type=FiniteRange(min=0, min_open=True),
               default=config_default(ServerLimits, "keep_alive_s"), show_default=True,
               help="Seconds an idle kept-alive connection stays open.")
 @click.option("--max-connections", type=click.IntRange(min=1), default=config_default(ServerLimits, "max_connections"),
               show_default=True, help="Open connections served at once (503 beyond).")
-@click.option("--render-timeout", type=click.FloatRange(min=0, min_open=True),
+@click.option("--render-timeout", type=FiniteRange(min=0, min_open=True),
               default=config_default(ServerLimits, "render_timeout_s"), show_default=True,
               help="Seconds the artifact's chat template may take to render one request (400 beyond).")
 @click.option("--max-prompts-per-request", type=click.IntRange(min=1),
@@ -79,6 +79,9 @@ def serve(artifact, host, port, slots, max_waiting, api_key, served_model_name, 
     check_files(artifact, manifest, checksums=False)
     if api_key is not None and not api_key.strip():
         raise click.BadParameter("the API key is empty", param_hint="--api-key")
+    if api_key is not None and not all("!" <= char <= "~" for char in api_key):
+        raise click.BadParameter("the API key must be printable ASCII without spaces (a client sends it in an HTTP "
+                                 "header, stripped: any other key could never match)", param_hint="--api-key")
     if api_key is None and not _loopback(host):
         click.echo(f"warning: serving on {host} without --api-key: anyone who reaches this address can use it",
                    err=True)
@@ -107,7 +110,7 @@ def _loopback(host: str) -> bool:
 @click.option("--concurrency", default=8, show_default=True, type=click.IntRange(min=1))
 @click.option("--prompt-tokens", default=2000, show_default=True, type=click.IntRange(min=1))
 @click.option("--output-tokens", default=128, show_default=True, type=click.IntRange(min=1))
-@click.option("--request-rate", type=click.FloatRange(min=0, min_open=True), default=None,
+@click.option("--request-rate", type=FiniteRange(min=0, min_open=True), default=None,
               help="Requests per second (Poisson arrivals); default: all at once, --concurrency at a time.")
 @click.option("--tokenizer", "tokenizer_dir", type=click.Path(path_type=Path), default=None,
               help="An artifact (or model folder) whose tokenizer makes prompts of exactly --prompt-tokens.")

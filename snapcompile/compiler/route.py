@@ -10,12 +10,12 @@ from snapcompile.config import ExportConfig, PolicyConfig
 
 
 def compile_artifact(model, export: ExportConfig, policy: PolicyConfig, output: Path, lowering: str = "standard",
-                     force: bool = False) -> Manifest:
+                     force: bool = False, progress=None) -> Manifest:
     """Write the artifact of `export` shapes and `policy` for `model` to `output` atomically: the dense
     graphs, rewritten by the passes before they are saved when the policy compresses.
 
     model: a loaded model (snapcompile.models.LoadedModel) or what `load_model` takes (a built-in
-    name, a Hugging Face folder, a .gguf file)."""
+    name, a Hugging Face folder, a .gguf file). progress(name): called as each dense graph is built."""
     from snapcompile.export import export_model
     from snapcompile.models import load_model
     from snapcompile.models.loader import LoadedModel
@@ -25,4 +25,5 @@ def compile_artifact(model, export: ExportConfig, policy: PolicyConfig, output: 
 
     def transform(graphs, manifest):
         return compress_graphs(graphs, manifest, policy, lowering)
-    return export_model(loaded, export, Path(output), force=force, policy=policy, transform=transform)
+    return export_model(loaded, export, Path(output), force=force, policy=policy, transform=transform,
+                        progress=progress)

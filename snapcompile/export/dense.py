@@ -1,6 +1,7 @@
 """`snapcompile export`: a loaded model -> a dense-cache artifact folder (prefill graphs + decode graph)."""
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 import onnx
@@ -29,9 +30,10 @@ def check_export_config(loaded: LoadedModel, export: ExportConfig) -> None:
             f"--max-context {export.max_context} must not exceed it")
 
 
-def build_dense_graphs(loaded: LoadedModel, export: ExportConfig,
-                       store: WeightsFile | None = None) -> tuple[dict[str, onnx.ModelProto], dict]:
-    """The dense graphs, and the quantization report (empty for fp32 weights).
+def build_dense_graphs(loaded: LoadedModel, export: ExportConfig, store: WeightsFile | None = None,
+                       progress=None) -> tuple[dict[str, onnx.ModelProto], dict]:
+    """The dense graphs, and the quantization report (empty for fp32 weights). progress(name), when
+    given, is called as each graph is built.
 
     store: the weights.bin the weights are written to while the graphs are built, so the graphs
     hold references only and memory does not grow with the number of graphs (--slots,
@@ -45,16 +47,21 @@ def build_dense_graphs(loaded: LoadedModel, export: ExportConfig,
             gguf = read_blocks(loaded.gguf, loaded.spec.num_heads, loaded.spec.num_kv_heads)
         quantizer = Quantizer(export, gguf)
     weights = Weights(loaded.model, loaded.spec, quantizer, half=export.weight_format == "fp16")
-    graphs = {"prefill": PrefillWriter(loaded.spec, weights, export, store=store).build().model()}
+    writers = {"prefill": lambda: PrefillWriter(loaded.spec, weights, export, store=store)}
     for slots in export.decode_sizes():
-        decode = DecodeWriter(loaded.spec, weights, export, store, slots)
-        graphs[graph_name("decode", slots, export.slots)] = decode.build().model()
+        writers[graph_name("decode", slots, export.slots)] = partial(DecodeWriter, loaded.spec, weights, export,
+                                                                    store, slots)
     for rows in export.prefill_buckets():
-        bucket = PrefillWriter(loaded.spec, weights, export, rows, store)
-        graphs[graph_name("prefill", rows, export.max_context)] = bucket.build().model()
+        writers[graph_name("prefill", rows, export.max_context)] = partial(PrefillWriter, loaded.spec, weights,
+                                                                           export, rows, store)
     if export.tail:
-        tail = PrefillWriter(loaded.spec, weights, export, store=store, chunk=export.tail, name=TAIL_GRAPH)
-        graphs[TAIL_GRAPH] = tail.build().model()
+        writers[TAIL_GRAPH] = partial(PrefillWriter, loaded.spec, weights, export, store=store, chunk=export.tail,
+                                      name=TAIL_GRAPH)
+    graphs = {}
+    for name, writer in writers.items():
+        graphs[name] = writer().build().model()
+        if progress is not None:
+            progress(name)
     for name, model in graphs.items():
         check_graph(model, name)
     report = {"format": export.weight_format, "weight_bytes": weights.nbytes(),
@@ -77,18 +84,19 @@ def new_manifest(loaded: LoadedModel, export: ExportConfig, policy: PolicyConfig
 
 
 def export_model(loaded: LoadedModel, export: ExportConfig, out_dir: Path, force: bool = False,
-                 policy: PolicyConfig | None = None, transform=None) -> Manifest:
+                 policy: PolicyConfig | None = None, transform=None, progress=None) -> Manifest:
     """Write a dense artifact to out_dir atomically.
 
     transform(graphs, manifest), when given, rewrites the graphs before they are saved (the
     passes use it so `convert` writes one artifact instead of a dense one then a compressed one).
+    progress(name): called as each dense graph is built (`build_dense_graphs`).
     """
     policy = policy or PolicyConfig(policy="dense")
     policy.check_against(export)
     check_memory(new_manifest(loaded, export, policy), weight_bytes=loaded.spec.weight_bytes)
     with atomic_directory(Path(out_dir), force=force) as staging:
         with WeightsFile(staging / WEIGHTS) as store:
-            graphs, weights_report = build_dense_graphs(loaded, export, store)
+            graphs, weights_report = build_dense_graphs(loaded, export, store, progress)
         manifest = new_manifest(loaded, export, PolicyConfig(policy="dense"))
         manifest.weights_report = weights_report
         if transform is not None:

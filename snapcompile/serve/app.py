@@ -84,7 +84,8 @@ def load_engine(state: ServerState) -> None:
 
 
 def create_app(state: ServerState) -> FastAPI:
-    app = FastAPI(title="snapcompile", docs_url=None, redoc_url=None, openapi_url=None)
+    # redirect_slashes off: /v1/completions/ is an unknown route (404 in OpenAI's shape), not a 307
+    app = FastAPI(title="snapcompile", docs_url=None, redoc_url=None, openapi_url=None, redirect_slashes=False)
     app.state.server = state
 
     @app.exception_handler(ApiError)

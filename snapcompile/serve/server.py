@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import sys
 
 import uvicorn
 
@@ -45,7 +46,7 @@ class DrainingServer(uvicorn.Server):
     async def _load(self) -> None:
         try:
             await asyncio.to_thread(load_engine, self.state)
-            log.info("serving %s", self.state.settings.model_name)
+            print(ready_line(self.state, self.config.host, self.config.port), file=sys.stderr, flush=True)
         except Exception as err:  # a user error (bad artifact, too little memory) or a bug: stop either way
             self.state.load_error = str(err) if isinstance(err, SnapcompileError) else first_line(err)
             log.error("cannot load %s: %s", self.state.settings.artifact, self.state.load_error)
@@ -100,3 +101,16 @@ def _check_bindable(host: str, port: int) -> None:
             probe.bind((host, port))
     except OSError as err:
         raise SnapcompileError(f"cannot listen on {host}:{port}: {err.strerror or err}") from None
+
+
+def ready_line(state, host: str, port: int) -> str:
+    """The line `serve` prints once it answers: the model, its cache policy and shapes, the session store, the URL."""
+    engine = state.engine_loop.engine
+    manifest, store = engine.backend.manifest, engine.sessions
+    policy = manifest.policy
+    cache = f"{policy.policy} B={policy.budget}" if policy.compressed else "dense"
+    sessions = "no session store"
+    if store is not None:
+        sessions = f"session store {store.max_bytes / 2**20:.0f} MiB ({engine.session_keep})"
+    return (f"ready: serving {state.settings.model_name} at http://{host}:{port}/v1 ({manifest.model_name}, {cache}, "
+            f"{engine.scheduler.pool.num_slots} slots, max context {manifest.export.max_context}, {sessions})")
