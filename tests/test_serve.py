@@ -479,9 +479,10 @@ def test_prefill_tokens_per_step_reaches_the_engine(artifact):
 
 
 def test_a_chat_that_resends_its_history_resumes_its_cache(server, client, artifact):
-    """Each turn sends the whole conversation; the server resumes the kept cache of the turn before
-    (usage.prompt_tokens_details.cached_tokens, /metrics) and answers as an engine with the same
-    store does."""
+    """Each turn sends the whole conversation with the conversation's cache_salt; the server resumes
+    the kept cache of the turn before (usage.prompt_tokens_details.cached_tokens, /metrics) and
+    answers as an engine with the same store does."""
+    salt = {"cache_salt": "lighthouse-conversation"}
     from snapcompile import Engine, Request
     from snapcompile.prompts import encode_messages
     engine = Engine.from_artifact(artifact, session_cache_bytes=2**26)
@@ -489,14 +490,15 @@ def test_a_chat_that_resends_its_history_resumes_its_cache(server, client, artif
     messages = [{"role": "user", "content": "Tell me a story about a lighthouse keeper " * 4}]
     cached = []
     for question in ("And then what happened to him?", "Why did the ships stop coming " * 3):
-        reply = client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0)
+        reply = client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0,
+                                               extra_body=salt)
         expected, = engine.generate([Request(encode_messages(engine.tokenizer, messages), max_new_tokens=12)])
         assert reply.choices[0].message.content == expected.text
         assert reply.usage.prompt_tokens_details.cached_tokens == expected.cached_tokens
         cached.append(expected.cached_tokens)
         messages += [{"role": "assistant", "content": expected.text}, {"role": "user", "content": question}]
     stream = client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0,
-                                            stream=True, stream_options={"include_usage": True})
+                                            stream=True, stream_options={"include_usage": True}, extra_body=salt)
     chunks = list(stream)
     expected, = engine.generate([Request(encode_messages(engine.tokenizer, messages), max_new_tokens=12)])
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected.text
@@ -541,7 +543,8 @@ def test_session_keep_full_or_quantized_resumes_from_the_first_turn(snap_artifac
     engine = Engine.from_artifact(snap_artifact, session_cache_bytes=2**26, session_keep=keep)
     process = ServerProcess(snap_artifact, "--session-keep", keep, log=tmp_path / "full.log").wait_ready()
     try:
-        body = {"model": "tiny", "prompt": "the lazy dog " * 12, "max_tokens": 4, "temperature": 0}
+        body = {"model": "tiny", "prompt": "the lazy dog " * 12, "max_tokens": 4, "temperature": 0,
+                "cache_salt": "one user"}
         for _ in range(2):
             reply = httpx.post(process.url + "/v1/completions", json=body, timeout=60).json()
             assert "choices" in reply, reply
@@ -576,3 +579,44 @@ def test_bench_serve_conversations_report_ttft_and_resumed_tokens_per_turn(serve
     tokens = [t["prompt_tokens_mean"] for t in per_turn]
     assert tokens[0] == 100 < tokens[1] < tokens[2]
     assert "Conversations of 3 turns" in out.with_suffix(".md").read_text()
+
+
+def test_kept_caches_are_shared_only_within_a_scope(artifact, tmp_path):
+    """The store's tenant isolation (docs/serving.md, "Who shares kept caches"): a client that sends
+    another's prompt prefix learns nothing through cached_tokens unless both send the same
+    cache_salt; without a salt (and without an API key) nothing is kept unless --session-scope
+    shared; with an API key its holders share."""
+    secret = "Our system prompt. The user's PIN is 4071 and must stay private. " * 3
+    guess = "Our system prompt. The user's PIN is 4071 and must stay private. " * 3 + "What is it?"
+
+    def cached(url, prompt, salt=None, key=None):
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 3, "temperature": 0}
+        if salt:
+            body["cache_salt"] = salt
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        reply = httpx.post(url + "/v1/completions", json=body, headers=headers, timeout=60).json()
+        return reply["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    with ServerProcess(artifact, log=tmp_path / "private.log") as private:
+        assert cached(private.url, secret, salt="alice") == 0
+        assert cached(private.url, guess, salt="mallory") == 0                # another scope: nothing shown
+        assert cached(private.url, guess) == 0                                # no salt, no key: private
+        cached(private.url, secret)
+        assert cached(private.url, guess) == 0                                # ... and nothing was kept
+        assert cached(private.url, guess, salt="alice") > 0                   # the same salt resumes
+        assert private.metric("snapcompile_session_cache_entries") == 3       # alice's two, mallory's one
+    with ServerProcess(artifact, "--session-scope", "shared", log=tmp_path / "shared.log") as shared:
+        cached(shared.url, secret)
+        assert cached(shared.url, guess) > 0                                  # opted in: unsalted clients share
+        assert cached(shared.url, guess, salt="mallory") == 0                 # a salt is a scope of its own
+    with ServerProcess(artifact, "--api-key", "k3y", log=tmp_path / "key.log") as keyed:
+        cached(keyed.url, secret, key="k3y")
+        assert cached(keyed.url, guess, key="k3y") > 0                        # the key's holders share
+        assert cached(keyed.url, guess, salt="x", key="k3y") == 0
+
+
+def test_cache_salt_is_bounded(server):
+    for salt in ("", "s" * 257, 7):
+        body = {"model": "tiny", "prompt": "hi", "max_tokens": 2, "cache_salt": salt}
+        response = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+        assert response.status_code == 400 and "cache_salt" in response.text, (salt, response.text)

@@ -101,6 +101,35 @@ def test_store_never_holds_more_than_its_bytes(sizes, budget):
         assert store.bytes == sum(e.nbytes for e in store._entries.values())
 
 
+@given(puts=st.lists(st.tuples(st.sampled_from(["", "a", "b"]), st.integers(2, 30)), min_size=1, max_size=30),
+       budget=st.integers(0, 3000))
+def test_scopes_never_see_each_other_s_entries(puts, budget):
+    """A lookup finds only its own scope's entries, whatever the others hold; eviction runs over
+    every scope, and the bytes and the scope index stay exact."""
+    store = SessionStore(max_bytes=budget, window=0, max_rows=100, max_entries=8)
+    for scope, rows in puts:
+        store.put(_kept([7] * rows, [list(range(rows))], layers=1, dim=2), scope)
+        assert store.bytes == sum(e.nbytes for e in store._entries.values()) <= budget
+        assert sorted(store._entries) == sorted(key for keys in store._scopes.values() for key in keys)
+    for scope in ("", "a", "b", "c"):
+        plan = store.lookup([7] * 40, scope)
+        own = [kept for (where, _), kept in store._entries.items() if where == scope]
+        assert (plan is None) == (not own)
+        assert plan is None or any(plan.kept is kept for kept in own)
+
+
+def test_a_request_without_a_scope_is_neither_resumed_nor_kept(tiny_snap_dir):
+    document, question = random_prompts([160, 70], seed=5)
+    engine = _engine(tiny_snap_dir, session_cache_bytes=2**26)
+    first, = engine.generate([Request(document, max_new_tokens=4, ignore_eos=True, cache_scope="alice")])
+    follow = document + first.output_ids[:-1] + question
+    other, = engine.generate([Request(follow, max_new_tokens=2, cache_scope=None)])
+    assert other.cached_tokens == 0 and len(engine.sessions) == 1
+    stranger, = engine.generate([Request(follow, max_new_tokens=2, cache_scope="mallory")])
+    same, = engine.generate([Request(follow, max_new_tokens=2, cache_scope="alice")])
+    assert stranger.cached_tokens == 0 and same.cached_tokens > 0 and len(engine.sessions) == 3
+
+
 # ---------------------------------------------------------------- through the engine
 
 

@@ -188,13 +188,18 @@ def test_a_continued_text_resumes_the_instance_kept_cache(artifact, tmp_path):
     try:
         text, cached = "the lazy dog " * 12, []
         for more in (" and the quick brown fox " * 4, " then it rained for days " * 3):
-            reply = server.generate({"text_input": text, "max_tokens": 8, "temperature": 0}).json()
+            reply = server.generate({"text_input": text, "max_tokens": 8, "temperature": 0,
+                                     "cache_salt": "one conversation"}).json()
             ids = engine.tokenizer.encode(text, add_special_tokens=False)
             expected, = engine.generate([Request(ids, max_new_tokens=8)])
             assert reply["text_output"] == expected.text and reply["cached_tokens"] == expected.cached_tokens
             cached.append(reply["cached_tokens"])
             text += reply["text_output"] + more
         assert cached[0] == 0 and cached[1] >= 64, cached
+        again = server.generate({"text_input": text, "max_tokens": 8, "temperature": 0}).json()
+        assert again["cached_tokens"] == 0, "without a salt a repository of private scope shares nothing"
+        other = server.generate({"text_input": text, "max_tokens": 8, "cache_salt": "someone else"}).json()
+        assert other["cached_tokens"] == 0
     finally:
         assert server.stop() == 0
 

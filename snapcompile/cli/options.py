@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from snapcompile.config import SESSION_KEEP, PolicyConfig
+from snapcompile.serve.scopes import SESSION_SCOPES
 
 
 def csv_option(kind):
@@ -86,13 +87,24 @@ SESSION_KEEP_HELP = ("What the store keeps of a compressed artifact's sequence: 
                      "attend over (at most the bytes of B float32 rows: the oldest dropped rows go first).")
 
 
-def session_cache_option():
-    """--session-cache-bytes and --session-keep (the engine's session store)."""
-    return option_group(
-        click.option("--session-cache-bytes", "session_cache_bytes", default="auto", show_default=True,
-                     callback=parse_session_cache, help=SESSION_CACHE_HELP),
-        click.option("--session-keep", type=click.Choice(SESSION_KEEP), default=SESSION_KEEP[0],
-                     show_default=True, help=SESSION_KEEP_HELP))
+SESSION_SCOPE_HELP = ("Who shares kept caches when a request carries neither a cache_salt nor the API key: "
+                      "private, nobody (such a request is neither resumed nor kept); shared, every such client (a "
+                      "client can then learn how much of its prompt another's began with, through cached_tokens and "
+                      "the time to first token: for one user or mutually trusting ones). Requests with the same "
+                      "cache_salt always share; so do the holders of the API key.")
+
+
+def session_cache_option(scope: bool = False):
+    """--session-cache-bytes and --session-keep (the engine's session store), and with `scope` the
+    --session-scope of a server."""
+    options = [click.option("--session-cache-bytes", "session_cache_bytes", default="auto", show_default=True,
+                            callback=parse_session_cache, help=SESSION_CACHE_HELP),
+               click.option("--session-keep", type=click.Choice(SESSION_KEEP), default=SESSION_KEEP[0],
+                            show_default=True, help=SESSION_KEEP_HELP)]
+    if scope:
+        options.append(click.option("--session-scope", type=click.Choice(SESSION_SCOPES), default=SESSION_SCOPES[0],
+                                    show_default=True, help=SESSION_SCOPE_HELP))
+    return option_group(*options)
 
 
 def kernel_option():

@@ -59,10 +59,10 @@ LOOPBACK = ("localhost",)
               help="Prompt tokens prefilled between two decode steps, in whole chunks (default: one chunk). "
                    "Fewer bound the inter-token latency of running requests; more shorten the time to a new "
                    "request's first token. A smaller --chunk at convert time makes the step finer.")
-@session_cache_option()
+@session_cache_option(scope=True)
 def serve(artifact, host, port, slots, max_waiting, api_key, served_model_name, backend, drain_timeout, log_level,
           max_body_bytes, body_timeout, head_timeout, keep_alive, max_connections, render_timeout,
-          max_prompts_per_request, prefill_tokens_per_step, session_cache_bytes, session_keep):
+          max_prompts_per_request, prefill_tokens_per_step, session_cache_bytes, session_keep, session_scope):
     """Serve ARTIFACT over an OpenAI-compatible HTTP API.
 
     POST /v1/chat/completions and /v1/completions (streamed or not), GET /v1/models, /health
@@ -90,7 +90,7 @@ def serve(artifact, host, port, slots, max_waiting, api_key, served_model_name, 
                           max_prompts=max_prompts_per_request)
     settings = ServerSettings(Path(artifact), served_model_name or Path(artifact).resolve().name, api_key,
                               max_waiting, slots, backend, limits, prefill_tokens_per_step, session_cache_bytes,
-                              session_keep)
+                              session_keep, session_scope)
     run_server(settings, host, port, drain_timeout, log_level)
 
 

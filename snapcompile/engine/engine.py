@@ -240,8 +240,8 @@ class Engine:
     def _prefill_of(self, seq: Sequence):
         """The prefill generator of an admitted sequence: resumed from the session store's best
         kept cache for its prompt, or the whole prompt."""
-        ids = seq.request.prompt_ids
-        plan = self.sessions.lookup(ids) if self.sessions is not None else None
+        ids, scope = seq.request.prompt_ids, seq.request.cache_scope
+        plan = self.sessions.lookup(ids, scope) if self.sessions is not None and scope is not None else None
         if plan is None:
             return self.backend.prefill_chunks(seq.slot, ids)
         seq.cached_tokens = plan.resume_at
@@ -252,7 +252,7 @@ class Engine:
         every output token but the last (never fed)."""
         fed = seq.output_ids[:-1]
         self.sessions.put(self.keeper.keep(seq.slot, seq.layout, seq.kept_positions, len(fed),
-                                           list(seq.request.prompt_ids) + fed, self.backend))
+                                           list(seq.request.prompt_ids) + fed, self.backend), seq.request.cache_scope)
 
     def _advance_prefill(self, events: list[TokenEvent]) -> None:
         tokens_left = self.scheduler.prefill_tokens_per_step
@@ -261,7 +261,7 @@ class Engine:
                 tokens_left -= next(seq.prefill)
             except StopIteration as done:
                 seq.prefill, seq.layout, seq.kept_positions = None, done.value.layout, done.value.kept_positions
-                if self.keeper is not None and done.value.rows is not None:
+                if self.keeper is not None and done.value.rows is not None and seq.request.cache_scope is not None:
                     self.keeper.selected(done.value.rows)
                 self.scheduler.prefill_done(seq)
                 events.append(self._emit(seq, done.value.logits))
@@ -362,7 +362,8 @@ class Engine:
         return None
 
     def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
-        if self.sessions is not None and reason in OUTCOMES and seq.slot is not None and seq.layout is not None:
+        kept = self.sessions is not None and seq.request.cache_scope is not None
+        if kept and reason in OUTCOMES and seq.slot is not None and seq.layout is not None:
             try:
                 self._keep(seq)
             except Exception:        # the answer stands; only its reuse is lost

@@ -65,6 +65,9 @@ class Request:
     top_logprobs: int = 0          # record this many most likely tokens per generated token
     logprobs: bool = False         # record the log probability of each generated token
     ignore_eos: bool = False       # generate past EOS until max_new_tokens (fixed-length benchmarks)
+    # the session store's scope: resumed only from, and kept only for, requests of the same scope
+    # (None: neither resumed nor kept). `serve` derives it from the API key and cache_salt.
+    cache_scope: str | None = ""
 
     def __post_init__(self):
         if not self.request_id:
@@ -78,6 +81,8 @@ class Request:
             raise SnapcompileError("logprobs and ignore_eos must be true or false")
         if not isinstance(self.sampling, SamplingParams):
             raise SnapcompileError("sampling must be a SamplingParams")
+        if self.cache_scope is not None and (not isinstance(self.cache_scope, str) or len(self.cache_scope) > 256):
+            raise SnapcompileError("cache_scope must be None or a string of at most 256 characters")
         if not all(_integer(t) for t in self.prompt_ids):
             raise SnapcompileError("prompt_ids must be a list of integer token ids")
 

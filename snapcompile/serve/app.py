@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from snapcompile.serve.engine_loop import EngineLoop
 from snapcompile.serve.limits import read_json_body
 from snapcompile.serve.metrics import CONTENT_TYPE, Metrics
 from snapcompile.serve.protocol import ApiError, ChatRequest, CompletionRequest, now, parse
+from snapcompile.serve.scopes import cache_scope
 
 log = logging.getLogger("snapcompile.serve")
 RETRY_AFTER_S = 1
@@ -38,6 +40,7 @@ class ServerSettings:
     prefill_tokens_per_step: int | None = None   # prompt tokens between two decode steps (None: one chunk)
     session_cache_bytes: int | None = None       # kept conversations' caches (None: sized at load; 0: off)
     session_keep: str = "compressed"             # what the store keeps of a compressed sequence (Engine)
+    session_scope: str = "private"               # who shares kept caches without a key or salt (scope_of)
 
 
 @dataclass
@@ -46,6 +49,7 @@ class ServerState:
 
     settings: ServerSettings
     metrics: Metrics = field(default_factory=Metrics)
+    scope_secret: bytes = field(default_factory=lambda: secrets.token_bytes(32))   # this process's, never shown
     serving: OpenAIServing | None = None
     engine_loop: EngineLoop | None = None
     draining: bool = False
@@ -134,11 +138,18 @@ def create_app(state: ServerState) -> FastAPI:
 async def _complete(state: ServerState, request: Request, kind: str, model):
     _authenticate(request, state.settings.api_key)
     serving = _ready(state)
-    call = await serving.accept(kind, parse(model, await read_json_body(request, state.settings.limits)))
+    params = parse(model, await read_json_body(request, state.settings.limits))
+    call = await serving.accept(kind, params, scope_of(state, params.cache_salt))
     _admit(state, len(call.requests))
     if call.params.stream:
         return StreamingResponse(serving.stream(call), media_type="text/event-stream")
     return JSONResponse(await serving.complete(call, request.is_disconnected))
+
+
+def scope_of(state: ServerState, cache_salt: str | None) -> str | None:
+    """The session-store scope of an authenticated request (serve.scopes.cache_scope)."""
+    return cache_scope(state.scope_secret, cache_salt, state.settings.api_key is not None,
+                       state.settings.session_scope)
 
 
 def _authenticate(request: Request, api_key: str | None) -> None:

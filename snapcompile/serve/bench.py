@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import secrets
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -89,15 +90,16 @@ def make_prompts(count: int, tokens: int, seed: int, tokenizer=None) -> list[str
     return prompts
 
 
-def _request(config: ServeBenchConfig, prompt: str) -> tuple[str, dict]:
-    """(path, body) of one streamed request with a fixed output length."""
+def _request(config: ServeBenchConfig, prompt: str, salt: str) -> tuple[str, dict]:
+    """(path, body) of one streamed request with a fixed output length, its conversation's cache_salt
+    (the server shares kept caches between requests of the same salt only)."""
     if config.api == "triton":
         return (f"/v2/models/{config.model}/generate_stream",
                 {"text_input": prompt, "max_tokens": config.output_tokens, "temperature": 0.0, "stream": True,
-                 "ignore_eos": True})
+                 "ignore_eos": True, "cache_salt": salt})
     return "/v1/completions", {"model": config.model, "prompt": prompt, "max_tokens": config.output_tokens,
                                "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True},
-                               "ignore_eos": True}
+                               "ignore_eos": True, "cache_salt": salt}
 
 
 def _read_chunk(chunk: dict, record: RequestRecord) -> bool:
@@ -116,9 +118,9 @@ def _read_chunk(chunk: dict, record: RequestRecord) -> bool:
     return bool(text)
 
 
-async def _one(client, config: ServeBenchConfig, prompt: str, turn: int = 1) -> RequestRecord:
+async def _one(client, config: ServeBenchConfig, prompt: str, turn: int, salt: str) -> RequestRecord:
     record = RequestRecord(turn=turn)
-    path, body = _request(config, prompt)
+    path, body = _request(config, prompt, salt)
     start = last = time.perf_counter()
     try:
         async with client.stream("POST", path, json=body) as response:
@@ -153,12 +155,13 @@ def conversation_parts(prompts: list[str], turns: int) -> list[list[str]]:
             for i in range(0, len(prompts), turns)]
 
 
-async def _conversation(client, config: ServeBenchConfig, parts: list[str]) -> list[RequestRecord]:
-    """One request per part, each the previous prompt, its answer and the part; stops at a failure."""
+async def _conversation(client, config: ServeBenchConfig, parts: list[str], salt: str) -> list[RequestRecord]:
+    """One request per part, each the previous prompt, its answer and the part, all with the
+    conversation's cache_salt; stops at a failure."""
     records, history = [], ""
     for turn, part in enumerate(parts, 1):
         prompt = history + part
-        records.append(await _one(client, config, prompt, turn))
+        records.append(await _one(client, config, prompt, turn, salt))
         if not records[-1].ok:
             break
         history = prompt + records[-1].text
@@ -172,10 +175,12 @@ async def _run(config: ServeBenchConfig, prompts: list[str], progress: Callable[
     gate = asyncio.Semaphore(config.concurrency)
     rng = np.random.default_rng(config.seed)
 
-    async def limited(parts: list[str], delay: float) -> list[RequestRecord]:
+    run_id = secrets.token_hex(8)      # a fresh salt per conversation and run: nothing resumes across runs
+
+    async def limited(index: int, parts: list[str], delay: float) -> list[RequestRecord]:
         await asyncio.sleep(delay)
         async with gate:
-            records = await _conversation(client, config, parts)
+            records = await _conversation(client, config, parts, f"bench-serve-{run_id}-{index}")
         progress()
         return records
     conversations = conversation_parts(prompts, config.turns)
@@ -185,7 +190,7 @@ async def _run(config: ServeBenchConfig, prompts: list[str], progress: Callable[
     async with httpx.AsyncClient(base_url=config.url, headers=headers, limits=limits,
                                  timeout=httpx.Timeout(config.timeout_s)) as client:
         start = time.perf_counter()
-        records = await asyncio.gather(*(limited(c, d) for c, d in zip(conversations, delays)))
+        records = await asyncio.gather(*(limited(i, c, d) for i, (c, d) in enumerate(zip(conversations, delays))))
         return [r for conversation in records for r in conversation], time.perf_counter() - start
 
 

@@ -52,8 +52,9 @@ class OpenAIServing:
         return tokenizer
 
     # ------------------------------------------------------------------ requests
-    async def accept(self, kind: str, params: ChatRequest | CompletionRequest) -> Call:
-        """Check `params` against this model and build the engine request (400s name the field).
+    async def accept(self, kind: str, params: ChatRequest | CompletionRequest, scope: str | None = None) -> Call:
+        """Check `params` against this model and build the engine request (400s name the field),
+        in the session store's `scope` (`scope_of`).
         The prompt is tokenized (and the chat template rendered) on a worker thread, within a time
         limit, after its size was checked: the event loop never waits on it."""
         params.unsupported()
@@ -71,7 +72,7 @@ class OpenAIServing:
         for prompt in prompts:
             self._check_prompt(prompt, param=param)
         try:
-            requests = tuple(self._engine_request(params, prompt) for prompt in prompts)
+            requests = tuple(self._engine_request(params, prompt, scope) for prompt in prompts)
         except SnapcompileError as err:
             raise ApiError(400, str(err)) from None
         echo = kind == "completion" and params.echo
@@ -79,12 +80,13 @@ class OpenAIServing:
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
         return Call(kind, params, requests, new_id(prefix), self.model_name, echoes)
 
-    def _engine_request(self, params: ChatRequest | CompletionRequest, prompt: list[int]) -> Request:
+    def _engine_request(self, params: ChatRequest | CompletionRequest, prompt: list[int],
+                        scope: str | None) -> Request:
         logprobs, top = params.logprob_counts()
         sampling = SamplingParams(temperature=params.temperature, top_p=params.top_p, seed=params.seed)
         return Request(prompt, max_new_tokens=params.max_new_tokens(max(1, self.max_context - len(prompt))),
                        stop=tuple(params.stop), sampling=sampling, request_id=new_id("req"),
-                       top_logprobs=top, logprobs=logprobs, ignore_eos=params.ignore_eos)
+                       top_logprobs=top, logprobs=logprobs, ignore_eos=params.ignore_eos, cache_scope=scope)
 
     def _check_prompt(self, prompt: list[int], param: str) -> None:
         """Engine.check_prompt in OpenAI's words (400; context_length_exceeded for a long one), and

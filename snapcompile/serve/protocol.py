@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from snapcompile.engine.request import check_stop_strings
 from snapcompile.errors import SnapcompileError
+from snapcompile.serve.scopes import MAX_SALT_CHARS
 
 MAX_TOP_LOGPROBS = 20
 
@@ -56,6 +57,7 @@ class _Sampling(BaseModel):
     stop: str | list[str] | None = Field(None, validate_default=True)
     n: int = 1
     ignore_eos: bool = False               # vLLM's extension, for fixed-length benchmarks
+    cache_salt: str | None = Field(None, min_length=1, max_length=MAX_SALT_CHARS)   # vLLM's: who shares kept caches
 
     @field_validator("stop")
     @classmethod

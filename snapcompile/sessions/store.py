@@ -1,7 +1,9 @@
 """The session store: finished sequences' caches kept in host memory, least recently used first
 out, bounded by bytes (`--session-cache-bytes`). A request that begins with a kept sequence's
-tokens resumes from it (`sessions/kept.py`). Entries are never changed; the engine thread is the
-only one that touches the store."""
+tokens resumes from it (`sessions/kept.py`), but only from an entry kept in its own scope: scopes
+never see each other's entries, so what a lookup finds (and `cached_tokens`, which says how much it
+found) reveals nothing across them (docs/serving.md, "Who shares kept caches"). Entries are never
+changed; the engine thread is the only one that touches the store."""
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -33,7 +35,9 @@ class SessionStore:
             raise ValueError("max_bytes must be >= 0 and max_entries >= 1")
         self.max_bytes, self.window, self.max_rows, self.max_entries = max_bytes, window, max_rows, max_entries
         self.min_tokens = min_tokens
-        self._entries: OrderedDict[bytes, KeptCache] = OrderedDict()   # token-id bytes -> entry, oldest first
+        # (scope, token-id bytes) -> entry, least recently used first; and each scope's keys
+        self._entries: OrderedDict[tuple[str, bytes], KeptCache] = OrderedDict()
+        self._scopes: dict[str, dict[tuple[str, bytes], None]] = {}
         self.bytes = 0
         self.counters = StoreCounters()
 
@@ -48,28 +52,37 @@ class SessionStore:
         """The entry kept or used most recently (None when the store is empty)."""
         return next(reversed(self._entries.values()), None)
 
-    def put(self, kept: KeptCache) -> None:
-        """Keep `kept` (replacing an entry of the same tokens), evicting the least recently used
-        entries until it fits; an entry larger than the whole store is not kept."""
+    def put(self, kept: KeptCache, scope: str = "") -> None:
+        """Keep `kept` in `scope` (replacing an entry of the same tokens there), evicting the least
+        recently used entries of any scope until it fits; an entry larger than the store is not kept."""
         if kept.nbytes > self.max_bytes:
             self.counters.refused += 1
             return
-        key = kept.token_ids.tobytes()
+        key = (scope, kept.token_ids.tobytes())
         if key in self._entries:
-            self.bytes -= self._entries.pop(key).nbytes
+            self._remove(key)
         while self._entries and (self.bytes + kept.nbytes > self.max_bytes or len(self._entries) >= self.max_entries):
-            self.bytes -= self._entries.popitem(last=False)[1].nbytes
+            self._remove(next(iter(self._entries)))
             self.counters.evictions += 1
         self._entries[key] = kept
+        self._scopes.setdefault(scope, {})[key] = None
         self.bytes += kept.nbytes
 
-    def lookup(self, token_ids: list[int]) -> ResumePlan | None:
-        """The plan that reuses the most of `token_ids` over all entries (that entry becomes the
-        most recently used), or None; counted as a hit or a miss."""
+    def _remove(self, key: tuple[str, bytes]) -> None:
+        self.bytes -= self._entries.pop(key).nbytes
+        keys = self._scopes[key[0]]
+        del keys[key]
+        if not keys:
+            del self._scopes[key[0]]
+
+    def lookup(self, token_ids: list[int], scope: str = "") -> ResumePlan | None:
+        """The plan that reuses the most of `token_ids` over the entries of `scope` (that entry
+        becomes the most recently used), or None; counted as a hit or a miss."""
         best = None
-        if self._entries and len(token_ids) > 1:
+        if scope in self._scopes and len(token_ids) > 1:
             first = np.int64(token_ids[0])
-            for key, kept in self._entries.items():
+            for key in self._scopes[scope]:
+                kept = self._entries[key]
                 if kept.token_ids[0] != first:
                     continue
                 plan = plan_resume(kept, token_ids, self.window, self.max_rows, self.min_tokens)

@@ -37,7 +37,7 @@ class TritonPythonModel:
         cache = params.get("session_cache_bytes", "auto")
         self.worker = TritonWorker(pb_utils, folder, params["fingerprint"], slots, params.get("backend", "ort"),
                                    threads, None if cache == "auto" else int(cache),
-                                   params.get("session_keep", "compressed"))
+                                   params.get("session_keep", "compressed"), params.get("session_scope", "private"))
 
     def execute(self, requests):
         for request in requests:

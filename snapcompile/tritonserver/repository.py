@@ -20,6 +20,7 @@ from snapcompile.artifact.manifest import MANIFEST, read_manifest
 from snapcompile.atomic import atomic_directory
 from snapcompile.errors import SnapcompileError
 from snapcompile.memory import check_fits, gib
+from snapcompile.serve.scopes import SESSION_SCOPES
 
 MARKER = "snapcompile.json"
 MODEL_FILE = Path(__file__).with_name("model.py")
@@ -30,7 +31,8 @@ MAX_INSTANCES = 64
 INPUTS = (("text_input", "TYPE_STRING", "[ 1 ]", False), ("max_tokens", "TYPE_INT32", "[ 1 ]", True),
           ("temperature", "TYPE_FP32", "[ 1 ]", True), ("top_p", "TYPE_FP32", "[ 1 ]", True),
           ("seed", "TYPE_INT64", "[ 1 ]", True), ("stop", "TYPE_STRING", "[ -1 ]", True),
-          ("stream", "TYPE_BOOL", "[ 1 ]", True), ("ignore_eos", "TYPE_BOOL", "[ 1 ]", True))
+          ("stream", "TYPE_BOOL", "[ 1 ]", True), ("ignore_eos", "TYPE_BOOL", "[ 1 ]", True),
+          ("cache_salt", "TYPE_STRING", "[ 1 ]", True))
 OUTPUTS = (("text_output", "TYPE_STRING", "[ -1 ]"), ("prompt_tokens", "TYPE_INT32", "[ 1 ]"),
            ("completion_tokens", "TYPE_INT32", "[ 1 ]"), ("finish_reason", "TYPE_STRING", "[ 1 ]"),
            ("cached_tokens", "TYPE_INT32", "[ 1 ]"))
@@ -52,10 +54,13 @@ def config_pbtxt(name: str, instances: int, parameters: dict[str, str]) -> str:
 def write_repository(artifact: Path, output: Path, name: str, instances: int = 1, backend: str = "ort",
                      slots: int | None = None, link: bool = False, force: bool = False,
                      threads: int | None = None, session_cache_bytes: int | None = None,
-                     session_keep: str = "compressed") -> dict:
+                     session_keep: str = "compressed", session_scope: str = "private") -> dict:
     """Write the repository atomically; returns what was written (for the CLI and tests).
     session_cache_bytes: each instance's store of kept conversations (None: sized at load; 0: off);
-    session_keep: what it keeps of a compressed sequence (Engine)."""
+    session_keep: what it keeps of a compressed sequence (Engine); session_scope: who shares kept
+    caches without a cache_salt ("private": nobody; "shared": every client, as `serve` says)."""
+    if session_scope not in SESSION_SCOPES:
+        raise SnapcompileError(f"--session-scope must be one of {', '.join(SESSION_SCOPES)}")
     if not NAME_RULE.fullmatch(name) or len(name) > MAX_NAME_CHARS:
         raise SnapcompileError(f"model name {name[:40]!r}{'...' if len(name) > 40 else ''} must be 1 to "
                                f"{MAX_NAME_CHARS} letters, digits, '_', '-' or '.', starting with a letter or digit")
@@ -73,7 +78,7 @@ def write_repository(artifact: Path, output: Path, name: str, instances: int = 1
     params = {"artifact": "artifact", "fingerprint": manifest.fingerprint(), "backend": backend,
               "slots": "" if slots is None else str(slots), "threads": "" if threads is None else str(threads),
               "session_cache_bytes": "auto" if session_cache_bytes is None else str(session_cache_bytes),
-              "session_keep": session_keep}
+              "session_keep": session_keep, "session_scope": session_scope}
     with atomic_directory(Path(output), force=force, marker=MARKER) as staging:
         version = staging / name / "1"
         version.mkdir(parents=True)
@@ -82,7 +87,8 @@ def write_repository(artifact: Path, output: Path, name: str, instances: int = 1
         _place_artifact(artifact, manifest, version / "artifact", link)
         info = {"model": name, "artifact": str(artifact), "artifact_placed": "linked" if link else "copied",
                 "instances": instances, "backend": backend, "slots": slots, "threads": threads,
-                "session_cache_bytes": session_cache_bytes, "session_keep": session_keep}
+                "session_cache_bytes": session_cache_bytes, "session_keep": session_keep,
+                "session_scope": session_scope}
         (staging / MARKER).write_text(json.dumps(info, indent=2) + "\n")
     return info
 

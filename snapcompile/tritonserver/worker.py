@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import secrets
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +22,7 @@ from snapcompile.errors import JsonTooDeep, PromptError, SnapcompileError, check
 from snapcompile.prompts import max_prompt_chars
 from snapcompile.serve.engine_loop import EngineLoop, Update
 from snapcompile.serve.metrics import Metrics
+from snapcompile.serve.scopes import cache_scope
 
 log = logging.getLogger("snapcompile.tritonserver")
 CANCEL_POLL_S = 0.1
@@ -41,14 +43,16 @@ class _Pending:
 class TritonWorker:
     def __init__(self, pb_utils, artifact: Path, fingerprint: str, slots: int | None, backend: str = "ort",
                  threads: int | None = None, session_cache_bytes: int | None = None,
-                 session_keep: str = "compressed"):
+                 session_keep: str = "compressed", session_scope: str = "private"):
         """pb_utils: the Python backend's `triton_python_backend_utils` module. threads: ONNX Runtime
         intra-op threads of this instance (default: all cores; size K instances x threads to the cores).
         session_cache_bytes: this instance's store of kept conversations (None: sized at load; 0: off);
-        session_keep: what it keeps of a compressed sequence (Engine)."""
+        session_keep: what it keeps of a compressed sequence (Engine); session_scope: who shares kept
+        caches without a cache_salt input ("private": nobody; "shared": every client)."""
         from snapcompile.artifact.manifest import read_manifest
         from snapcompile.engine.engine import Engine
-        self.pb = pb_utils
+        self.pb, self.session_scope = pb_utils, session_scope
+        self.scope_secret = secrets.token_bytes(32)      # this instance's: scopes name no salt
         manifest = read_manifest(artifact)
         if manifest.fingerprint() != fingerprint:
             raise SnapcompileError(f"{artifact} is not the artifact this repository was written for "
@@ -109,8 +113,14 @@ class TritonWorker:
                                   seed=_optional_int(self._scalar(triton_request, "seed", None)))
         request = Request(prompt, max_new_tokens=int(self._scalar(triton_request, "max_tokens", DEFAULT_MAX_TOKENS)),
                           stop=self._stops(triton_request), sampling=sampling, request_id=f"triton-{next(_ids)}",
-                          ignore_eos=bool(self._scalar(triton_request, "ignore_eos", False)))
+                          ignore_eos=bool(self._scalar(triton_request, "ignore_eos", False)),
+                          cache_scope=self._scope(self._scalar(triton_request, "cache_salt", None)))
         return request, bool(self._scalar(triton_request, "stream", False))
+
+    def _scope(self, salt) -> str | None:
+        """The session-store scope of a request (serve.scopes.cache_scope; Triton has no API key)."""
+        return cache_scope(self.scope_secret, None if salt is None else _text(salt, "cache_salt"), False,
+                           self.session_scope)
 
     def _scalar(self, triton_request, name: str, default):
         tensor = self.pb.get_input_tensor_by_name(triton_request, name)
