@@ -2,7 +2,7 @@
 resumed turns through the engine against the oracle's multi-turn policy on tiny-llama."""
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from snapcompile.engine.request import Request
@@ -128,6 +128,36 @@ def test_a_request_without_a_scope_is_neither_resumed_nor_kept(tiny_snap_dir):
     stranger, = engine.generate([Request(follow, max_new_tokens=2, cache_scope="mallory")])
     same, = engine.generate([Request(follow, max_new_tokens=2, cache_scope="alice")])
     assert stranger.cached_tokens == 0 and same.cached_tokens > 0 and len(engine.sessions) == 3
+
+
+@given(entries=st.lists(st.tuples(st.sampled_from(["", "a"]), st.lists(st.integers(0, 1), min_size=1, max_size=6),
+                                  st.integers(0, 6)), min_size=1, max_size=12),
+       prompt=st.lists(st.integers(0, 1), min_size=1, max_size=7), scope=st.sampled_from(["", "a"]),
+       window=st.integers(0, 60))
+@example(entries=[("", [0, 0], 0), ("", [0, 0, 0], 0)], prompt=[0, 0, 0], scope="", window=20)   # a tie across depths
+def test_the_prefix_index_finds_what_comparing_every_entry_finds(entries, prompt, scope, window):
+    """Token ids in blocks of 16 (each drawn digit a block, so prefixes collide often), entries whose
+    rows were selected at some block (a resume before it is refused) and windows that cap the resume
+    point (ties across depths): the indexed lookup returns the plan of the entry a scan of every entry
+    of the scope picks (the most tokens reused; ties to the least recently used)."""
+    def tokens(digits):
+        return [d for d in digits for _ in range(16)]
+    indexed = SessionStore(max_bytes=10**9, window=window, max_rows=10**4, min_tokens=16)
+    order = []
+    for where, digits, selected_at in entries:
+        kept = _kept(tokens(digits), [list(range(16 * len(digits)))], layers=1, dim=2,
+                     compressed_at=16 * min(selected_at, len(digits)))
+        indexed.put(kept, where)
+        order = [(w, k) for w, k in order if not (w == where and np.array_equal(k.token_ids, kept.token_ids))]
+        order.append((where, kept))
+    ids, best = tokens(prompt) + [5], None
+    for where, kept in order:                               # least recently used first
+        plan = plan_resume(kept, ids, window, 10**4, 16) if where == scope else None
+        if plan is not None and (best is None or plan.resume_at > best.resume_at):
+            best = plan
+    found = indexed.lookup(ids, scope)
+    assert (found is None) == (best is None)
+    assert found is None or (found.kept is best.kept and found.resume_at == best.resume_at)
 
 
 # ---------------------------------------------------------------- through the engine

@@ -6,14 +6,15 @@ found) reveals nothing across them (docs/serving.md, "Who shares kept caches"). 
 changed; the engine thread is the only one that touches the store."""
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from dataclasses import dataclass
 
-import numpy as np
-
 from snapcompile.sessions.kept import KeptCache, ResumePlan, plan_resume
+from snapcompile.sessions.prefix_index import PrefixIndex
 
-MAX_ENTRIES = 1024        # a lookup compares the prompt with every entry
+MAX_ENTRIES = 1024        # entries of all scopes together
+INDEX_MIN_BLOCK = 16      # a resume of fewer tokens than this compares the prompt with every entry of its scope
 
 
 @dataclass
@@ -38,6 +39,10 @@ class SessionStore:
         # (scope, token-id bytes) -> entry, least recently used first; and each scope's keys
         self._entries: OrderedDict[tuple[str, bytes], KeptCache] = OrderedDict()
         self._scopes: dict[str, dict[tuple[str, bytes], None]] = {}
+        self._ticks: dict[tuple[str, bytes], int] = {}          # key -> when it was last kept or used
+        self._clock = itertools.count()
+        # entries by their token prefixes of min_tokens-token blocks: a lookup costs O(prompt)
+        self._index = PrefixIndex(min_tokens) if min_tokens >= INDEX_MIN_BLOCK else None
         self.bytes = 0
         self.counters = StoreCounters()
 
@@ -66,32 +71,53 @@ class SessionStore:
             self.counters.evictions += 1
         self._entries[key] = kept
         self._scopes.setdefault(scope, {})[key] = None
+        self._ticks[key] = next(self._clock)
+        if self._index is not None:
+            self._index.add(key, scope, kept.token_ids)
         self.bytes += kept.nbytes
 
     def _remove(self, key: tuple[str, bytes]) -> None:
         self.bytes -= self._entries.pop(key).nbytes
+        del self._ticks[key]
+        if self._index is not None:
+            self._index.remove(key)
         keys = self._scopes[key[0]]
         del keys[key]
         if not keys:
             del self._scopes[key[0]]
 
     def lookup(self, token_ids: list[int], scope: str = "") -> ResumePlan | None:
-        """The plan that reuses the most of `token_ids` over the entries of `scope` (that entry
-        becomes the most recently used), or None; counted as a hit or a miss."""
-        best = None
-        if scope in self._scopes and len(token_ids) > 1:
-            first = np.int64(token_ids[0])
-            for key in self._scopes[scope]:
-                kept = self._entries[key]
-                if kept.token_ids[0] != first:
-                    continue
-                plan = plan_resume(kept, token_ids, self.window, self.max_rows, self.min_tokens)
-                if plan is not None and (best is None or plan.resume_at > best[1].resume_at):
-                    best = (key, plan)
+        """The plan that reuses the most of `token_ids` over the entries of `scope` (ties: the least
+        recently used entry; it becomes the most recently used), or None; counted as a hit or a miss.
+        Only entries sharing a whole block with the prompt are compared (`PrefixIndex`), deepest first,
+        until no shallower one could reach the best resume point."""
+        best = None                      # (resume_at, tick, key, plan)
+        seen = set()
+        for bound, keys in self._candidates(scope, token_ids):
+            if best is not None and best[0] >= bound:
+                break
+            for key in keys - seen:
+                seen.add(key)
+                plan = plan_resume(self._entries[key], token_ids, self.window, self.max_rows, self.min_tokens)
+                if plan is not None and (best is None or (plan.resume_at, -self._ticks[key]) > (best[0], -best[1])):
+                    best = (plan.resume_at, self._ticks[key], key, plan)
         if best is None:
             self.counters.misses += 1
             return None
-        self._entries.move_to_end(best[0])
+        key, plan = best[2], best[3]
+        self._entries.move_to_end(key)
+        self._ticks[key] = next(self._clock)
         self.counters.hits += 1
-        self.counters.tokens_reused += best[1].resume_at
-        return best[1]
+        self.counters.tokens_reused += plan.resume_at
+        return plan
+
+    def _candidates(self, scope: str, token_ids: list[int]):
+        """(bound, keys) groups to compare, as PrefixIndex.levels gives them; without an index every
+        key of the scope whose first token matches, unbounded."""
+        if len(token_ids) <= 1 or scope not in self._scopes:
+            return
+        if self._index is not None:
+            yield from self._index.levels(scope, token_ids)
+            return
+        first = token_ids[0]
+        yield float("inf"), {key for key in self._scopes[scope] if self._entries[key].token_ids[0] == first}
