@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from snapcompile.errors import SnapcompileError, check_text, first_line, parse_json
+from snapcompile.userfiles import read_user_file
 
 FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here we go. "
           "There and back again. ")
@@ -66,11 +67,9 @@ def read_prompts_file(path: Path) -> list[PromptRecord]:
     of the user's texts, each sent with the answers so far) and optional "id", "max_new_tokens",
     "stop", "temperature", "top_k", "top_p", "seed"."""
     try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
+        lines = read_user_file(Path(path), "prompts file").decode("utf-8").splitlines()
     except UnicodeDecodeError as err:
         raise SnapcompileError(f"prompts file {path} is not UTF-8 text (byte {err.start})") from None
-    except OSError as err:
-        raise SnapcompileError(f"cannot read prompts file {path}: {err.strerror}") from None
     records = []
     for number, line in enumerate(lines, 1):
         if not line.strip():

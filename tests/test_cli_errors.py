@@ -75,6 +75,11 @@ BAD_INPUTS = [
     (("run", "{dense}", "--prompt", "hi", "--backend", "nope"), "'nope' is not one of"),
     (("run", "{dense}", "--prompt", "hi", "--top-logprobs", -1), "top_logprobs must be an integer >= 0"),
     (("run", "{dense}", "--prompts", "{tmp}/missing.jsonl"), "cannot read prompts file"),
+    (("run", "{dense}", "--prompts", "/dev/zero"), "prompts file /dev/zero is not a regular file"),
+    (("run", "{dense}", "--prompts", "/dev/urandom"), "is not a regular file"),
+    (("run", "{dense}", "--prompts", "{tmp}"), "is not a regular file"),
+    (("eval-turns", "tiny-llama", "--modes", "resume", "--reference", "/dev/zero", "-o", "{tmp}/t.json"),
+     "results file /dev/zero is not a regular file"),
     (("validate", "{dense}", "--steps", -5), "-5 is not in the range x>=1"),
     (("validate", "{dense}", "--min-agreement", 2), "2.0 is not in the range 0<=x<=1"),
     (("validate", "{dense}", "--prompt", "x" * 600), "leaves no room"),
@@ -132,3 +137,19 @@ def test_a_tokenizer_regex_past_its_backtracking_limit_is_one_error_line(artifac
         "type": "Split", "pattern": {"Regex": "(a|aa)+$"}, "behavior": "Isolated", "invert": False}))
     result = invoke("run", artifact, "--prompt", "a" * 50000 + "b", "--max-new-tokens", 1, "--raw")
     assert_one_line_error(result, "the tokenizer failed on this prompt")
+
+
+def test_user_files_are_read_only_when_regular_and_bounded(tmp_path):
+    import os
+
+    from snapcompile.errors import SnapcompileError
+    from snapcompile.userfiles import read_user_file
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)                                     # opening it would wait for a writer forever
+    with pytest.raises(SnapcompileError, match="is not a regular file"):
+        read_user_file(fifo, "prompts file")
+    big = tmp_path / "big.jsonl"
+    big.write_bytes(b"x" * 101)
+    with pytest.raises(SnapcompileError, match="has 101 bytes; at most 100 are read"):
+        read_user_file(big, "prompts file", max_bytes=100)
+    assert read_user_file(big, "prompts file", max_bytes=101) == b"x" * 101

@@ -10,6 +10,7 @@ from pathlib import Path
 from snapcompile.errors import SnapcompileError, parse_json
 from snapcompile.evaluation.config import EvalConfig
 from snapcompile.evaluation.tasks import Case
+from snapcompile.userfiles import read_user_file
 
 
 def partial_path(results_path: Path) -> Path:
@@ -20,7 +21,7 @@ def partial_path(results_path: Path) -> Path:
 def read_results(path: Path, command: str, *items: str) -> tuple:
     """The configuration and each of the `items` lists stored in a results file that `command` wrote."""
     try:
-        payload = json.loads(Path(path).read_text(encoding="utf-8"))
+        payload = json.loads(read_user_file(Path(path), "results file"))
         return (payload["config"], *(payload[item] for item in items))
     except (ValueError, TypeError, KeyError):
         raise SnapcompileError(f"{path} exists and is not a results file of `snapcompile {command}`; "
