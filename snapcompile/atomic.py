@@ -173,9 +173,9 @@ def check_output_file(path: Path, force: bool, inputs: tuple[Path, ...] = (),
     if os.path.lexists(path) and not stat.S_ISREG(os.lstat(path).st_mode):
         raise SnapcompileError(f"output {path} is not a regular file (a device, FIFO or link): "
                                "write the results to a new or regular file")
-    if any(path == Path(os.path.abspath(p)) for p in inputs if p is not None):
+    real = Path(os.path.realpath(path))      # links in the folders resolved: one file has one real path
+    if any(real == Path(os.path.realpath(p)) for p in inputs if p is not None):
         raise SnapcompileError(f"output {path} is also an input of this command; choose another file")
-    real = Path(os.path.realpath(path))
     for folder in (f for f in read_folders if f is not None and Path(f).is_dir()):
         if real.is_relative_to(Path(os.path.realpath(folder))):
             raise SnapcompileError(f"output {path} is inside {folder}, which this command reads; "

@@ -110,6 +110,9 @@ def test_run_output_is_checked_before_anything_runs(artifact, tmp_path):
     assert_one_line_error(invoke("run", artifact, "--prompt", "hi", "-o", a_file / "out.jsonl"), "cannot write")
     assert_one_line_error(invoke("run", artifact, "--prompt", "hi", "-o", a_file), "already exists (use --force")
     assert_one_line_error(invoke("run", artifact, "--prompts", prompts, "-o", prompts, "--force"), "also an input")
+    (tmp_path / "linked").symlink_to(tmp_path, target_is_directory=True)       # the same file by another path
+    assert_one_line_error(invoke("run", artifact, "--prompts", prompts, "-o", tmp_path / "linked" / "prompts.jsonl",
+                                 "--force"), "also an input")
     assert a_file.read_text() == "mine" and prompts.read_text() == '{"prompt": "hi"}\n'
     result = invoke("run", artifact, "--prompt", "hi", "-o", a_file, "--force", "--max-new-tokens", 2)
     assert result.exit_code == 0, result.output

@@ -153,3 +153,10 @@ def test_user_files_are_read_only_when_regular_and_bounded(tmp_path):
     with pytest.raises(SnapcompileError, match="has 101 bytes; at most 100 are read"):
         read_user_file(big, "prompts file", max_bytes=100)
     assert read_user_file(big, "prompts file", max_bytes=101) == b"x" * 101
+
+
+def test_a_prompt_id_that_collides_with_a_conversation_turn_is_refused_before_any_work(artifact, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"turns": ["hello", "and then?"], "id": "c"}\n{"prompt": "x", "id": "c/2"}\n')
+    assert_one_line_error(invoke("run", artifact, "--prompts", prompts),
+                          "line 2: id 'c/2' is used by an earlier prompt")

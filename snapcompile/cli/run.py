@@ -149,11 +149,16 @@ def _request_without_prompt(record: dict, index: int, defaults: dict, where: str
 
 
 def _refuse_duplicate_ids(requests: list, records: list) -> None:
+    """Before any work: every request id the run will give (a conversation's turns are ID/1, ID/2, ...,
+    `Conversation`) is unique, so no result can be lost to a collision after the run."""
     seen = set()
     for request, record in zip(requests, records):
-        if request.request_id in seen:
-            raise SnapcompileError(f"{record.where}: id {request.request_id!r} is used by an earlier prompt")
-        seen.add(request.request_id)
+        turns = len(record.turns)
+        ids = [request.request_id] if turns == 1 else [f"{request.request_id}/{k}" for k in range(1, turns + 1)]
+        for request_id in ids:
+            if request_id in seen:
+                raise SnapcompileError(f"{record.where}: id {request_id!r} is used by an earlier prompt")
+            seen.add(request_id)
 
 
 def _summary(engine, results, elapsed: float) -> dict:
