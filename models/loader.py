@@ -210,6 +210,7 @@ def _refuse_missing_weights(model, info: dict, path: Path) -> None:
 def _load_gguf(path: Path, name: str) -> LoadedModel:
     from transformers import AutoConfig, AutoModelForCausalLM
     try:
+        check_gguf_counts(path)
         config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name, trust_remote_code=False,
                                             local_files_only=True)
         spec = ModelSpec.from_hf_config(config)
@@ -224,6 +225,39 @@ def _load_gguf(path: Path, name: str) -> LoadedModel:
     except Exception as err:  # the GGUF reader raises many types for corrupt files
         raise SnapcompileError(f"cannot read GGUF file {path}: {first_line(err)}") from None
     return LoadedModel(name, model.eval(), tokenizer, spec, chat=tokenizer.chat_template is not None, gguf=path)
+
+
+def check_gguf_counts(path: Path) -> None:
+    """Refuse a GGUF whose metadata disagrees with its own tensors: the layers it declares
+    ({arch}.block_count) against the blk.N tensors it holds, the heads ({arch}.attention.head_count,
+    head_count_kv) against the query and key projections' widths, the vocabulary against the
+    embedding's rows and the tokenizer's tokens. transformers builds the model from the metadata, so
+    such a file would load into a model that silently ignores (or lacks) weights."""
+    import gguf
+    reader = gguf.GGUFReader(str(path))
+
+    def field(key):
+        found = reader.fields.get(key)
+        return found.contents() if found is not None else None
+    arch = field("general.architecture")
+    shapes = {t.name: [int(n) for n in t.shape] for t in reader.tensors}
+    blocks = {int(m.group(1)) for name in shapes if (m := re.match(r"blk\.(\d+)\.", name))}
+    declared = field(f"{arch}.block_count")
+    if declared is None or set(range(declared)) != blocks:
+        held = f"{len(blocks)} (blk.{min(blocks)} .. blk.{max(blocks)})" if blocks else "none"
+        raise SnapcompileError(f"GGUF file {path} declares {declared} layers ({arch}.block_count) but its tensors "
+                               f"hold {held}")
+    width, heads, kv_heads = (field(f"{arch}.{key}") for key in
+                              ("embedding_length", "attention.head_count", "attention.head_count_kv"))
+    head_dim = field(f"{arch}.attention.key_length") or (width // heads if width and heads else None)
+    expected = {"blk.0.attn_q.weight": heads, "blk.0.attn_k.weight": kv_heads or heads}
+    for tensor, count in expected.items():
+        if tensor in shapes and head_dim and count and shapes[tensor][-1] != count * head_dim:
+            raise SnapcompileError(f"GGUF file {path} declares {count} heads of {head_dim} for {tensor}, whose "
+                                   f"shape is {shapes[tensor]}")
+    tokens, rows = field("tokenizer.ggml.tokens"), shapes.get("token_embd.weight", [None])[-1]
+    if tokens is not None and rows is not None and len(tokens) > rows:
+        raise SnapcompileError(f"GGUF file {path} has {len(tokens)} tokenizer tokens but embeddings for {rows}")
 
 
 def _smollm2_folder() -> Path:

@@ -121,6 +121,35 @@ def test_a_gguf_without_its_tensors_is_refused_and_the_real_one_loads(tmp_path):
     empty = tmp_path / "empty.gguf"
     _tensorless_copy(_smollm2_gguf(), empty)
     assert_one_line_error(invoke("export", empty, "-o", tmp_path / "out", "--max-context", 256, "--chunk", 64),
-                          "lacks model.embed_tokens.weight (272 of the model's tensors are missing")
+                          "declares 30 layers (llama.block_count) but its tensors hold none")
     assert not (tmp_path / "out").exists()
     assert _load_gguf(_smollm2_gguf(), "smollm2").spec.num_layers == 30
+
+
+def _with_metadata(source: Path, target: Path, **values) -> Path:
+    """A copy of the GGUF `source` with integer metadata fields changed in place (as gguf's own
+    gguf_set_metadata does)."""
+    import shutil
+
+    import gguf
+    shutil.copyfile(source, target)
+    reader = gguf.GGUFReader(str(target), "r+")
+    for key, value in values.items():
+        field = reader.fields[key]
+        field.parts[field.data[0]][0] = value
+    reader.data.flush()
+    return target
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("key, value, fragment", [
+    ("llama.block_count", 29, "declares 29 layers (llama.block_count) but its tensors hold 30 (blk.0 .. blk.29)"),
+    ("llama.block_count", 31, "declares 31 layers"),
+    ("llama.attention.head_count_kv", 4, "declares 4 heads of 64 for blk.0.attn_k.weight"),
+])
+def test_a_gguf_whose_metadata_disagrees_with_its_tensors_is_refused(tmp_path, key, value, fragment):
+    from snapcompile.models.loader import _smollm2_gguf
+    edited = _with_metadata(_smollm2_gguf(), tmp_path / "edited.gguf", **{key: value})
+    assert_one_line_error(invoke("export", edited, "-o", tmp_path / "out", "--max-context", 256, "--chunk", 64),
+                          fragment)
+    assert not (tmp_path / "out").exists()
