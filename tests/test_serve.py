@@ -4,6 +4,7 @@ import signal
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import openai
@@ -620,3 +621,35 @@ def test_cache_salt_is_bounded(server):
         body = {"model": "tiny", "prompt": "hi", "max_tokens": 2, "cache_salt": salt}
         response = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
         assert response.status_code == 400 and "cache_salt" in response.text, (salt, response.text)
+
+
+def test_a_tool_killed_with_sigkill_leaves_no_server_behind(artifact):
+    """A process that started `serve` through ServerProcess (as eval-ruler does) dies by SIGKILL: its
+    server gets SIGTERM from the kernel (PR_SET_PDEATHSIG) and exits."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    script = ("import sys, time\nfrom pathlib import Path\nfrom snapcompile.serve.process import ServerProcess\n"
+              "server = ServerProcess(Path(sys.argv[1])).wait_ready()\nprint(server.process.pid, flush=True)\n"
+              "time.sleep(600)\n")
+    tool = subprocess.Popen([sys.executable, "-c", script, str(artifact)], stdout=subprocess.PIPE, text=True)
+    try:
+        server_pid = int(tool.stdout.readline())
+        os.kill(tool.pid, signal.SIGKILL)
+        tool.wait(10)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and _alive(server_pid):
+            time.sleep(0.2)
+        assert not _alive(server_pid), "the server outlived the tool that started it"
+    finally:
+        tool.kill()
+
+
+def _alive(pid: int) -> bool:
+    """True while `pid` runs (a zombie, already exited but not yet reaped by init, counts as gone)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"

@@ -3,6 +3,8 @@ server (the RULER evaluation through lm-evaluation-harness, the tests)."""
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
 import socket
 import subprocess
 import sys
@@ -12,6 +14,22 @@ from pathlib import Path
 from snapcompile.errors import SnapcompileError
 
 SERVE = ("-m", "snapcompile.cli", "serve")
+
+
+def _stop_with_parent(parent: int):
+    """A preexec function: on Linux the child gets SIGTERM (and drains) when the process that started
+    it dies, even by SIGKILL, so a killed tool leaves no server behind. (The signal follows the
+    thread that started the child: start servers from a thread that lives as long as they do.)"""
+    if not sys.platform.startswith("linux"):
+        return None
+
+    def stop_with_parent() -> None:
+        import ctypes
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+        if os.getppid() != parent:            # it died before the request took effect
+            os.kill(os.getpid(), signal.SIGTERM)
+    return stop_with_parent
 
 
 def free_port() -> int:
@@ -32,7 +50,8 @@ class ServerProcess:
         command = [sys.executable, *launcher, str(artifact), "--port", str(self.port),
                    "--served-model-name", model, "--log-level", "warning", *args]
         self.log = open(log, "w+") if log else subprocess.DEVNULL
-        self.process = subprocess.Popen(command, cwd=cwd, stdout=self.log, stderr=subprocess.STDOUT)
+        self.process = subprocess.Popen(command, cwd=cwd, stdout=self.log, stderr=subprocess.STDOUT,
+                                        preexec_fn=_stop_with_parent(os.getpid()))
 
     def wait_ready(self, timeout_s: float = 120.0) -> ServerProcess:
         """Wait until /health answers 200; a server that exits or stays unhealthy is an error
