@@ -138,7 +138,7 @@ def create_app(state: ServerState) -> FastAPI:
 async def _complete(state: ServerState, request: Request, kind: str, model):
     _authenticate(request, state.settings.api_key)
     serving = _ready(state)
-    params = parse(model, await read_json_body(request, state.settings.limits))
+    params = await asyncio.to_thread(parse, model, await read_json_body(request, state.settings.limits))
     call = await serving.accept(kind, params, scope_of(state, params.cache_salt))
     _admit(state, len(call.requests))
     if call.params.stream:

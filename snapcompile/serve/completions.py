@@ -69,16 +69,21 @@ class OpenAIServing:
                 prompts = [await asyncio.to_thread(self._raw_prompt, item) for item in params.prompts(self.max_prompts)]
         except SnapcompileError as err:
             raise ApiError(400, str(err), param=param) from None
-        for prompt in prompts:
-            self._check_prompt(prompt, param=param)
-        try:
-            requests = tuple(self._engine_request(params, prompt, scope) for prompt in prompts)
-        except SnapcompileError as err:
-            raise ApiError(400, str(err)) from None
+        requests = await asyncio.to_thread(self._engine_requests, params, prompts, param, scope)
         echo = kind == "completion" and params.echo
         echoes = tuple(self.tokenizer.decode(prompt) for prompt in prompts) if echo else ()
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
         return Call(kind, params, requests, new_id(prefix), self.model_name, echoes)
+
+    def _engine_requests(self, params: ChatRequest | CompletionRequest, prompts: list[list[int]], param: str,
+                         scope: str | None) -> tuple[Request, ...]:
+        """The prompts checked and made engine requests, on a worker thread (client-sized work)."""
+        for prompt in prompts:
+            self._check_prompt(prompt, param=param)
+        try:
+            return tuple(self._engine_request(params, prompt, scope) for prompt in prompts)
+        except SnapcompileError as err:
+            raise ApiError(400, str(err)) from None
 
     def _engine_request(self, params: ChatRequest | CompletionRequest, prompt: list[int],
                         scope: str | None) -> Request:

@@ -63,7 +63,8 @@ def bounded_h11_protocol(head_timeout_s: float) -> type[H11Protocol]:
 async def read_json_body(request, limits: ServerLimits):
     """The request's JSON body, checked before any work: 415 unless application/json, 413 past
     max_body_bytes (by Content-Length or while reading), 408 past body_timeout_s, 400 for invalid
-    JSON, nesting past JSON_MAX_DEPTH, integers too long to convert, or lone surrogates."""
+    JSON, nesting past JSON_MAX_DEPTH, integers too long to convert, or lone surrogates. The body is
+    parsed on a worker thread: its size is the client's, and the event loop serves everyone."""
     content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if content_type != "application/json":
         raise ApiError(415, "send the request body as JSON with Content-Type: application/json")
@@ -75,7 +76,7 @@ async def read_json_body(request, limits: ServerLimits):
         raw = await asyncio.wait_for(_read_bounded(request, limits.max_body_bytes), limits.body_timeout_s)
     except asyncio.TimeoutError:
         raise ApiError(408, f"the request body did not arrive within {limits.body_timeout_s:g} s") from None
-    return parse_request_json(raw)
+    return await asyncio.to_thread(parse_request_json, raw)
 
 
 async def _read_bounded(request, max_bytes: int) -> bytes:
