@@ -6,22 +6,23 @@ from pathlib import Path
 import numpy as np
 
 from snapcompile.artifact.files import check_files
-from snapcompile.artifact.manifest import WEIGHTS, Manifest
+from snapcompile.artifact.manifest import Manifest
 from snapcompile.artifact.naming import is_prefill_graph
 from snapcompile.artifact.onnx_io import load_graph
 from snapcompile.errors import SnapcompileError
 from snapcompile.memory import available_host_memory
 from snapcompile.runtime import PROVIDERS
 from snapcompile.runtime.backend import SlotBackend
+from snapcompile.runtime.ort_capi import CSession, SharedSessions
+from snapcompile.runtime.ort_form import WeightArrays, ort_form
 
 
 class OrtGraph:
     """An InferenceSession plus an IOBinding whose inputs/outputs point into numpy buffers."""
 
     def __init__(self, path: Path, providers: list[str], threads: int | None, custom_ops: bool,
-                 initializers: dict | None = None, quantized_matmul: str | None = None):
-        """initializers: name -> OrtValue the session uses instead of reading the weights
-        itself (SharedWeights); MatMul pre-packing is then off, so it keeps no copy either.
+                 quantized_matmul: str | None = None):
+        """A session of its own (plugin-lowered graphs, GPU providers; CPU graphs use CSession).
         quantized_matmul (graphs with int8/int4 weights): "int8" lets ORT fuse each DequantizeLinear
         + MatMul into its MatMulNBits kernel computing with int8 activations (accuracy level 4);
         "fp32" fuses it too, multiplying in float32 (level 1)."""
@@ -34,10 +35,6 @@ class OrtGraph:
             # MatMul + residual Add -> Gemm runs first and would keep the o / down projections
             # from becoming MatMulNBits (186 ms instead of 15.7 ms a SmolLM2 int4 decode step, docs/results/weights.md)
             disabled = ["MatMulAddFusion"]
-        if initializers:
-            for name, value in initializers.items():
-                options.add_initializer(name, value)
-            options.add_session_config_entry("session.disable_prepacking", "1")
         if custom_ops:
             from snapcompile.plugins import ort_ops
             ort_ops.add_to(options)
@@ -63,50 +60,13 @@ class OrtGraph:
         self.session.run_with_iobinding(self.binding)
 
 
-
-
-class SharedWeights:
-    """An artifact's weights.bin, memory-mapped once and given to sessions as user-provided
-    initializers, with MatMul pre-packing off: such a session keeps no weight copy of its own
-    (~10 MiB instead of ~600 MiB per SmolLM2 prefill graph, measured). Used for the prefill
-    graphs, which are many (buckets) and run once per chunk; decode keeps ORT's pre-packed
-    copy, which its per-token matmuls benefit from. Quantized artifacts pre-pack every graph
-    (`OrtDevice.graph`)."""
-
-    def __init__(self, folder: Path):
-        self.path = Path(folder) / WEIGHTS
-        self._blob = None
-        self._values = {}                     # (offset, length, dtype, dims) -> OrtValue
-
-    def initializers(self, model) -> dict:
-        """name -> OrtValue viewing weights.bin, for every external initializer of `model`
-        (an onnx.ModelProto loaded without its data)."""
-        from onnx import TensorProto
-        packed = (TensorProto.INT4, TensorProto.UINT4)   # two values a byte: no numpy view; ORT loads them
-        return {tensor.name: self._value(tensor) for tensor in model.graph.initializer
-                if tensor.data_location == TensorProto.EXTERNAL and tensor.data_type not in packed}
-
-    def _value(self, tensor):
-        import onnxruntime as ort
-        from onnx import helper
-        info = {entry.key: entry.value for entry in tensor.external_data}
-        offset, length = int(info.get("offset", 0)), int(info["length"])
-        dtype = np.dtype(helper.tensor_dtype_to_np_dtype(tensor.data_type))
-        key = (offset, length, dtype.str, tuple(tensor.dims))
-        if key not in self._values:
-            if self._blob is None:
-                self._blob = np.memmap(self.path, dtype=np.uint8, mode="r")
-            array = np.frombuffer(self._blob, dtype, length // dtype.itemsize, offset).reshape(key[3])
-            self._values[key] = ort.OrtValue.ortvalue_from_numpy(array)
-        return self._values[key]
-
-
 class OrtDevice:
     def __init__(self, folder: Path, provider: str = "cpu", threads: int | None = None, exact_matmul: bool = False):
         import onnxruntime as ort
         self.folder, self.threads, self.exact_matmul = Path(folder), threads, exact_matmul
         self.providers = _providers(provider, ort.get_available_providers())
-        self.shared = SharedWeights(self.folder) if provider == "cpu" else None
+        self.weights = WeightArrays(self.folder) if provider == "cpu" else None
+        self.sessions = SharedSessions() if provider == "cpu" else None
         self.models = {}                      # graph name -> ModelProto without weights, from check()
 
     def check(self, folder: Path, manifest: Manifest) -> None:
@@ -122,16 +82,25 @@ class OrtDevice:
     def zeros(self, shape, dtype: str) -> np.ndarray:
         return np.zeros(shape, np.dtype(dtype))
 
-    def graph(self, name: str, manifest: Manifest) -> OrtGraph:
-        prefill = is_prefill_graph(name)
-        # quantized weights are small, and MatMulNBits without its pre-packed layout ran SmolLM2
-        # int4 prefill 1.4x slower (5.17 s against 3.70 s for 1024 tokens, AVX2): pre-pack them
-        shared = prefill and self.shared and not manifest.export.quantized
-        shared = self.shared.initializers(self.models[name]) if shared else None
-        matmul = None if not manifest.export.quantized else "fp32" if self.exact_matmul else "int8"
-        return OrtGraph(self.folder / manifest.graphs[name]["file"], self.providers, self.threads,
-                        custom_ops=manifest.lowering == "plugin" and not prefill, initializers=shared,
-                        quantized_matmul=matmul)
+    def graph(self, name: str, manifest: Manifest) -> OrtGraph | CSession:
+        """On the CPU every graph's session shares the process's weights and their pre-packed
+        copies (runtime/ort_form.py, ort_capi.py); plugin-lowered graphs (custom ops, for
+        validation) and other providers get a session of their own."""
+        custom_ops = manifest.lowering == "plugin" and not is_prefill_graph(name)
+        quantized = manifest.export.quantized
+        if self.sessions is None or custom_ops:
+            matmul = None if not quantized else "fp32" if self.exact_matmul else "int8"
+            return OrtGraph(self.folder / manifest.graphs[name]["file"], self.providers, self.threads,
+                            custom_ops=custom_ops, quantized_matmul=matmul)
+        model, arrays = ort_form(self.models[name], self.weights, accuracy_level=1 if self.exact_matmul else 4)
+        config = {"session.model_external_initializers_file_folder_path": str(self.folder)}
+        return self.sessions.session(model.SerializeToString(), arrays, config, self.threads, name)
+
+    def loaded(self) -> None:
+        """Every graph is open: weights.bin's pages may leave this process's memory (the sessions
+        hold pre-packed copies; anything read again comes back from the file)."""
+        if self.weights is not None:
+            self.weights.drop_resident_pages()
 
     def kernels(self, manifest: Manifest) -> str:
         """What multiplies the linear layers, for run summaries (MLAS picks its AVX2 / AVX-512 /

@@ -1,0 +1,230 @@
+"""ONNX Runtime's C API through ctypes, for what its Python API lacks: sessions that share one
+PrepackedWeightsContainer.
+
+An ONNX Runtime CPU kernel pre-packs its constant weights into its own layout when a session is
+created (MatMul into MLAS's GEMM layout, MatMulNBits into its int4/int8 kernels' layout), and each
+session keeps its own packed copy: with one session per graph (prefill buckets, decode slot buckets,
+select, tail) memory was weights x graphs. Sessions created with one container and given the same
+weights as shared initializers (`AddInitializer`) pre-pack each weight once and reuse it
+(onnxruntime_c_api.h: CreateSessionFromArrayWithPrepackedWeightsContainer). The Python wheel ships
+the library the C API lives in (`onnxruntime/capi/libonnxruntime.so.<version>`); this module loads
+it once per process. ctypes releases the GIL for every call, so a running graph holds no Python
+thread.
+"""
+from __future__ import annotations
+
+import ctypes
+from ctypes import POINTER, c_char_p, c_int, c_int64, c_size_t, c_uint32, c_void_p
+from pathlib import Path
+
+import numpy as np
+
+from snapcompile.errors import SnapcompileError
+
+API_VERSION = 16
+# OrtApi's members in order, up to the last one used here (the struct only ever grows at its end)
+_ORDER = """CreateStatus GetErrorCode GetErrorMessage CreateEnv CreateEnvWithCustomLogger EnableTelemetryEvents
+DisableTelemetryEvents CreateSession CreateSessionFromArray Run CreateSessionOptions SetOptimizedModelFilePath
+CloneSessionOptions SetSessionExecutionMode EnableProfiling DisableProfiling EnableMemPattern DisableMemPattern
+EnableCpuMemArena DisableCpuMemArena SetSessionLogId SetSessionLogVerbosityLevel SetSessionLogSeverityLevel
+SetSessionGraphOptimizationLevel SetIntraOpNumThreads SetInterOpNumThreads CreateCustomOpDomain CustomOpDomain_Add
+AddCustomOpDomain RegisterCustomOpsLibrary SessionGetInputCount SessionGetOutputCount
+SessionGetOverridableInitializerCount SessionGetInputTypeInfo SessionGetOutputTypeInfo
+SessionGetOverridableInitializerTypeInfo SessionGetInputName SessionGetOutputName
+SessionGetOverridableInitializerName CreateRunOptions RunOptionsSetRunLogVerbosityLevel
+RunOptionsSetRunLogSeverityLevel RunOptionsSetRunTag RunOptionsGetRunLogVerbosityLevel
+RunOptionsGetRunLogSeverityLevel RunOptionsGetRunTag RunOptionsSetTerminate RunOptionsUnsetTerminate
+CreateTensorAsOrtValue CreateTensorWithDataAsOrtValue IsTensor GetTensorMutableData FillStringTensor
+GetStringTensorDataLength GetStringTensorContent CastTypeInfoToTensorInfo GetOnnxTypeFromTypeInfo
+CreateTensorTypeAndShapeInfo SetTensorElementType SetDimensions GetTensorElementType GetDimensionsCount
+GetDimensions GetSymbolicDimensions GetTensorShapeElementCount GetTensorTypeAndShape GetTypeInfo GetValueType
+CreateMemoryInfo CreateCpuMemoryInfo CompareMemoryInfo MemoryInfoGetName MemoryInfoGetId MemoryInfoGetMemType
+MemoryInfoGetType AllocatorAlloc AllocatorFree AllocatorGetInfo GetAllocatorWithDefaultOptions
+AddFreeDimensionOverride GetValue GetValueCount CreateValue CreateOpaqueValue GetOpaqueValue
+KernelInfoGetAttribute_float KernelInfoGetAttribute_int64 KernelInfoGetAttribute_string
+KernelContext_GetInputCount KernelContext_GetOutputCount KernelContext_GetInput KernelContext_GetOutput
+ReleaseEnv ReleaseStatus ReleaseMemoryInfo ReleaseSession ReleaseValue ReleaseRunOptions ReleaseTypeInfo
+ReleaseTensorTypeAndShapeInfo ReleaseSessionOptions ReleaseCustomOpDomain GetDenotationFromTypeInfo
+CastTypeInfoToMapTypeInfo CastTypeInfoToSequenceTypeInfo GetMapKeyType GetMapValueType GetSequenceElementType
+ReleaseMapTypeInfo ReleaseSequenceTypeInfo SessionEndProfiling SessionGetModelMetadata
+ModelMetadataGetProducerName ModelMetadataGetGraphName ModelMetadataGetDomain ModelMetadataGetDescription
+ModelMetadataLookupCustomMetadataMap ModelMetadataGetVersion ReleaseModelMetadata CreateEnvWithGlobalThreadPools
+DisablePerSessionThreads CreateThreadingOptions ReleaseThreadingOptions ModelMetadataGetCustomMetadataMapKeys
+AddFreeDimensionOverrideByName GetAvailableProviders ReleaseAvailableProviders GetStringTensorElementLength
+GetStringTensorElement FillStringTensorElement AddSessionConfigEntry CreateAllocator ReleaseAllocator
+RunWithBinding CreateIoBinding ReleaseIoBinding BindInput BindOutput BindOutputToDevice GetBoundOutputNames
+GetBoundOutputValues ClearBoundInputs ClearBoundOutputs TensorAt CreateAndRegisterAllocator SetLanguageProjection
+SessionGetProfilingStartTimeNs SetGlobalIntraOpNumThreads SetGlobalInterOpNumThreads SetGlobalSpinControl
+AddInitializer CreateEnvWithCustomLoggerAndGlobalThreadPools SessionOptionsAppendExecutionProvider_CUDA
+SessionOptionsAppendExecutionProvider_ROCM SessionOptionsAppendExecutionProvider_OpenVINO SetGlobalDenormalAsZero
+CreateArenaCfg ReleaseArenaCfg ModelMetadataGetGraphDescription SessionOptionsAppendExecutionProvider_TensorRT
+SetCurrentGpuDeviceId GetCurrentGpuDeviceId KernelInfoGetAttributeArray_float KernelInfoGetAttributeArray_int64
+CreateArenaCfgV2 AddRunConfigEntry CreatePrepackedWeightsContainer ReleasePrepackedWeightsContainer
+CreateSessionWithPrepackedWeightsContainer CreateSessionFromArrayWithPrepackedWeightsContainer""".split()
+
+_STATUS = c_void_p          # OrtStatus*: NULL on success
+_OUT = POINTER(c_void_p)
+_SIGNATURES = {             # name -> (return type, argument types), as onnxruntime_c_api.h declares them
+    "GetErrorMessage": (c_char_p, [c_void_p]),
+    "CreateEnv": (_STATUS, [c_int, c_char_p, _OUT]),
+    "CreateSessionOptions": (_STATUS, [_OUT]),
+    "SetSessionGraphOptimizationLevel": (_STATUS, [c_void_p, c_int]),
+    "SetSessionLogSeverityLevel": (_STATUS, [c_void_p, c_int]),
+    "SetIntraOpNumThreads": (_STATUS, [c_void_p, c_int]),
+    "AddSessionConfigEntry": (_STATUS, [c_void_p, c_char_p, c_char_p]),
+    "AddInitializer": (_STATUS, [c_void_p, c_char_p, c_void_p]),
+    "CreateCpuMemoryInfo": (_STATUS, [c_int, c_int, _OUT]),
+    "CreateTensorWithDataAsOrtValue": (_STATUS, [c_void_p, c_void_p, c_size_t, POINTER(c_int64), c_size_t, c_int,
+                                                 _OUT]),
+    "CreatePrepackedWeightsContainer": (_STATUS, [_OUT]),
+    "CreateAndRegisterAllocator": (_STATUS, [c_void_p, c_void_p, c_void_p]),
+    "CreateSessionWithPrepackedWeightsContainer": (_STATUS, [c_void_p, c_char_p, c_void_p, c_void_p, _OUT]),
+    "CreateSessionFromArrayWithPrepackedWeightsContainer": (_STATUS, [c_void_p, c_char_p, c_size_t, c_void_p,
+                                                                      c_void_p, _OUT]),
+    "CreateIoBinding": (_STATUS, [c_void_p, _OUT]),
+    "BindInput": (_STATUS, [c_void_p, c_char_p, c_void_p]),
+    "BindOutput": (_STATUS, [c_void_p, c_char_p, c_void_p]),
+    "RunWithBinding": (_STATUS, [c_void_p, c_void_p, c_void_p]),
+    **{f"Release{kind}": (None, [c_void_p]) for kind in
+       ("Status", "Env", "SessionOptions", "MemoryInfo", "Value", "Session", "IoBinding", "PrepackedWeightsContainer")},
+}
+_ELEMENT_TYPES = {np.dtype(np.float32): 1, np.dtype(np.uint8): 2, np.dtype(np.int8): 3, np.dtype(np.int32): 6,
+                  np.dtype(np.int64): 7, np.dtype(np.bool_): 9, np.dtype(np.float16): 10}
+_ORT_DISABLE_ALL, _ORT_ENABLE_ALL, _LOG_FATAL = 0, 99, 4
+
+
+class _OrtApiBase(ctypes.Structure):
+    _fields_ = [("GetApi", c_void_p), ("GetVersionString", c_void_p)]
+
+
+class OrtCApi:
+    """The library's function table, with each function this module calls typed."""
+
+    def __init__(self, library: Path):
+        lib = ctypes.CDLL(str(library))
+        lib.OrtGetApiBase.restype = POINTER(_OrtApiBase)
+        base = lib.OrtGetApiBase().contents
+        table = ctypes.CFUNCTYPE(c_void_p, c_uint32)(base.GetApi)(API_VERSION)
+        if not table:
+            raise SnapcompileError(f"{library} does not offer ONNX Runtime C API version {API_VERSION}")
+        pointers = ctypes.cast(table, POINTER(c_void_p))
+        for name, (restype, argtypes) in _SIGNATURES.items():
+            setattr(self, name, ctypes.CFUNCTYPE(restype, *argtypes)(pointers[_ORDER.index(name)]))
+
+    def check(self, status, what: str) -> None:
+        """Raise SnapcompileError with ONNX Runtime's message when `status` is not NULL."""
+        if status:
+            message = self.GetErrorMessage(status).decode(errors="replace")
+            self.ReleaseStatus(status)
+            raise SnapcompileError(f"ONNX Runtime: {what}: {message.splitlines()[0] if message else 'failed'}")
+
+    def new(self, function: str, *args, what: str) -> int:
+        """Call a C API constructor whose last argument is the object it creates; return that object."""
+        out = c_void_p()
+        self.check(getattr(self, function)(*args, ctypes.byref(out)), what)
+        return out.value
+
+
+_API: OrtCApi | None = None
+
+
+def c_api() -> OrtCApi:
+    """The process's one OrtCApi over the library of the installed onnxruntime wheel."""
+    global _API
+    if _API is None:
+        import onnxruntime
+        folder = Path(onnxruntime.__file__).parent / "capi"
+        found = sorted(folder.glob("libonnxruntime.so*"))
+        if not found:
+            raise SnapcompileError(f"the onnxruntime wheel at {folder} ships no libonnxruntime.so (its C API); "
+                                   "reinstall onnxruntime from PyPI")
+        _API = OrtCApi(found[-1])
+    return _API
+
+
+class TensorValues:
+    """OrtValues over numpy arrays (no copy). Each array is kept alive as long as this object: an
+    OrtValue only points at it."""
+
+    def __init__(self):
+        self.api = c_api()
+        self.memory = self.api.new("CreateCpuMemoryInfo", 0, 0, what="CPU memory info")   # device allocator, default
+        self._kept: list = []
+
+    def value(self, array: np.ndarray, keep: bool = False) -> int:
+        """A new OrtValue viewing `array` (C-contiguous); the caller releases it. keep: hold a
+        reference to the array for this object's life (otherwise the caller keeps it alive)."""
+        if not array.flags.c_contiguous:
+            raise ValueError("an OrtValue needs a C-contiguous array")
+        kind = _ELEMENT_TYPES.get(array.dtype)
+        if kind is None:
+            raise SnapcompileError(f"no ONNX element type for numpy {array.dtype}")
+        shape = (c_int64 * max(array.ndim, 1))(*array.shape)
+        if keep:
+            self._kept.append(array)
+        return self.api.new("CreateTensorWithDataAsOrtValue", self.memory, array.ctypes.data, array.nbytes,
+                            shape, array.ndim, kind, what="tensor")
+
+
+class SharedSessions:
+    """Sessions of one process that pre-pack each shared weight once (one PrepackedWeightsContainer),
+    on the CPU execution provider."""
+
+    def __init__(self):
+        self.api = c_api()
+        self.env = self.api.new("CreateEnv", _LOG_FATAL, b"snapcompile", what="environment")
+        self.container = self.api.new("CreatePrepackedWeightsContainer", what="pre-packed weights container")
+        # one CPU arena for every session (session.use_env_allocators): sessions run one at a time,
+        # so the process's work space is the largest graph's, not the sum of every graph's
+        arena = self.api.new("CreateCpuMemoryInfo", 1, 0, what="CPU arena memory info")
+        self.api.check(self.api.CreateAndRegisterAllocator(self.env, arena, None), "shared CPU arena")
+        self.values = TensorValues()
+        self._initializers: dict[int, int] = {}     # id(array) -> OrtValue, one per shared array
+
+    def initializer(self, array: np.ndarray) -> int:
+        """The OrtValue every session receives for `array` (the same array object, the same value)."""
+        key = id(array)
+        if key not in self._initializers:
+            self._initializers[key] = self.values.value(array, keep=True)
+        return self._initializers[key]
+
+    def session(self, model_bytes: bytes, initializers: dict[str, np.ndarray], config: dict[str, str],
+                threads: int | None, what: str) -> CSession:
+        """A session on a serialized ONNX model whose external initializers are all in `initializers`
+        (name -> array, shared with every other session given the same array)."""
+        api = self.api
+        options = api.new("CreateSessionOptions", what="session options")
+        try:
+            api.check(api.SetSessionGraphOptimizationLevel(options, _ORT_ENABLE_ALL), what)
+            api.check(api.SetSessionLogSeverityLevel(options, _LOG_FATAL), what)
+            if threads:
+                api.check(api.SetIntraOpNumThreads(options, threads), what)
+            for key, value in ({"session.use_env_allocators": "1"} | config).items():
+                api.check(api.AddSessionConfigEntry(options, key.encode(), value.encode()), what)
+            for name, array in initializers.items():
+                api.check(api.AddInitializer(options, name.encode(), self.initializer(array)), f"{what}: {name}")
+            handle = api.new("CreateSessionFromArrayWithPrepackedWeightsContainer", self.env, model_bytes,
+                             len(model_bytes), options, self.container, what=what)
+        finally:
+            api.ReleaseSessionOptions(options)
+        return CSession(api, handle, self.values, what)
+
+
+class CSession:
+    """One session and its IoBinding: inputs and outputs bound to numpy arrays by address."""
+
+    def __init__(self, api: OrtCApi, handle: int, values: TensorValues, what: str):
+        self.api, self.handle, self.values, self.what = api, handle, values, what
+        self.binding = api.new("CreateIoBinding", handle, what=what)
+
+    def bind(self, name: str, array: np.ndarray, output: bool = False) -> None:
+        """Bind a C-contiguous array by address (no copy; it must outlive the binding)."""
+        value = self.values.value(array)
+        try:
+            bind = self.api.BindOutput if output else self.api.BindInput
+            self.api.check(bind(self.binding, name.encode(), value), f"{self.what}: binding {name}")
+        finally:
+            self.api.ReleaseValue(value)        # the binding holds its own reference
+
+    def run(self) -> None:
+        self.api.check(self.api.RunWithBinding(self.handle, None, self.binding), f"running {self.what}")

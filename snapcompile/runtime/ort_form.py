@@ -1,0 +1,165 @@
+"""The ONNX Runtime form of an artifact's graphs: every weight a shared array, each quantized linear
+layer one MatMulNBits node.
+
+The artifact's graphs are standard ONNX (a quantized layer is a blocked DequantizeLinear of an INT4 /
+INT8 [K, N] initializer feeding MatMul: the form TensorRT parses). ONNX Runtime's CPU provider fuses
+that pair into its MatMulNBits kernel itself, but the fused weights are new initializers of each
+session, so no two sessions could share them. Here the pair is replaced before the session is
+created by a MatMulNBits node (com.microsoft) whose weights, in its layout, are arrays computed once
+per process and given to every session as shared initializers, so that one PrepackedWeightsContainer
+(runtime/ort_capi.py) pre-packs each of them once. Float weights are views of the memory-mapped
+weights.bin. `validate` runs this form against the PyTorch oracle like any other.
+
+MatMulNBits (onnxruntime contrib ops): B uint8 [N, K/bs, bs*bits/8], element k of row n in the low
+nibble first (4 bits), unsigned with the default zero point 2^(bits-1); scales float32 [N, K/bs];
+Y = A @ dequant(B).T. Our values are signed two's complement, so u = q + 2^(bits-1).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from snapcompile.artifact.manifest import WEIGHTS
+
+_QUANT_TYPES = {TensorProto.INT4: 4, TensorProto.INT8: 8}
+
+
+class WeightArrays:
+    """An artifact's weights as numpy arrays, each made once per process: float initializers are
+    views of weights.bin (memory-mapped), quantized ones are converted to MatMulNBits' layout."""
+
+    def __init__(self, folder: Path):
+        self.path = Path(folder) / WEIGHTS
+        self._blob: np.memmap | None = None
+        self._arrays: dict[tuple, np.ndarray] = {}
+
+    def raw(self, tensor: TensorProto) -> np.ndarray:
+        """The bytes of an external initializer, viewed in weights.bin (uint8)."""
+        info = {entry.key: entry.value for entry in tensor.external_data}
+        if self._blob is None:
+            self._blob = np.memmap(self.path, dtype=np.uint8, mode="r")
+        offset = int(info.get("offset", 0))
+        return self._blob[offset:offset + int(info["length"])]
+
+    def float_array(self, tensor: TensorProto) -> np.ndarray:
+        """A float initializer: a view of weights.bin, or its own array when the graph holds it."""
+        key = ("float", tensor.name, tuple(tensor.dims))
+        if key not in self._arrays:
+            if tensor.data_location != TensorProto.EXTERNAL:
+                self._arrays[key] = numpy_helper.to_array(tensor)
+            else:
+                dtype = np.dtype(helper.tensor_dtype_to_np_dtype(tensor.data_type))
+                self._arrays[key] = self.raw(tensor).view(dtype).reshape(tuple(tensor.dims))
+        return self._arrays[key]
+
+    def nbits_weight(self, tensor: TensorProto, block_size: int) -> np.ndarray:
+        """qweight INT4/INT8 [K, N] -> MatMulNBits B uint8 [N, K/bs, bs*bits/8]."""
+        key = ("nbits", tensor.name, block_size)
+        if key not in self._arrays:
+            self._arrays[key] = nbits_layout(self._signed_values(tensor), _QUANT_TYPES[tensor.data_type], block_size)
+        return self._arrays[key]
+
+    def _signed_values(self, tensor: TensorProto) -> np.ndarray:
+        """An INT4 / INT8 initializer's values as int8 [K, N]."""
+        if tensor.data_location != TensorProto.EXTERNAL:
+            return numpy_helper.to_array(tensor).astype(np.int8)
+        raw = self.raw(tensor)
+        if tensor.data_type == TensorProto.INT8:
+            return raw.view(np.int8).reshape(tuple(tensor.dims))
+        values = np.empty(raw.size * 2, np.int8)             # ONNX INT4: two a byte, low nibble first
+        values[0::2], values[1::2] = raw & 0x0F, raw >> 4
+        values = np.where(values > 7, values - 16, values).astype(np.int8)
+        k, n = tensor.dims
+        return values[:k * n].reshape(k, n)
+
+    def transposed_scales(self, tensor: TensorProto) -> np.ndarray:
+        """qscale [K/bs, N] -> MatMulNBits scales [N, K/bs] (float32)."""
+        key = ("scales", tensor.name)
+        if key not in self._arrays:
+            self._arrays[key] = np.ascontiguousarray(self.float_array(tensor).T)
+        return self._arrays[key]
+
+    def drop_resident_pages(self) -> None:
+        """Let the kernel drop weights.bin's pages from this process's memory (they are read again
+        from the file if touched: an embedding row, a weight a later session pre-packs)."""
+        if self._blob is not None:
+            import mmap
+            self._blob._mmap.madvise(mmap.MADV_DONTNEED)
+
+
+def nbits_layout(signed: np.ndarray, bits: int, block_size: int) -> np.ndarray:
+    """Signed values int8 [K, N] -> unsigned [N, K/bs, bs*bits/8], element k of a row in the low
+    nibble first (4 bits)."""
+    k, n = signed.shape
+    unsigned = np.ascontiguousarray((signed.T.astype(np.int16) + (1 << (bits - 1))).astype(np.uint8))   # [N, K]
+    if bits == 4:
+        unsigned = unsigned[:, 0::2] | (unsigned[:, 1::2] << 4)
+    return unsigned.reshape(n, k // block_size, -1)
+
+
+def ort_form(model: onnx.ModelProto, weights: WeightArrays, accuracy_level: int) -> tuple[onnx.ModelProto,
+                                                                                         dict[str, np.ndarray]]:
+    """A copy of `model` (loaded without its data) for ONNX Runtime, and name -> array of every
+    initializer its sessions share. Each DequantizeLinear(qweight, qscale) -> MatMul pair becomes
+    one MatMulNBits."""
+    model = onnx.ModelProto.FromString(model.SerializeToString())
+    graph = model.graph
+    initializers = {t.name: t for t in graph.initializer}
+    arrays: dict[str, np.ndarray] = {}
+    dequantized = {node.output[0]: node for node in graph.node if node.op_type == "DequantizeLinear"
+                   and node.input[0] in initializers and initializers[node.input[0]].data_type in _QUANT_TYPES}
+    consumers = {}
+    for node in graph.node:
+        for name in node.input:
+            consumers[name] = consumers.get(name, 0) + 1
+    fused, nodes, replaced = set(), [], {}
+    for node in graph.node:
+        source = dequantized.get(node.input[1]) if node.op_type == "MatMul" and len(node.input) == 2 else None
+        if source is None or consumers[node.input[1]] != 1:
+            nodes.append(node)
+            continue
+        qweight, qscale = initializers[source.input[0]], initializers[source.input[1]]
+        block = next(a.i for a in source.attribute if a.name == "block_size")
+        k, n = qweight.dims
+        b_name, s_name = f"{qweight.name}.nbits", f"{qscale.name}.nbits"
+        arrays[b_name] = weights.nbits_weight(qweight, block)
+        arrays[s_name] = weights.transposed_scales(qscale)
+        replaced |= {b_name: qweight.name, s_name: qscale.name}
+        nodes.append(helper.make_node("MatMulNBits", [node.input[0], b_name, s_name], list(node.output),
+                                      name=node.name, domain="com.microsoft", K=k, N=n,
+                                      bits=_QUANT_TYPES[qweight.data_type], block_size=block,
+                                      accuracy_level=accuracy_level))
+        fused.add(source.output[0])
+    nodes = [node for node in nodes if not (node.op_type == "DequantizeLinear" and node.output[0] in fused)]
+    del graph.node[:]
+    graph.node.extend(nodes)
+    used = {name for node in graph.node for name in node.input}
+    for tensor in graph.initializer:
+        if tensor.name in used and tensor.data_location == TensorProto.EXTERNAL:
+            arrays[tensor.name] = weights.float_array(tensor)
+    kept = [tensor for tensor in graph.initializer if tensor.name in used]
+    kept += [_standing_in(name, arrays[name], initializers[source]) for name, source in replaced.items()]
+    del graph.initializer[:]
+    graph.initializer.extend(kept)
+    if fused and not any(o.domain == "com.microsoft" for o in model.opset_import):
+        model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
+    return model, arrays
+
+
+_ONNX_TYPES = {np.dtype(np.uint8): TensorProto.UINT8, np.dtype(np.float32): TensorProto.FLOAT}
+
+
+def _standing_in(name: str, array: np.ndarray, source: TensorProto) -> TensorProto:
+    """The declaration of a shared initializer made here (`array`, of the same byte size as the
+    weights.bin tensor `source` it was converted from). Its external data names `source`'s bytes
+    because a model may not point at memory; the session never reads them, every session being
+    given `array` itself (AddInitializer)."""
+    if source.data_location != TensorProto.EXTERNAL:         # a small tensor the graph holds itself
+        return numpy_helper.from_array(array, name)
+    proto = TensorProto(name=name, data_type=_ONNX_TYPES[array.dtype], dims=list(array.shape))
+    proto.data_location = TensorProto.EXTERNAL
+    proto.external_data.extend(source.external_data)
+    return proto

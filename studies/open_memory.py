@@ -1,0 +1,49 @@
+"""RSS of a process that opens an artifact on ONNX Runtime, then runs one prompt through it, beside
+the artifact's own estimate (`inspect`'s memory to run).
+
+    .venv/bin/python studies/open_memory.py ARTIFACT [--prompt-tokens N]
+
+Prints one JSON line: rss_before_open (the process with its libraries imported), rss_open (every
+graph open), peak_rss (after a prompt of N random tokens, default 0: none, and 4 decode steps),
+estimate (footprint.memory_needed). To compare two code versions, run it from each checkout in
+turn, alternating (docs/results/memory.md).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+
+import numpy as np
+
+
+def rss() -> int:
+    """Resident bytes of this process now (/proc/self/status VmRSS)."""
+    return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmRSS")) * 1024
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("artifact")
+    parser.add_argument("--prompt-tokens", type=int, default=0)
+    args = parser.parse_args()
+    from snapcompile.artifact.files import artifact_tokenizer
+    from snapcompile.artifact.footprint import memory_needed
+    from snapcompile.engine.engine import Engine
+    from snapcompile.engine.request import Request
+    from snapcompile.runtime import open_backend
+    before = rss()
+    backend = open_backend(args.artifact)
+    opened = rss()
+    if args.prompt_tokens:
+        m = backend.manifest
+        engine = Engine(backend, artifact_tokenizer(backend.folder, m), m.eos_token_ids, session_cache_bytes=0)
+        ids = np.random.default_rng(0).integers(100, m.spec.vocab_size - 100, args.prompt_tokens)
+        engine.generate([Request([int(t) for t in ids], max_new_tokens=4, ignore_eos=True)])
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    print(json.dumps({"rss_before_open": before, "rss_open": opened, "peak_rss": peak,
+                      "estimate": sum(memory_needed(backend.manifest).values())}))
+
+
+if __name__ == "__main__":
+    main()
