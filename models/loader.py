@@ -26,7 +26,24 @@ TINY_CONFIGS = {
     "tiny-mistral": dict(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=None),
     "tiny-qwen2": dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2"),
 }
-BUILTIN_MODELS = (SMOLLM2_NAME, *TINY_CONFIGS)
+_LLAMA3_ROPE = dict(rope_theta=500000.0, max_position_embeddings=131072, rope_scaling=dict(
+    rope_type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192))
+# real models' shapes with random weights, for measuring memory and speed at real sizes offline
+RANDOM_SHAPES = {
+    "random:llama-3.2-1b": dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=128256,
+                                hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                                num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+                                tie_word_embeddings=True, **_LLAMA3_ROPE),
+    "random:llama-3.1-8b": dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=128256,
+                                hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                                tie_word_embeddings=False, **_LLAMA3_ROPE),
+    "random:qwen2.5-0.5b": dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], vocab_size=151936,
+                                hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                                num_attention_heads=14, num_key_value_heads=2, rope_theta=1000000.0,
+                                max_position_embeddings=32768, tie_word_embeddings=True),
+}
+BUILTIN_MODELS = (SMOLLM2_NAME, *TINY_CONFIGS, *RANDOM_SHAPES)
 TINY_SEED = 1234
 
 
@@ -53,6 +70,8 @@ def load_model(source: str) -> LoadedModel:
     """Load `source`: a built-in name, a folder with config.json + *.safetensors, or a .gguf file."""
     if source in TINY_CONFIGS:
         loaded = _load_tiny(source)
+    elif source in RANDOM_SHAPES:
+        loaded = _load_random_shape(source)
     elif source == SMOLLM2_NAME:
         loaded = _load_from_folder(_smollm2_folder(), name=SMOLLM2_NAME)
         loaded.gguf = _smollm2_gguf()
@@ -103,6 +122,30 @@ def _load_tiny(name: str) -> LoadedModel:
         for layer_norm in (m for n, m in model.named_modules() if n.endswith("norm")):
             layer_norm.weight.fill_(1.0)
     return LoadedModel(name, model.float().eval(), byte_tokenizer(), spec, chat=False)
+
+
+def random_shape_config(name: str):
+    """The transformers config of a RANDOM_SHAPES model (the byte tokenizer's special ids)."""
+    from transformers import AutoConfig
+    fields = dict(RANDOM_SHAPES[name])
+    return AutoConfig.for_model(fields.pop("model_type"), rms_norm_eps=1e-5, bos_token_id=257, eos_token_id=258,
+                                pad_token_id=256, **fields)
+
+
+def _load_random_shape(name: str) -> LoadedModel:
+    """A real model's shape with random weights (transformers' initialisation, seeded) and the byte
+    tokenizer: speed and memory do not depend on the values, so anyone can measure them offline.
+    The float32 model is built whole (export does not stream yet), so it must fit in memory."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from snapcompile.models.tokenizer import byte_tokenizer
+    config = random_shape_config(name)
+    spec = ModelSpec.from_hf_config(config)
+    check_model_fits(spec)
+    torch.manual_seed(TINY_SEED)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
+    return LoadedModel(name, model.eval(), byte_tokenizer(), spec, chat=False)
 
 
 def _read_config(folder: Path) -> dict:

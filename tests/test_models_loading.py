@@ -153,3 +153,33 @@ def test_a_gguf_whose_metadata_disagrees_with_its_tensors_is_refused(tmp_path, k
     assert_one_line_error(invoke("export", edited, "-o", tmp_path / "out", "--max-context", 256, "--chunk", 64),
                           fragment)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("name, params", [("random:llama-3.2-1b", 1.236e9), ("random:llama-3.1-8b", 8.03e9),
+                                          ("random:qwen2.5-0.5b", 0.494e9)])
+def test_random_shapes_have_the_published_sizes(name, params):
+    """The built-in random-weight shapes hold as many parameters as the models they stand for
+    (counted on the meta device: nothing allocated)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from snapcompile.models.loader import random_shape_config
+    from snapcompile.models.spec import ModelSpec
+    config = random_shape_config(name)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    count = sum(p.numel() for p in model.parameters())
+    assert abs(count - params) / params < 0.01, count
+    assert ModelSpec.from_hf_config(config).weight_bytes == pytest.approx(4 * count, rel=0.01)
+
+
+def test_a_random_shape_that_does_not_fit_is_refused_before_it_is_built(tmp_path):
+    """The 8B shape in float32 needs 2 x 32 GB to load: one line, nothing allocated or written."""
+    from snapcompile.memory import available_host_memory
+    from snapcompile.models.loader import random_shape_config
+    from snapcompile.models.spec import ModelSpec
+    if 2 * ModelSpec.from_hf_config(random_shape_config("random:llama-3.1-8b")).weight_bytes < available_host_memory():
+        pytest.skip("this machine could load it")
+    result = invoke("convert", "random:llama-3.1-8b", "-o", tmp_path / "out", "--weights", "int4")
+    assert_one_line_error(result, "loading this model")
+    assert not (tmp_path / "out").exists()
