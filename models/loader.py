@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from snapcompile.atomic import atomic_directory
+from snapcompile.config import cache_root
 from snapcompile.errors import SnapcompileError, first_line, parse_json
 from snapcompile.models.spec import ModelSpec, check_config_dict
 from snapcompile.models.tokenizer import load_tokenizer, refuse_remote_code
@@ -59,11 +59,6 @@ class LoadedModel:
     source: str = ""       # how to load it again: a built-in name or an absolute path
     gguf: Path | None = None   # the GGUF file the weights were dequantized from, if any
     folder: Path | None = None  # the Hugging Face folder it was loaded from, if any
-
-
-def cache_root() -> Path:
-    """Where converted built-in models are kept ($SNAPCOMPILE_CACHE or ~/.cache/snapcompile)."""
-    return Path(os.environ.get("SNAPCOMPILE_CACHE", Path.home() / ".cache" / "snapcompile"))
 
 
 def load_model(source: str) -> LoadedModel:

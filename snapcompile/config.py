@@ -1,7 +1,9 @@
 """Frozen configuration records, validated at construction with user-readable errors."""
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 from snapcompile.errors import SnapcompileError
 
@@ -262,3 +264,9 @@ class ServerLimits:
 
 
 MAX_WAITING = 256    # requests waiting for a slot before `serve` answers 429 (ServerSettings, --max-waiting)
+
+
+def cache_root() -> Path:
+    """Where converted built-in models, measuring tools' artifacts and a process's converted weights
+    are kept ($SNAPCOMPILE_CACHE or ~/.cache/snapcompile)."""
+    return Path(os.environ.get("SNAPCOMPILE_CACHE", Path.home() / ".cache" / "snapcompile"))

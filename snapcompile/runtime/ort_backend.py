@@ -9,6 +9,7 @@ from snapcompile.artifact.files import check_files
 from snapcompile.artifact.manifest import Manifest
 from snapcompile.artifact.naming import is_prefill_graph
 from snapcompile.artifact.onnx_io import load_graph
+from snapcompile.config import cache_root
 from snapcompile.errors import SnapcompileError
 from snapcompile.memory import available_host_memory
 from snapcompile.runtime import PROVIDERS
@@ -65,7 +66,7 @@ class OrtDevice:
         import onnxruntime as ort
         self.folder, self.threads, self.exact_matmul = Path(folder), threads, exact_matmul
         self.providers = _providers(provider, ort.get_available_providers())
-        self.weights = WeightArrays(self.folder) if provider == "cpu" else None
+        self.weights = WeightArrays(self.folder, spill_folder()) if provider == "cpu" else None
         self.sessions = SharedSessions() if provider == "cpu" else None
         self.models = {}                      # graph name -> ModelProto without weights, from check()
 
@@ -126,6 +127,12 @@ class OrtBackend(SlotBackend):
 
     def __init__(self, folder: Path, provider: str = "cpu", threads: int | None = None, exact_matmul: bool = False):
         super().__init__(folder, OrtDevice(folder, provider, threads, exact_matmul))
+
+
+def spill_folder() -> Path:
+    """Where a process writes the quantized weights it converts (runtime/ort_form.py): the cache
+    root's ort/ (on disk where the cache is; $SNAPCOMPILE_CACHE moves it)."""
+    return cache_root() / "ort"
 
 
 def _providers(provider: str, available: list[str]) -> list[str]:

@@ -31,10 +31,16 @@ class WeightArrays:
     """An artifact's weights as numpy arrays, each made once per process: float initializers are
     views of weights.bin (memory-mapped), quantized ones are converted to MatMulNBits' layout."""
 
-    def __init__(self, folder: Path):
+    def __init__(self, folder: Path, spill_folder: Path | None = None):
+        """spill_folder: where converted weights are written (an unlinked file, gone with the
+        process) so that their pages, like weights.bin's, can leave memory once pre-packed; None
+        keeps them in memory."""
         self.path = Path(folder) / WEIGHTS
         self._blob: np.memmap | None = None
         self._arrays: dict[tuple, np.ndarray] = {}
+        self._spill_folder = spill_folder
+        self._spill = None                      # the open unlinked file
+        self._spilled: list[np.memmap] = []
 
     def raw(self, tensor: TensorProto) -> np.ndarray:
         """The bytes of an external initializer, viewed in weights.bin (uint8)."""
@@ -59,8 +65,24 @@ class WeightArrays:
         """qweight INT4/INT8 [K, N] -> MatMulNBits B uint8 [N, K/bs, bs*bits/8]."""
         key = ("nbits", tensor.name, block_size)
         if key not in self._arrays:
-            self._arrays[key] = nbits_layout(self._signed_values(tensor), _QUANT_TYPES[tensor.data_type], block_size)
+            converted = nbits_layout(self._signed_values(tensor), _QUANT_TYPES[tensor.data_type], block_size)
+            self._arrays[key] = self._file_backed(converted)
         return self._arrays[key]
+
+    def _file_backed(self, array: np.ndarray) -> np.ndarray:
+        """`array`'s values in a read-only mapping of the spill file (or `array` without one)."""
+        if self._spill_folder is None:
+            return array
+        import tempfile
+        if self._spill is None:
+            self._spill_folder.mkdir(parents=True, exist_ok=True)
+            self._spill = tempfile.TemporaryFile(dir=self._spill_folder)
+        offset = self._spill.seek(0, 2)
+        self._spill.write(array.tobytes())
+        self._spill.flush()
+        mapped = np.memmap(self._spill, dtype=array.dtype, mode="r", offset=offset, shape=array.shape)
+        self._spilled.append(mapped)
+        return mapped
 
     def _signed_values(self, tensor: TensorProto) -> np.ndarray:
         """An INT4 / INT8 initializer's values as int8 [K, N]."""
@@ -83,11 +105,12 @@ class WeightArrays:
         return self._arrays[key]
 
     def drop_resident_pages(self) -> None:
-        """Let the kernel drop weights.bin's pages from this process's memory (they are read again
-        from the file if touched: an embedding row, a weight a later session pre-packs)."""
-        if self._blob is not None:
-            import mmap
-            self._blob._mmap.madvise(mmap.MADV_DONTNEED)
+        """Let the kernel drop weights.bin's and the spill file's pages from this process's memory
+        (they are read again from the file if touched: an embedding row, a weight a later session
+        pre-packs)."""
+        import mmap
+        for mapped in ([self._blob] if self._blob is not None else []) + self._spilled:
+            mapped._mmap.madvise(mmap.MADV_DONTNEED)
 
 
 def nbits_layout(signed: np.ndarray, bits: int, block_size: int) -> np.ndarray:
