@@ -272,3 +272,17 @@ def test_joined_attention_is_causal_gqa_over_the_filled_rows_and_the_chunk(fille
     probs = np.exp(scores - scores.max(-1, keepdims=True))
     probs /= probs.sum(-1, keepdims=True)
     np.testing.assert_allclose(ours, np.einsum("bhgts,bhsd->bhgtd", probs, values), atol=1e-5)
+
+
+def test_converted_weights_stay_in_memory_when_the_spill_folder_cannot_be_written(tmp_path):
+    """A spill folder that cannot be created (a file stands in its way) costs memory, not a
+    failure: the arrays are the same values."""
+    from snapcompile.runtime.ort_form import WeightArrays
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    values = np.arange(64, dtype=np.uint8).reshape(4, 16)
+    spilled = WeightArrays(tmp_path, tmp_path / "spill")._file_backed(values)
+    kept = WeightArrays(tmp_path, blocker / "spill")._file_backed(values)
+    assert isinstance(spilled, np.memmap) and not isinstance(kept, np.memmap)
+    np.testing.assert_array_equal(spilled, values)
+    np.testing.assert_array_equal(kept, values)

@@ -74,12 +74,15 @@ class WeightArrays:
         if self._spill_folder is None:
             return array
         import tempfile
-        if self._spill is None:
-            self._spill_folder.mkdir(parents=True, exist_ok=True)
-            self._spill = tempfile.TemporaryFile(dir=self._spill_folder)
-        offset = self._spill.seek(0, 2)
-        self._spill.write(array.tobytes())
-        self._spill.flush()
+        try:
+            if self._spill is None:
+                self._spill_folder.mkdir(parents=True, exist_ok=True)
+                self._spill = tempfile.TemporaryFile(dir=self._spill_folder)
+            offset = self._spill.seek(0, 2)
+            self._spill.write(array.tobytes())
+            self._spill.flush()
+        except OSError:              # read-only or full disk: keep this one in memory (correct, larger)
+            return array
         mapped = np.memmap(self._spill, dtype=array.dtype, mode="r", offset=offset, shape=array.shape)
         self._spilled.append(mapped)
         return mapped
