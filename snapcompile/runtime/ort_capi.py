@@ -207,15 +207,32 @@ class SharedSessions:
                              len(model_bytes), options, self.container, what=what)
         finally:
             api.ReleaseSessionOptions(options)
-        return CSession(api, handle, self.values, what)
+        return CSession(self, handle, what)
+
+    def __del__(self):
+        """Runs once every CSession (each holds this object) is gone: the container and the
+        shared values can go."""
+        api = getattr(self, "api", None)
+        if api is None:
+            return
+        for value in getattr(self, "_initializers", {}).values():
+            api.ReleaseValue(value)
+        if getattr(self, "container", None):
+            api.ReleasePrepackedWeightsContainer(self.container)
 
 
 class CSession:
     """One session and its IoBinding: inputs and outputs bound to numpy arrays by address."""
 
-    def __init__(self, api: OrtCApi, handle: int, values: TensorValues, what: str):
-        self.api, self.handle, self.values, self.what = api, handle, values, what
-        self.binding = api.new("CreateIoBinding", handle, what=what)
+    def __init__(self, owner: SharedSessions, handle: int, what: str):
+        self.owner, self.api, self.handle, self.values, self.what = owner, owner.api, handle, owner.values, what
+        self.binding = None
+        self.binding = self.api.new("CreateIoBinding", handle, what=what)
+
+    def __del__(self):
+        if self.binding:
+            self.api.ReleaseIoBinding(self.binding)
+        self.api.ReleaseSession(self.handle)
 
     def bind(self, name: str, array: np.ndarray, output: bool = False) -> None:
         """Bind a C-contiguous array by address (no copy; it must outlive the binding)."""
