@@ -12,14 +12,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 
 import numpy as np
-
-
-def rss() -> int:
-    """Resident bytes of this process now (/proc/self/status VmRSS)."""
-    return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmRSS")) * 1024
 
 
 def main() -> None:
@@ -29,18 +23,19 @@ def main() -> None:
     args = parser.parse_args()
     from snapcompile.artifact.files import artifact_tokenizer
     from snapcompile.artifact.footprint import memory_needed
+    from snapcompile.bench.machine import peak_rss_bytes, rss_bytes
     from snapcompile.engine.engine import Engine
     from snapcompile.engine.request import Request
     from snapcompile.runtime import open_backend
-    before = rss()
+    before = rss_bytes()
     backend = open_backend(args.artifact)
-    opened = rss()
+    opened = rss_bytes()
     if args.prompt_tokens:
         m = backend.manifest
         engine = Engine(backend, artifact_tokenizer(backend.folder, m), m.eos_token_ids, session_cache_bytes=0)
         ids = np.random.default_rng(0).integers(100, m.spec.vocab_size - 100, args.prompt_tokens)
         engine.generate([Request([int(t) for t in ids], max_new_tokens=4, ignore_eos=True)])
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = peak_rss_bytes()
     print(json.dumps({"rss_before_open": before, "rss_open": opened, "peak_rss": peak,
                       "estimate": sum(memory_needed(backend.manifest).values())}))
 

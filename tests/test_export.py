@@ -194,15 +194,13 @@ def test_convert_memory_does_not_grow_with_slots_and_context(tmp_path):
 
 OPEN_RSS_SCRIPT = """
 import sys
-import onnxruntime
+from snapcompile.bench.machine import rss_bytes
 from snapcompile.runtime.ort_capi import c_api
 from snapcompile.runtime.ort_backend import OrtBackend
-def rss():
-    return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmRSS")) * 1024
 c_api()
-before = rss()
+before = rss_bytes()
 backend = OrtBackend(sys.argv[1])
-print("GROWTH", rss() - before, len(backend.manifest.graphs))
+print("GROWTH", rss_bytes() - before, len(backend.manifest.graphs))
 """
 
 

@@ -78,7 +78,6 @@ _SIGNATURES = {             # name -> (return type, argument types), as onnxrunt
                                                  _OUT]),
     "CreatePrepackedWeightsContainer": (_STATUS, [_OUT]),
     "CreateAndRegisterAllocator": (_STATUS, [c_void_p, c_void_p, c_void_p]),
-    "CreateSessionWithPrepackedWeightsContainer": (_STATUS, [c_void_p, c_char_p, c_void_p, c_void_p, _OUT]),
     "CreateSessionFromArrayWithPrepackedWeightsContainer": (_STATUS, [c_void_p, c_char_p, c_size_t, c_void_p,
                                                                       c_void_p, _OUT]),
     "CreateIoBinding": (_STATUS, [c_void_p, _OUT]),
@@ -86,11 +85,11 @@ _SIGNATURES = {             # name -> (return type, argument types), as onnxrunt
     "BindOutput": (_STATUS, [c_void_p, c_char_p, c_void_p]),
     "RunWithBinding": (_STATUS, [c_void_p, c_void_p, c_void_p]),
     **{f"Release{kind}": (None, [c_void_p]) for kind in
-       ("Status", "Env", "SessionOptions", "MemoryInfo", "Value", "Session", "IoBinding", "PrepackedWeightsContainer")},
+       ("Status", "SessionOptions", "Value", "Session", "IoBinding", "PrepackedWeightsContainer")},
 }
 _ELEMENT_TYPES = {np.dtype(np.float32): 1, np.dtype(np.uint8): 2, np.dtype(np.int8): 3, np.dtype(np.int32): 6,
                   np.dtype(np.int64): 7, np.dtype(np.bool_): 9, np.dtype(np.float16): 10}
-_ORT_DISABLE_ALL, _ORT_ENABLE_ALL, _LOG_FATAL = 0, 99, 4
+_ORT_ENABLE_ALL, _LOG_FATAL = 99, 4
 
 
 class _OrtApiBase(ctypes.Structure):

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-from onnx import TensorProto, helper, numpy_helper
+from onnx import TensorProto, external_data_helper, helper, numpy_helper
 
 from snapcompile.artifact.manifest import WEIGHTS
 
@@ -44,11 +44,11 @@ class WeightArrays:
 
     def raw(self, tensor: TensorProto) -> np.ndarray:
         """The bytes of an external initializer, viewed in weights.bin (uint8)."""
-        info = {entry.key: entry.value for entry in tensor.external_data}
+        info = external_data_helper.ExternalDataInfo(tensor)
         if self._blob is None:
             self._blob = np.memmap(self.path, dtype=np.uint8, mode="r")
-        offset = int(info.get("offset", 0))
-        return self._blob[offset:offset + int(info["length"])]
+        offset = info.offset or 0
+        return self._blob[offset:offset + info.length]
 
     def float_array(self, tensor: TensorProto) -> np.ndarray:
         """A float initializer: a view of weights.bin, or its own array when the graph holds it."""
