@@ -17,6 +17,16 @@ from snapcompile.atomic import atomic_directory
 from snapcompile.config import cache_root
 from snapcompile.errors import SnapcompileError, first_line, parse_json
 from snapcompile.models.spec import ModelSpec, check_config_dict
+from snapcompile.models.tensors import (
+    GGUFSource,
+    ModuleSource,
+    RandomSource,
+    SafetensorsSource,
+    TensorSource,
+    check_layer_count,
+    expected_shapes,
+    model_from_source,
+)
 from snapcompile.models.tokenizer import load_tokenizer, refuse_remote_code
 
 SMOLLM2_NAME = "smollm2-135m-instruct"
@@ -49,16 +59,28 @@ TINY_SEED = 1234
 
 @dataclass
 class LoadedModel:
-    """An eager fp32 model ready for export and for the PyTorch oracle."""
+    """A model ready for export (its weights read one tensor at a time from `tensors`) and, built on
+    first use of `model`, the float32 eager Hugging Face model the PyTorch oracle runs."""
 
     name: str
-    model: object          # transformers PreTrainedModel, eval mode, fp32
     tokenizer: object      # transformers tokenizer
     spec: ModelSpec
+    config: object         # transformers config
+    tensors: TensorSource
     chat: bool             # whether prompts get the chat template by default
     source: str = ""       # how to load it again: a built-in name or an absolute path
-    gguf: Path | None = None   # the GGUF file the weights were dequantized from, if any
+    gguf: Path | None = None   # the GGUF file the weights come from, if any
     folder: Path | None = None  # the Hugging Face folder it was loaded from, if any
+    built: object = None   # the transformers model, once `model` has built it
+
+    @property
+    def model(self):
+        """The float32 transformers model in eval mode (built, once, from `tensors`; refused in one line
+        where it cannot fit in memory)."""
+        if self.built is None:
+            check_model_fits(self.spec)
+            self.built = model_from_source(self.config, self.tensors)
+        return self.built
 
 
 def load_model(source: str) -> LoadedModel:
@@ -116,7 +138,8 @@ def _load_tiny(name: str) -> LoadedModel:
             param.normal_(0.0, 0.25 if param.dim() > 1 else 0.1)
         for layer_norm in (m for n, m in model.named_modules() if n.endswith("norm")):
             layer_norm.weight.fill_(1.0)
-    return LoadedModel(name, model.float().eval(), byte_tokenizer(), spec, chat=False)
+    model = model.float().eval()
+    return LoadedModel(name, byte_tokenizer(), spec, config, ModuleSource(model), chat=False, built=model)
 
 
 def random_shape_config(name: str):
@@ -128,19 +151,14 @@ def random_shape_config(name: str):
 
 
 def _load_random_shape(name: str) -> LoadedModel:
-    """A real model's shape with random weights (transformers' initialisation, seeded) and the byte
-    tokenizer: speed and memory do not depend on the values, so anyone can measure them offline.
-    The float32 model is built whole (export does not stream yet), so it must fit in memory."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
+    """A real model's shape with random weights (seeded, generated per tensor as the export reads them)
+    and the byte tokenizer: speed and memory do not depend on the values, so anyone can measure them
+    offline, at any size the disk holds."""
     from snapcompile.models.tokenizer import byte_tokenizer
     config = random_shape_config(name)
     spec = ModelSpec.from_hf_config(config)
-    check_model_fits(spec)
-    torch.manual_seed(TINY_SEED)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
-    return LoadedModel(name, model.eval(), byte_tokenizer(), spec, chat=False)
+    return LoadedModel(name, byte_tokenizer(), spec, config, RandomSource(expected_shapes(config), TINY_SEED),
+                       chat=False)
 
 
 def _read_config(folder: Path) -> dict:
@@ -155,114 +173,48 @@ def _read_config(folder: Path) -> dict:
 
 
 def _load_from_folder(folder: Path, name: str) -> LoadedModel:
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    """A Hugging Face folder: its config, its tokenizer, and its *.safetensors files checked against
+    the config (names and shapes, from the files' headers) and read one tensor at a time later."""
+    from transformers import AutoConfig
     refuse_remote_code(folder)
     _read_config(folder)
-    state = read_safetensors(folder)
+    tensors = SafetensorsSource(folder)
     try:
         config = AutoConfig.from_pretrained(folder, trust_remote_code=False, local_files_only=True)
         spec = ModelSpec.from_hf_config(config)
-        check_model_fits(spec)
-        model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32,
-                                                 trust_remote_code=False)
+        check_layer_count(spec.num_layers, tensors.found, str(folder))
+        expected = expected_shapes(config)
     except (OSError, ValueError, TypeError, RuntimeError) as err:
         raise SnapcompileError(f"cannot load model from {folder}: {first_line(err)}") from None
-    assign_weights(model, state, folder)
+    tensors.check(expected, spec.tie_word_embeddings)
     tokenizer = load_tokenizer(folder)
-    return LoadedModel(name, model.eval(), tokenizer, spec, chat=tokenizer.chat_template is not None,
+    return LoadedModel(name, tokenizer, spec, config, tensors, chat=tokenizer.chat_template is not None,
                        folder=Path(folder).resolve())
 
 
-def read_safetensors(folder: Path) -> dict:
-    """Every tensor of the folder's *.safetensors files (parsed as safetensors: a file that is
-    not one is an error), as fp32. Index files are not read: nothing else is loaded."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-    files = sorted(p for p in folder.glob("*.safetensors") if p.is_file())
-    if not files:
-        raise SnapcompileError(f"{folder} has no *.safetensors weights (pickle checkpoints are not loaded)")
-    state = {}
-    for path in files:
-        try:
-            tensors = load_file(str(path))
-        except (SafetensorError, OSError, ValueError, RuntimeError) as err:
-            raise SnapcompileError(f"{path} is not a valid safetensors file: {first_line(err)}") from None
-        repeated = sorted(state.keys() & tensors.keys())
-        if repeated:
-            raise SnapcompileError(f"{path} repeats the tensor {repeated[0]} of another *.safetensors file")
-        state.update((key, tensor.float()) for key, tensor in tensors.items())
-    return state
-
-
-ROTARY_BUFFER = "rotary_emb.inv_freq"
-
-
-def _may_be_absent(key: str, tied: bool) -> bool:
-    """A parameter a checkpoint may leave out: the LM head when tied to the embedding, and the
-    rotary buffer the model computes itself. Every other one must be in the file."""
-    return (tied and key == "lm_head.weight") or key.endswith(ROTARY_BUFFER)
-
-
-def assign_weights(model, state: dict, folder: Path) -> None:
-    """Load `state` into `model`, requiring every parameter (the LM head may be tied to the
-    embedding) and refusing tensors the model does not have or of the wrong shape."""
-    tied = bool(getattr(model.config, "tie_word_embeddings", False))
-    state = {k: v for k, v in state.items() if not k.endswith(ROTARY_BUFFER)}   # a buffer old files carry
-    if tied and "model.embed_tokens.weight" not in state and "lm_head.weight" in state:
-        state["model.embed_tokens.weight"] = state.pop("lm_head.weight")
-    expected = model.state_dict()
-    missing = sorted(k for k in set(expected) - set(state) if not _may_be_absent(k, tied))
-    unexpected = sorted(set(state) - set(expected))
-    if missing or unexpected:
-        what = f"lacks {missing[0]}" if missing else f"has {unexpected[0]}, which the model does not"
-        raise SnapcompileError(f"the weights in {folder} do not fit the config: the checkpoint {what} "
-                               f"({len(missing)} missing, {len(unexpected)} unexpected tensors)")
-    for key, tensor in sorted(state.items()):
-        if tuple(tensor.shape) != tuple(expected[key].shape):
-            raise SnapcompileError(f"the weights in {folder} do not fit the config: {key} has shape "
-                                   f"{list(tensor.shape)}, the config needs {list(expected[key].shape)}")
-    model.load_state_dict(state, strict=False)
-    if tied:
-        model.tie_weights()
-
-
 def check_model_fits(spec: ModelSpec) -> None:
-    """Loading holds the float32 model and the checkpoint's tensors: refuse, before either is
-    allocated, a config whose sizes could not be loaded here."""
+    """Building the float32 model holds it and one tensor being copied in: refuse, before either is
+    allocated, a model that could not be built here (export streams and needs neither)."""
     from snapcompile.memory import check_fits
-    check_fits(2 * spec.weight_bytes, f"loading this model ({spec.num_layers} layers, {spec.weight_bytes / 2**30:.1f} "
-               "GiB of float32 weights)", "check the config's sizes")
-
-
-def _refuse_missing_weights(model, info: dict, path: Path) -> None:
-    """The check folders get in assign_weights, for a GGUF: every parameter must come from the
-    file (transformers would leave a missing one at its random initialisation)."""
-    tied = bool(getattr(model.config, "tie_word_embeddings", False))
-    missing = sorted(k for k in info.get("missing_keys", ()) if not _may_be_absent(k, tied))
-    if missing:
-        raise SnapcompileError(f"{path} lacks {missing[0]} ({len(missing)} of the model's tensors are missing; "
-                               "the file holds no complete model)")
+    largest = 4 * spec.vocab_size * spec.hidden_size
+    check_fits(spec.weight_bytes + largest, f"building this model in PyTorch ({spec.num_layers} layers, "
+               f"{spec.weight_bytes / 2**30:.1f} GiB of float32 weights)", "check the config's sizes")
 
 
 def _load_gguf(path: Path, name: str) -> LoadedModel:
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
     try:
         check_gguf_counts(path)
         config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name, trust_remote_code=False,
                                             local_files_only=True)
         spec = ModelSpec.from_hf_config(config)
-        check_model_fits(spec)
-        model, info = AutoModelForCausalLM.from_pretrained(
-            path.parent, gguf_file=path.name, dtype="float32", attn_implementation="eager",
-            trust_remote_code=False, local_files_only=True, output_loading_info=True)
-        _refuse_missing_weights(model, info, path)
+        tensors = GGUFSource(path, config, expected_shapes(config))
         tokenizer = load_tokenizer(path.parent, gguf_file=path.name)
     except SnapcompileError:
         raise
     except Exception as err:  # the GGUF reader raises many types for corrupt files
         raise SnapcompileError(f"cannot read GGUF file {path}: {first_line(err)}") from None
-    return LoadedModel(name, model.eval(), tokenizer, spec, chat=tokenizer.chat_template is not None, gguf=path)
+    return LoadedModel(name, tokenizer, spec, config, tensors, chat=tokenizer.chat_template is not None, gguf=path)
 
 
 def check_gguf_counts(path: Path) -> None:

@@ -10,8 +10,6 @@ from snapcompile.artifact.manifest import MANIFEST, read_manifest
 from snapcompile.config import ExportConfig
 from snapcompile.errors import SnapcompileError
 from snapcompile.export import export_model
-from snapcompile.models import load_model
-from tests.conftest import write_hf_folder
 
 
 def _static_dims(model):
@@ -192,6 +190,19 @@ def test_convert_memory_does_not_grow_with_slots_and_context(tmp_path):
     assert large - small < weight_bytes, (small, large, weight_bytes)
 
 
+def test_export_memory_does_not_grow_with_the_model(tmp_path):
+    """Tensors are read, converted and written one at a time: a model 4x deeper (12 more layers, bf16 in
+    the file, +190 MB in float32) costs a few tensors more to convert, not the model (which export
+    used to load whole in float32, then hold in graph layout: growth > 2 x 190 MB)."""
+    args = ("--weights", "int4", "--slots", "1", "--max-context", "256")
+    shallow, shallow_bytes = _bigger_hf_folder(tmp_path, 512, 2048, layers=4, dtype="bfloat16", name="shallow")
+    deep, deep_bytes = _bigger_hf_folder(tmp_path, 512, 2048, layers=16, dtype="bfloat16", name="deep")
+    small = _convert_peak_rss(shallow, tmp_path / "a", *args)
+    large = _convert_peak_rss(deep, tmp_path / "b", *args)
+    added = deep_bytes - shallow_bytes
+    assert large - small < added / 4, (small, large, added)
+
+
 OPEN_RSS_SCRIPT = """
 import sys
 from snapcompile.bench.machine import rss_bytes
@@ -204,20 +215,29 @@ print("GROWTH", rss_bytes() - before, len(backend.manifest.graphs))
 """
 
 
-def _bigger_hf_folder(tmp_path, hidden: int, intermediate: int):
-    """tiny-llama's layers at a larger width (random weights), written as a Hugging Face folder."""
-    import dataclasses
+def _bigger_hf_folder(tmp_path, hidden: int, intermediate: int, layers: int = 2, dtype: str = "float32",
+                      name: str = "hf"):
+    """tiny-llama's layers at a larger width (random weights, `dtype` in the file), written as a Hugging
+    Face folder; returns the folder and the model's float32 bytes."""
+    import json
 
-    from transformers import AutoModelForCausalLM
+    import torch
+    from safetensors.torch import save_file
 
     from snapcompile.models.loader import _tiny_config
-    from snapcompile.models.spec import ModelSpec
-    loaded = load_model("tiny-llama")
+    from snapcompile.models.tensors import RandomSource, expected_shapes
+    from snapcompile.models.tokenizer import byte_tokenizer
     config = _tiny_config("tiny-llama")
     config.hidden_size, config.intermediate_size, config.head_dim = hidden, intermediate, 128
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").float().eval()
-    bigger = dataclasses.replace(loaded, model=model, spec=ModelSpec.from_hf_config(config))
-    return write_hf_folder(bigger, tmp_path / "hf"), sum(p.numel() for p in model.parameters()) * 4
+    config.num_hidden_layers = layers
+    source = RandomSource(expected_shapes(config), seed=7, std=0.05)
+    folder = tmp_path / name
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(config.to_dict() | {"architectures": ["LlamaForCausalLM"]}))
+    tensors = {n: torch.from_numpy(source.read(n)).to(getattr(torch, dtype)) for n in source.shapes}
+    save_file(tensors, str(folder / "model.safetensors"))
+    byte_tokenizer().save_pretrained(folder)
+    return folder, 4 * sum(t.numel() for t in tensors.values())
 
 
 def test_opening_many_graphs_costs_one_copy_of_the_weights(tmp_path):

@@ -12,9 +12,10 @@ from snapcompile.artifact.manifest import read_manifest
 from snapcompile.artifact.onnx_io import load_graph
 from snapcompile.config import ExportConfig, PolicyConfig
 from snapcompile.errors import SnapcompileError
-from snapcompile.export.gguf_blocks import _split_blocks, _unpermute_rows, hf_name, kept_blocks
+from snapcompile.export.gguf_blocks import _split_blocks, kept_blocks
 from snapcompile.export.quantize import BlockQuantized, pack_int4, quantize
 from snapcompile.export.weights import graph_weights
+from snapcompile.models.tensors import gguf_hf_name, unpermute_rows
 from snapcompile.validate.parity import Validator, oracle_model, summarize
 from tests.conftest import TINY_SNAPSTREAM, build_artifact, random_prompts
 
@@ -74,10 +75,12 @@ def test_gguf_names_and_row_order_follow_transformers():
     from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
     rows = np.arange(48)[:, None].astype(np.float32)
     theirs = LlamaTensorProcessor()._reverse_permute_weights(rows, 4)
-    np.testing.assert_array_equal(rows[_unpermute_rows(48, 4)], theirs)
-    assert hf_name("blk.7.ffn_down.weight") == "model.layers.7.mlp.down_proj.weight"
-    assert hf_name("token_embd.weight") == "model.embed_tokens.weight"
-    assert hf_name("blk.7.attn_norm.weight") is None
+    np.testing.assert_array_equal(rows[unpermute_rows(48, 4)], theirs)
+    assert gguf_hf_name("blk.7.ffn_down.weight") == "model.layers.7.mlp.down_proj.weight"
+    assert gguf_hf_name("token_embd.weight") == "model.embed_tokens.weight"
+    assert gguf_hf_name("blk.7.attn_norm.weight") == "model.layers.7.input_layernorm.weight"
+    assert gguf_hf_name("output_norm.weight") == "model.norm.weight"
+    assert gguf_hf_name("blk.7.attn_rot.weight") is None and gguf_hf_name("blk.x.attn_q.weight") is None
 
 
 @pytest.fixture(scope="module", params=["fp16", "int8", "int4"])

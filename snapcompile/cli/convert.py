@@ -91,9 +91,9 @@ def export(model, output, force, **export_args):
     from snapcompile.compiler.route import compile_artifact
     export_cfg = _export_config(**export_args)
     refuse_existing(output, force)
-    with graph_progress(export_cfg) as progress:
+    with export_progress(export_cfg) as (progress, on_tensor):
         manifest = compile_artifact(model, export_cfg, PolicyConfig(policy="dense"), output, force=force,
-                                    progress=progress)
+                                    progress=progress, on_tensor=on_tensor)
     click.echo(f"wrote {output} ({', '.join(manifest.graphs)} graphs); {peak_memory()}")
 
 
@@ -113,8 +113,9 @@ def convert(model, output, force, lowering, slots, max_context, chunk, weight_fo
     policy = PolicyConfig(**policy_args)
     policy.check_against(export_cfg)
     refuse_existing(output, force)
-    with graph_progress(export_cfg) as progress:
-        manifest = compile_artifact(model, export_cfg, policy, output, lowering, force=force, progress=progress)
+    with export_progress(export_cfg) as (progress, on_tensor):
+        manifest = compile_artifact(model, export_cfg, policy, output, lowering, force=force, progress=progress,
+                                    on_tensor=on_tensor)
     click.echo(f"wrote {output}: policy {policy.policy}, {decode_blocks(manifest)} attention blocks rewritten; "
                f"{peak_memory()}")
 
@@ -133,24 +134,31 @@ def compress(dense_dir, output, force, lowering, **policy_args):
 
 
 @contextmanager
-def graph_progress(export: ExportConfig):
-    """A progress bar on stderr over the dense graphs an export builds (the passes and the save follow);
-    yields the callback `compile_artifact` takes."""
+def export_progress(export: ExportConfig):
+    """Progress bars on stderr over the model's tensors (read, converted and written one at a time) and
+    then the dense graphs an export builds (the passes and the save follow); yields the two callbacks
+    `compile_artifact` takes."""
     from tqdm import tqdm
 
     from snapcompile.artifact.naming import expected_graphs
     total = len(expected_graphs(export, PolicyConfig(policy="dense")))
-    with tqdm(total=total, desc="building graphs", unit="graph", file=sys.stderr, leave=False) as bar:
+    with tqdm(desc="writing weights", unit="tensor", file=sys.stderr, leave=False) as tensors, \
+            tqdm(total=total, desc="building graphs", unit="graph", file=sys.stderr, leave=False) as graphs:
+        def on_tensor(name: str, done: int, count: int) -> None:
+            tensors.total = count
+            tensors.set_postfix_str(name, refresh=False)
+            tensors.update(done - tensors.n)
+
         def progress(name: str) -> None:
-            bar.set_postfix_str(name)
-            bar.update(1)
-        yield progress
+            graphs.set_postfix_str(name, refresh=False)
+            graphs.update(1)
+        yield progress, on_tensor
 
 
 def peak_memory() -> str:
-    """The summary's memory figure: the weights go to weights.bin as each graph is built, so this is
-    the libraries, the loaded model and one copy of its weights in graph layout, whatever --slots
-    and --max-context are (SmolLM2: 1.6 GiB)."""
+    """The summary's memory figure: the weights are read, converted and written to weights.bin one
+    tensor at a time and the graphs hold references, so this is the libraries, a few tensors and the
+    graphs, whatever the model's size, --slots and --max-context are."""
     from snapcompile.bench.machine import peak_rss_bytes
     from snapcompile.memory import gib
     return f"peak RSS {gib(peak_rss_bytes())}"

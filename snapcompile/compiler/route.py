@@ -10,12 +10,13 @@ from snapcompile.config import ExportConfig, PolicyConfig
 
 
 def compile_artifact(model, export: ExportConfig, policy: PolicyConfig, output: Path, lowering: str = "standard",
-                     force: bool = False, progress=None) -> Manifest:
+                     force: bool = False, progress=None, on_tensor=None) -> Manifest:
     """Write the artifact of `export` shapes and `policy` for `model` to `output` atomically: the dense
     graphs, rewritten by the passes before they are saved when the policy compresses.
 
     model: a loaded model (snapcompile.models.LoadedModel) or what `load_model` takes (a built-in
-    name, a Hugging Face folder, a .gguf file). progress(name): called as each dense graph is built."""
+    name, a Hugging Face folder, a .gguf file). progress(name), on_tensor(name, done, total): called as
+    each dense graph is built and as each of the model's tensors is read."""
     from snapcompile.export import export_model
     from snapcompile.models import load_model
     from snapcompile.models.loader import LoadedModel
@@ -26,4 +27,4 @@ def compile_artifact(model, export: ExportConfig, policy: PolicyConfig, output: 
     def transform(graphs, manifest):
         return compress_graphs(graphs, manifest, policy, lowering)
     return export_model(loaded, export, Path(output), force=force, policy=policy, transform=transform,
-                        progress=progress)
+                        progress=progress, on_tensor=on_tensor)

@@ -14,7 +14,7 @@ from snapcompile.atomic import atomic_directory
 from snapcompile.config import ExportConfig, PolicyConfig
 from snapcompile.errors import SnapcompileError
 from snapcompile.export.llama_graph import DecodeWriter, PrefillWriter
-from snapcompile.export.weights import Quantizer, Weights
+from snapcompile.export.weights import Quantizer, Weights, artifact_weight_bytes
 from snapcompile.graphs.checks import check_graph
 from snapcompile.models.loader import LoadedModel
 
@@ -31,9 +31,10 @@ def check_export_config(loaded: LoadedModel, export: ExportConfig) -> None:
 
 
 def build_dense_graphs(loaded: LoadedModel, export: ExportConfig, store: WeightsFile | None = None,
-                       progress=None) -> tuple[dict[str, onnx.ModelProto], dict]:
+                       progress=None, on_tensor=None) -> tuple[dict[str, onnx.ModelProto], dict]:
     """The dense graphs, and the quantization report (empty for fp32 weights). progress(name), when
-    given, is called as each graph is built.
+    given, is called as each graph is built; on_tensor(name, done, total) as each of the model's tensors
+    is read (the weights are read, converted and written one tensor at a time, before the graphs).
 
     store: the weights.bin the weights are written to while the graphs are built, so the graphs
     hold references only and memory does not grow with the number of graphs (--slots,
@@ -43,10 +44,11 @@ def build_dense_graphs(loaded: LoadedModel, export: ExportConfig, store: Weights
     if export.quantized:
         gguf = None
         if loaded.gguf is not None:
-            from snapcompile.export.gguf_blocks import read_blocks
-            gguf = read_blocks(loaded.gguf, loaded.spec.num_heads, loaded.spec.num_kv_heads)
+            from snapcompile.export.gguf_blocks import GGUFBlocks
+            gguf = GGUFBlocks(loaded.gguf, loaded.config)
         quantizer = Quantizer(export, gguf)
-    weights = Weights(loaded.model, loaded.spec, quantizer, half=export.weight_format == "fp16")
+    weights = Weights(loaded.tensors, loaded.spec, loaded.config, quantizer, half=export.weight_format == "fp16",
+                      store=store, progress=on_tensor)
     writers = {"prefill": lambda: PrefillWriter(loaded.spec, weights, export, store=store)}
     for slots in export.decode_sizes():
         writers[graph_name("decode", slots, export.slots)] = partial(DecodeWriter, loaded.spec, weights, export,
@@ -84,19 +86,20 @@ def new_manifest(loaded: LoadedModel, export: ExportConfig, policy: PolicyConfig
 
 
 def export_model(loaded: LoadedModel, export: ExportConfig, out_dir: Path, force: bool = False,
-                 policy: PolicyConfig | None = None, transform=None, progress=None) -> Manifest:
+                 policy: PolicyConfig | None = None, transform=None, progress=None, on_tensor=None) -> Manifest:
     """Write a dense artifact to out_dir atomically.
 
     transform(graphs, manifest), when given, rewrites the graphs before they are saved (the
     passes use it so `convert` writes one artifact instead of a dense one then a compressed one).
-    progress(name): called as each dense graph is built (`build_dense_graphs`).
+    progress(name), on_tensor(name, done, total): called as each dense graph is built and each of the
+    model's tensors is read (`build_dense_graphs`).
     """
     policy = policy or PolicyConfig(policy="dense")
     policy.check_against(export)
-    check_memory(new_manifest(loaded, export, policy), weight_bytes=loaded.spec.weight_bytes)
+    check_memory(new_manifest(loaded, export, policy), weight_bytes=artifact_weight_bytes(loaded.spec, export))
     with atomic_directory(Path(out_dir), force=force) as staging:
         with WeightsFile(staging / WEIGHTS) as store:
-            graphs, weights_report = build_dense_graphs(loaded, export, store, progress)
+            graphs, weights_report = build_dense_graphs(loaded, export, store, progress, on_tensor)
         manifest = new_manifest(loaded, export, PolicyConfig(policy="dense"))
         manifest.weights_report = weights_report
         if transform is not None:

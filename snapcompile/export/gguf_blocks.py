@@ -12,46 +12,40 @@ from pathlib import Path
 import numpy as np
 
 from snapcompile.export.quantize import BlockQuantized
+from snapcompile.models.tensors import gguf_hf_name, gguf_row_order, release_pages
 
 GGUF_BLOCK = 32
-_LAYER_TENSORS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-                  "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-                  "ffn_down": "mlp.down_proj"}
+KEPT_KINDS = ("Q4_0", "Q4_1", "Q8_0")
 
 
-def hf_name(gguf_name: str) -> str | None:
-    """"blk.3.attn_q.weight" -> "model.layers.3.self_attn.q_proj.weight"; the embedding and the
-    output head too; None for tensors that are not linear weights."""
-    if gguf_name == "token_embd.weight":
-        return "model.embed_tokens.weight"
-    if gguf_name == "output.weight":
-        return "lm_head.weight"
-    parts = gguf_name.split(".")
-    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _LAYER_TENSORS and parts[3] == "weight":
-        return f"model.layers.{parts[1]}.{_LAYER_TENSORS[parts[2]]}.weight"
-    return None
+class GGUFBlocks:
+    """HF name -> (u int [N, K] as stored, d float32 [N, K/32], m float32 [N, K/32] or None, zero: the
+    value subtracted from u) for every Q4_0 / Q4_1 / Q8_0 linear weight of a GGUF file, read from the
+    memory-mapped file when asked (one tensor at a time, as the export streams). Rows of q_proj /
+    k_proj are reordered as transformers' GGUF loader reorders them (`gguf_row_order`)."""
 
+    def __init__(self, path: Path, config):
+        import gguf
+        self.config = config
+        self._reader = gguf.GGUFReader(str(path))
+        self._tensors = {}
+        for tensor in self._reader.tensors:
+            name = gguf_hf_name(tensor.name)
+            if name is not None and name.endswith(".weight") and tensor.tensor_type.name in KEPT_KINDS:
+                self._tensors[name] = tensor
 
-def read_blocks(path: Path, num_heads: int, num_kv_heads: int) -> dict[str, tuple[np.ndarray, ...]]:
-    """HF name -> (u int [N, K] as stored, d float32 [N, K/32], m float32 [N, K/32] or None,
-    zero: the value subtracted from u) for every Q4_0 / Q4_1 / Q8_0 linear weight of the file.
-    Rows of q_proj / k_proj are reordered as transformers' GGUF loader reorders them (llama.cpp
-    stores them permuted for its RoPE layout)."""
-    import gguf
-    reader = gguf.GGUFReader(str(path))
-    out = {}
-    for tensor in reader.tensors:
-        name = hf_name(tensor.name)
+    def __contains__(self, name: str) -> bool:
+        return name in self._tensors
+
+    def __getitem__(self, name: str) -> tuple[np.ndarray, ...]:
+        tensor = self._tensors[name]
         kind = tensor.tensor_type.name
-        if name is None or kind not in ("Q4_0", "Q4_1", "Q8_0"):
-            continue
         u, d, m = _split_blocks(np.asarray(tensor.data), kind)
-        heads = num_heads if name.endswith("q_proj.weight") else num_kv_heads
-        if name.endswith(("q_proj.weight", "k_proj.weight")):
-            order = _unpermute_rows(u.shape[0], heads)
+        release_pages(self._reader, tensor)
+        order = gguf_row_order(name, self.config)
+        if order is not None:
             u, d, m = u[order], d[order], None if m is None else m[order]
-        out[name] = (u, d, m, 8 if kind.startswith("Q4") else 0)
-    return out
+        return u, d, m, 8 if kind.startswith("Q4") else 0
 
 
 def _split_blocks(data: np.ndarray, kind: str):
@@ -68,13 +62,6 @@ def _split_blocks(data: np.ndarray, kind: str):
     qs = blocks[..., start:]
     u = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(np.int16)   # values j and j + 16 share byte j
     return u.reshape(rows, -1), d, m
-
-
-def _unpermute_rows(rows: int, heads: int) -> np.ndarray:
-    """The row order transformers' GGUF loader applies to q_proj / k_proj (undoing llama.cpp's
-    interleaved-RoPE permutation): row r of the result is row order[r] of the file."""
-    index = np.arange(rows).reshape(heads, rows // heads // 2, 2)
-    return index.swapaxes(1, 2).reshape(rows)
 
 
 def kept_blocks(blocks: tuple[np.ndarray, ...], weight: np.ndarray, bits: int) -> BlockQuantized | None:

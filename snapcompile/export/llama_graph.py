@@ -19,6 +19,8 @@ decode (N slots, one token each):
 """
 from __future__ import annotations
 
+from functools import partial
+
 import numpy as np
 
 from snapcompile.artifact.naming import graph_name
@@ -39,16 +41,16 @@ class LlamaGraphWriter:
         self.spec, self.w, self.export, self.store = spec, weights, export, store
 
     def _attach_weights(self, b: GraphBuilder) -> None:
-        for name, array in self.w.arrays.items():
-            b.weight(name, array)
+        for name in self.w.float_names():
+            b.tensor(name, partial(self.w.tensor, name))
 
     def _matmul(self, b: GraphBuilder, x: str, weight: str, op: str = "MatMul", **attrs) -> str:
         """x @ W (float32 in and out) for a linear weight name of Weights: quantized, float32,
         or float16 (multiplied in float16 between two Casts)."""
         matrix = self.w.quantized.get(weight)
         if matrix is not None:
-            return emit_matmul(b, x, weight, matrix)
-        if self.w.arrays[weight].dtype == np.float16:
+            return emit_matmul(b, x, weight, matrix, self.w.tensor)
+        if self.w.dtype[weight] == np.float16:
             return b.op("Cast", b.op(op, b.op("Cast", x, to=10), weight, **attrs), to=1)
         return b.op(op, x, weight, **attrs)
 
@@ -58,7 +60,7 @@ class LlamaGraphWriter:
 
     def _embed(self, b: GraphBuilder, ids: str) -> str:
         rows = b.op("Gather", self.w.embed, ids)
-        return rows if self.w.arrays[self.w.embed].dtype == np.float32 else b.op("Cast", rows, to=1)
+        return rows if self.w.dtype[self.w.embed] == np.float32 else b.op("Cast", rows, to=1)
 
     def _rms_norm(self, b: GraphBuilder, x: str, weight: str) -> str:
         var = b.op("ReduceMean", b.op("Mul", x, x), b.const([-1]), keepdims=1)

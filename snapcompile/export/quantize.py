@@ -16,9 +16,10 @@ An offset adds sum_b(sum_{k in block b} x[k]) * offset[b], one small MatMul on b
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
-from onnx import TensorProto, helper
+from onnx import TensorProto, helper, numpy_helper
 
 from snapcompile.errors import SnapcompileError
 
@@ -55,11 +56,27 @@ class BlockQuantized:
             w = w + self.offsets[:, :, None]
         return w.reshape(n, k)
 
-    def nbytes(self) -> int:
-        """Bytes the graph stores: packed values, scales and offsets."""
-        n, k = self.values.shape
-        extra = 0 if self.offsets is None else self.offsets.nbytes
-        return n * k * self.bits // 8 + self.scales.nbytes + extra
+    def layout(self) -> QuantizedLayout:
+        return QuantizedLayout(self.values.shape, self.bits, self.block_size, self.offsets is not None)
+
+    def initializers(self, name: str) -> list[TensorProto]:
+        """The `name`.qweight / .qscale (/ .qoffset) initializers `emit_matmul` reads."""
+        tensors = [initializer(f"{name}.qweight", self), numpy_helper.from_array(
+            np.ascontiguousarray(self.scales.T), f"{name}.qscale")]
+        if self.offsets is not None:
+            tensors.append(numpy_helper.from_array(np.ascontiguousarray(self.offsets.T), f"{name}.qoffset"))
+        return tensors
+
+
+@dataclass(frozen=True)
+class QuantizedLayout:
+    """What a graph needs to know of a BlockQuantized matrix once its values are written away:
+    shape [N, K], bits, block size, whether it has offsets."""
+
+    shape: tuple[int, int]
+    bits: int
+    block_size: int
+    has_offsets: bool
 
 
 def quantize(weight: np.ndarray, bits: int, block_size: int, name: str) -> BlockQuantized:
@@ -107,17 +124,17 @@ def initializer(name: str, matrix: BlockQuantized) -> TensorProto:
     return helper.make_tensor(name, ONNX_TYPE[matrix.bits], list(kn.shape), raw, raw=True)
 
 
-def emit_matmul(b, x: str, name: str, matrix: BlockQuantized) -> str:
+def emit_matmul(b, x: str, name: str, matrix: QuantizedLayout, tensor) -> str:
     """x [..., K] float32 -> x @ W.T [..., N] with W held as `name`.qweight / .qscale / .qoffset
-    initializers (added here) on the GraphBuilder `b`."""
+    initializers, added here to the GraphBuilder `b`; tensor(initializer_name) gives each one's
+    TensorProto (called only for those b's store has not written)."""
     _, k = matrix.shape
-    b.tensor(f"{name}.qweight", lambda: initializer(f"{name}.qweight", matrix))
-    b.weight(f"{name}.qscale", np.ascontiguousarray(matrix.scales.T))
+    for part in ("qweight", "qscale") + (("qoffset",) if matrix.has_offsets else ()):
+        b.tensor(f"{name}.{part}", partial(tensor, f"{name}.{part}"))
     w = b.op("DequantizeLinear", f"{name}.qweight", f"{name}.qscale", axis=0, block_size=matrix.block_size)
     y = b.op("MatMul", x, w)
-    if matrix.offsets is None:
+    if not matrix.has_offsets:
         return y
-    b.weight(f"{name}.qoffset", np.ascontiguousarray(matrix.offsets.T))
     sums = b.op("ReduceSum", b.op("Reshape", x, b.const([-1, k // matrix.block_size, matrix.block_size])),
                 b.const([-1]), keepdims=0)                                     # [rows, K/bs] block sums
     correction = b.op("Reshape", b.op("MatMul", sums, f"{name}.qoffset"), b.op("Shape", y))

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from onnx import numpy_helper
+from onnx import TensorProto, numpy_helper
 
 from snapcompile.config import ExportConfig
-from snapcompile.export.quantize import QUANT_BITS, BlockQuantized, quantize
+from snapcompile.export.quantize import QUANT_BITS, BlockQuantized, QuantizedLayout, quantize
 from snapcompile.models.spec import ModelSpec
+from snapcompile.models.tensors import TensorSource, rope_frequencies
 
 LINEARS = (("q", "self_attn.q_proj"), ("k", "self_attn.k_proj"), ("v", "self_attn.v_proj"),
            ("o", "self_attn.o_proj"), ("gate", "mlp.gate_proj"), ("up", "mlp.up_proj"), ("down", "mlp.down_proj"))
@@ -54,60 +55,123 @@ class Quantizer:
 
 
 class Weights:
-    """The model's weights arranged for the graphs: `arrays` (float initializers by name) and
-    `quantized` (BlockQuantized by linear name); layer dicts map roles to those names."""
+    """The model's weights arranged for the graphs, read from a TensorSource one tensor at a time and
+    converted (transposed, cast or quantized) as they are read.
 
-    def __init__(self, model, spec: ModelSpec, quantizer: Quantizer | None = None, half: bool = False):
-        """half: linear weights (and the embedding) in float16 (--weights fp16)."""
-        state = {k: v.detach().to(torch.float32).numpy() for k, v in model.state_dict().items()}
-        self.arrays: dict[str, np.ndarray] = {}
-        self.quantized: dict[str, BlockQuantized] = {}
-        self.quantizer = quantizer
+    With a `store` (the artifact's weights.bin) each converted tensor is written as soon as it is made
+    and only its layout is kept, so the export never holds more than one source tensor and its
+    converted form (plus the small ones a graph keeps inline); without one the TensorProtos are kept
+    here (in-memory graphs, tests). Graph writers read `dtype` (float initializers by name),
+    `quantized` (QuantizedLayout by linear name), the layer dicts (roles -> names) and `tensor(name)`."""
+
+    def __init__(self, tensors: TensorSource, spec: ModelSpec, config, quantizer: Quantizer | None = None,
+                 half: bool = False, store=None, progress=None):
+        """half: linear weights (and the embedding) in float16 (--weights fp16). progress(name, done,
+        total), when given, is called as each source tensor is read."""
+        self.source, self.quantizer, self.store, self.progress = tensors, quantizer, store, progress
         self.linear_dtype = np.float16 if half else np.float32
-        embed = state["model.embed_tokens.weight"]
-        self.embed = self._add("embed_tokens", embed.astype(np.float16) if quantizer or half else embed)
-        head = state.get("lm_head.weight")
-        tied = spec.tie_word_embeddings or head is None
-        if quantizer:
-            self.lm_head = self._linear_weight("lm_head", "lm_head.weight" if not tied else "model.embed_tokens.weight",
-                                               embed if tied else head, head=True)
-        else:
-            self.lm_head = self.embed if tied else self._add("lm_head", head.astype(self.linear_dtype))
-        self.final_norm = self._add("norm", state["model.norm.weight"])
-        self.layers = [self._layer(state, i) for i in range(spec.num_layers)]
-        rotary = model.model.rotary_emb
-        self.inv_freq = rotary.inv_freq.detach().to(torch.float32).numpy()
-        self.attention_scaling = float(getattr(rotary, "attention_scaling", 1.0))   # HF scales cos and sin by it
+        self.dtype: dict[str, np.dtype] = {}
+        self.quantized: dict[str, QuantizedLayout] = {}
+        self._protos: dict[str, TensorProto] = {}
+        self.written_bytes = self.read_count = 0
+        embed_dtype = np.float16 if quantizer or half else np.float32
+        tied = spec.tie_word_embeddings or "lm_head.weight" not in tensors.shapes
+        self.reads = len(tensors.shapes) + (1 if quantizer and tied else 0)   # a tied quantized head: twice
+        self.embed = self._add("embed_tokens", self._read("model.embed_tokens.weight").astype(embed_dtype))
+        self.embed_bytes = self.written_bytes
+        self.lm_head = self.embed
+        if not tied and not quantizer:      # [V, hidden] as stored: the graph's Gemm reads it transposed
+            self.lm_head = self._add("lm_head", self._read("lm_head.weight").astype(self.linear_dtype))
+        self.final_norm = self._add("norm", self._read("model.norm.weight"))
+        if quantizer is None:
+            self.layers = [self._layer(i) for i in range(spec.num_layers)]
+        else:   # every float tensor, then the linears, then the head: the order the graphs first wrote them in
+            self.layers = [self._layer(i, linears=False) for i in range(spec.num_layers)]
+            for i, names in enumerate(self.layers):
+                names.update((short, self._linear_weight(f"l{i}.{short}", f"model.layers.{i}.{key}.weight"))
+                             for short, key in LINEARS)
+            self.lm_head = self._linear_weight("lm_head", "model.embed_tokens.weight" if tied else "lm_head.weight",
+                                               head=True)
+        self.inv_freq, self.attention_scaling = rope_frequencies(config)   # HF scales cos and sin by the latter
+
+    def _read(self, hf_name: str) -> np.ndarray:
+        array = self.source.read(hf_name)
+        self.read_count += 1
+        if self.progress is not None:
+            self.progress(hf_name, self.read_count, self.reads)
+        return array
+
+    def _keep(self, proto: TensorProto) -> None:
+        self.written_bytes += len(proto.raw_data)
+        kept = proto if self.store is None else self.store.add(proto)
+        if kept is proto:          # in memory, or too small for the store: the graphs hold it
+            self._protos[proto.name] = proto
 
     def _add(self, name: str, array: np.ndarray) -> str:
-        self.arrays[name] = np.ascontiguousarray(array)
+        self.dtype[name] = array.dtype
+        self._keep(numpy_helper.from_array(np.ascontiguousarray(array), name))
         return name
 
-    def _linear_weight(self, name: str, hf_name: str, weight: np.ndarray, head: bool = False) -> str:
-        """weight [N, K] (HF layout) stored as `name`: quantized, or transposed for MatMul."""
+    def _linear_weight(self, name: str, hf_name: str, head: bool = False) -> str:
+        """The source's weight [N, K] (HF layout) stored as `name`: quantized, or transposed for MatMul."""
         if self.quantizer is None:
-            return self._add(f"{name}.wT", weight.T.astype(self.linear_dtype))
-        self.quantized[name] = self.quantizer(hf_name, weight, head)
+            return self._add(f"{name}.wT", self._read(hf_name).T.astype(self.linear_dtype))
+        matrix = self.quantizer(hf_name, self._read(hf_name), head)
+        self.quantized[name] = matrix.layout()
+        for proto in matrix.initializers(name):
+            self._keep(proto)
         return name
 
-    def _layer(self, state: dict, i: int) -> dict[str, str]:
+    def _layer(self, i: int, linears: bool = True) -> dict[str, str]:
+        """Layer i's role -> name dict: norms, biases and (when `linears`) the linear weights."""
         p = f"model.layers.{i}."
-        names = {"in_norm": self._add(f"l{i}.input_norm", state[p + "input_layernorm.weight"]),
-                 "post_norm": self._add(f"l{i}.post_norm", state[p + "post_attention_layernorm.weight"])}
+        names = {"in_norm": self._add(f"l{i}.input_norm", self._read(p + "input_layernorm.weight")),
+                 "post_norm": self._add(f"l{i}.post_norm", self._read(p + "post_attention_layernorm.weight"))}
         for short, key in LINEARS:
-            names[short] = self._linear_weight(f"l{i}.{short}", p + key + ".weight", state[p + key + ".weight"])
-            if p + key + ".bias" in state:
-                names[short + "_bias"] = self._add(f"l{i}.{short}.bias", state[p + key + ".bias"])
+            if linears:
+                names[short] = self._linear_weight(f"l{i}.{short}", p + key + ".weight")
+            if p + key + ".bias" in self.source.shapes:
+                names[short + "_bias"] = self._add(f"l{i}.{short}.bias", self._read(p + key + ".bias"))
         return names
+
+    def float_names(self) -> list[str]:
+        """The float initializers every graph attaches (norms, biases, embedding, float linears)."""
+        return list(self.dtype)
+
+    def tensor(self, name: str) -> TensorProto:
+        """The TensorProto of initializer `name`, for a graph built without a store (or one too small
+        for it); a tensor already written to the store is only referenced, never asked for."""
+        proto = self._protos.get(name)
+        if proto is None:
+            raise KeyError(f"weight {name} was written to weights.bin and is not held in memory")
+        return proto
 
     def nbytes(self) -> int:
         """Bytes of weights the graphs hold (each tensor once)."""
-        return sum(a.nbytes for a in self.arrays.values()) + sum(q.nbytes() for q in self.quantized.values())
+        return self.written_bytes
 
     def step_nbytes(self) -> int:
         """Bytes a decode step reads: all but the embedding table when the head is stored apart
         (a step gathers one row of it)."""
-        return self.nbytes() - (self.arrays[self.embed].nbytes if self.lm_head != self.embed else 0)
+        return self.written_bytes - (self.embed_bytes if self.lm_head != self.embed else 0)
+
+
+def artifact_weight_bytes(spec: ModelSpec, export: ExportConfig) -> int:
+    """The bytes of weights.bin an export of `spec` in `export.weight_format` writes, from the sizes
+    alone (before anything is read): float32 or float16 linears, or quantized ones (values at `bits`,
+    a float32 scale per block, the head at HEAD_BITS) with a float16 embedding. GGUF blocks kept with
+    their offsets add 4 bytes per block, not counted."""
+    h, q, kv = spec.hidden_size, spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    linear = spec.num_layers * (2 * h * q + 2 * h * kv + 3 * h * spec.intermediate_size)
+    small = 4 * (h + spec.num_layers * (2 * h + ((q + 2 * kv) if spec.qkv_bias else 0)))
+    embed, head = spec.vocab_size * h, 0 if spec.tie_word_embeddings else spec.vocab_size * h
+    if export.weight_format in ("fp32", "fp16"):
+        size = 4 if export.weight_format == "fp32" else 2
+        return small + size * (embed + linear + head)
+    per_block = 4 / export.block_size
+    head = spec.vocab_size * h     # quantized apart even when tied
+    return int(small + 2 * embed + linear * (QUANT_BITS[export.weight_format] / 8 + per_block)
+               + head * (HEAD_BITS / 8 + per_block))
 
 
 def graph_weights(model, spec: ModelSpec) -> dict[str, np.ndarray]:
