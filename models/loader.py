@@ -3,7 +3,9 @@
 Nothing a model folder holds is executed: configs asking for their own code (`auto_map`) are
 refused, transformers runs with trust_remote_code off, and weights load only from the folder's
 *.safetensors files, parsed as safetensors whatever an index file says (never pickle), or
-from a GGUF file. The result is an fp32 eager Hugging Face model in eval mode plus a tokenizer.
+from a GGUF file. The result is the model's config, spec and tokenizer and a TensorSource that
+reads its weights one tensor at a time (models/tensors.py); the fp32 eager Hugging Face model is
+built from it only when asked (`LoadedModel.model`).
 """
 from __future__ import annotations
 

@@ -79,24 +79,38 @@ class QuantizedLayout:
     has_offsets: bool
 
 
+QUANTIZE_CHUNK = 1 << 24   # values quantized at once: bounds the temporaries of a large matrix (an LM head)
+
+
 def quantize(weight: np.ndarray, bits: int, block_size: int, name: str) -> BlockQuantized:
     """Symmetric round-to-nearest block quantization of W [N, K] float32 with ONNX Runtime's
-    quantizer (onnxruntime.capi quantize_matmul_{4,8}bits, the kernel its own tools use)."""
-    from onnxruntime.capi._pybind_state import quantize_matmul_4bits, quantize_matmul_8bits
+    quantizer (onnxruntime.capi quantize_matmul_{4,8}bits, the kernel its own tools use), a few
+    rows at a time (blocks never span rows), so no temporary is larger than QUANTIZE_CHUNK values."""
     n, k = weight.shape
     if k % block_size:
         raise SnapcompileError(f"--block-size {block_size} does not divide the {k} inputs of {name}; "
                                "choose a block size that divides every layer's input size")
-    blocks = k // block_size
-    per_byte = 8 // bits
+    values = np.empty((n, k), np.int8)
+    scales = np.empty((n, k // block_size), np.float32)
+    step = max(1, QUANTIZE_CHUNK // k)
+    for start in range(0, n, step):
+        rows = slice(start, min(n, start + step))
+        values[rows], scales[rows] = _quantize_rows(weight[rows], bits, block_size)
+    return BlockQuantized(values, scales, None, bits, block_size, requantized_blocks=scales.size)
+
+
+def _quantize_rows(weight: np.ndarray, bits: int, block_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """W [n, K] -> signed values int8 [n, K], scales float32 [n, K / block_size]."""
+    from onnxruntime.capi._pybind_state import quantize_matmul_4bits, quantize_matmul_8bits
+    n, k = weight.shape
+    blocks, per_byte = k // block_size, 8 // bits
     packed = np.zeros((n, blocks, block_size // per_byte), np.uint8)
     scales = np.zeros((n, blocks), np.float32)
     zero_points = np.zeros((n, -(-blocks // per_byte)), np.uint8)
     kernel = quantize_matmul_4bits if bits == 4 else quantize_matmul_8bits
     kernel(packed, np.ascontiguousarray(weight.T, np.float32), scales, zero_points, block_size, n, k, True)
     unsigned = _unpack(packed.reshape(n, -1), bits)
-    values = (unsigned.astype(np.int16) - (1 << (bits - 1))).astype(np.int8)   # symmetric: zero point 2^(bits-1)
-    return BlockQuantized(values, scales, None, bits, block_size, requantized_blocks=n * blocks)
+    return (unsigned.astype(np.int16) - (1 << (bits - 1))).astype(np.int8), scales   # zero point 2^(bits-1)
 
 
 def _unpack(packed: np.ndarray, bits: int) -> np.ndarray:

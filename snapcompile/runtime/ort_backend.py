@@ -95,7 +95,9 @@ class OrtDevice:
                             custom_ops=custom_ops, quantized_matmul=matmul)
         model, arrays = ort_form(self.models[name], self.weights, accuracy_level=1 if self.exact_matmul else 4)
         config = {"session.model_external_initializers_file_folder_path": str(self.folder)}
-        return self.sessions.session(model.SerializeToString(), arrays, config, self.threads, name)
+        session = self.sessions.session(model.SerializeToString(), arrays, config, self.threads, name)
+        self.weights.drop_resident_pages()   # each session reads every weight it pre-packs: release them now
+        return session
 
     def loaded(self) -> None:
         """Every graph is open: weights.bin's pages may leave this process's memory (the sessions

@@ -67,6 +67,9 @@ class WeightArrays:
         if key not in self._arrays:
             converted = nbits_layout(self._signed_values(tensor), _QUANT_TYPES[tensor.data_type], block_size)
             self._arrays[key] = self._file_backed(converted)
+            if tensor.data_location == TensorProto.EXTERNAL:    # read once: its source pages may go
+                info = external_data_helper.ExternalDataInfo(tensor)
+                self._drop(self._blob, info.offset or 0, info.length)
         return self._arrays[key]
 
     def _file_backed(self, array: np.ndarray) -> np.ndarray:
@@ -111,9 +114,16 @@ class WeightArrays:
         """Let the kernel drop weights.bin's and the spill file's pages from this process's memory
         (they are read again from the file if touched: an embedding row, a weight a later session
         pre-packs)."""
-        import mmap
         for mapped in ([self._blob] if self._blob is not None else []) + self._spilled:
-            mapped._mmap.madvise(mmap.MADV_DONTNEED)
+            self._drop(mapped, 0, None)
+
+    @staticmethod
+    def _drop(mapped: np.memmap, start: int, length: int | None) -> None:
+        """MADV_DONTNEED over [start, start + length) of a read-only file mapping (None: to its end)."""
+        import mmap
+        begin = start // mmap.PAGESIZE * mmap.PAGESIZE
+        size = len(mapped._mmap) - begin if length is None else start + length - begin
+        mapped._mmap.madvise(mmap.MADV_DONTNEED, begin, size)
 
 
 def nbits_layout(signed: np.ndarray, bits: int, block_size: int) -> np.ndarray:

@@ -32,3 +32,33 @@ def test_gqa_attention_bench_compares_equal_outputs():
     spec.loader.exec_module(module)
     line = module.measure(256, 192, np.random.default_rng(0))
     assert line.startswith("rows 256, filled 192: standard ") and float(line.rsplit(" ", 1)[1]) < 1e-5
+
+
+def test_artifact_point_reports_prefill_and_decode(tiny_snap_dir):
+    """studies/artifact_point.py: the ov_bench.py figures for an artifact."""
+    done = subprocess.run([sys.executable, "studies/artifact_point.py", str(tiny_snap_dir), "--context", "200",
+                           "--slots", "1,2", "--steps", "4", "--repeats", "2"], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    row = json.loads(done.stdout)
+    assert len(row["prefill_s"]) == 2 and all(s > 0 for s in row["prefill_s"])
+    assert set(row["decode"]) == {"1", "2"}
+    assert row["decode"]["2"]["tok_s"] == pytest.approx(2 / row["decode"]["2"]["step_median_s"])
+
+
+def test_random_folder_writes_the_weights_snapcompile_reads(tmp_path, tiny_llama):
+    """studies/random_folder.py: a peer's folder of a built-in model holds its weights (in bf16)."""
+    import numpy as np
+    import torch
+
+    from snapcompile.models import load_model
+    tokenizer = tmp_path / "tok"
+    tiny_llama.tokenizer.save_pretrained(tokenizer)
+    done = subprocess.run([sys.executable, "studies/random_folder.py", "tiny-llama", str(tmp_path / "hf"),
+                           "--tokenizer", str(tokenizer)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    written = load_model(str(tmp_path / "hf"))
+    assert written.tensors.shapes == tiny_llama.tensors.shapes
+    for name in written.tensors.shapes:
+        bf16 = torch.from_numpy(tiny_llama.tensors.read(name)).to(torch.bfloat16).float().numpy()
+        np.testing.assert_array_equal(written.tensors.read(name), bf16)
