@@ -2,11 +2,13 @@
 OpenVINO GenAI (../shared/peers/README.md), so the two can be run side by side, alternating.
 
     .venv/bin/python studies/artifact_point.py ARTIFACT --context 4096 --slots 1,4 [--steps 32] [--repeats 3]
+        [--no-prefill]
 
 Prints one JSON line: load_s (open every graph), prefill_s (one prompt of `context` random tokens,
 each repeat), and per slot count the median decode step (`steps` steps with every slot at
 `context`, the first excluded) and tok/s = slots / median step, the rule of `snapcompile bench` and
-`ov_bench.py`; peak_rss_bytes of the process.
+`ov_bench.py`; peak_rss_bytes of the process. --no-prefill: decode only (a decode step does not depend
+on the cache's values, so a long context's step is measured without prefilling it).
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ def main() -> None:
     parser.add_argument("--slots", default="1")
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--no-prefill", dest="prefill", action="store_false")
     args = parser.parse_args()
     from snapcompile.bench.machine import cpu_description, peak_rss_bytes
     from snapcompile.bench.measure import ort_decode_seconds, ort_prefill_seconds
@@ -30,7 +33,7 @@ def main() -> None:
     start = time.perf_counter()
     backend = open_backend(args.artifact)
     load_s = time.perf_counter() - start
-    prefill = [ort_prefill_seconds(backend, args.context, seed=r)[0] for r in range(args.repeats)]
+    prefill = [ort_prefill_seconds(backend, args.context, seed=r)[0] for r in range(args.repeats * args.prefill)]
     decode = {}
     for slots in (int(s) for s in args.slots.split(",")):
         steps = [ort_decode_seconds(backend, args.context, slots, args.steps, seed=r)[1:] for r in range(args.repeats)]

@@ -25,7 +25,8 @@ def check_memory(manifest: Manifest, available: int | None = None, weight_bytes:
     (run and serve check the artifact they open; export checks the shapes it is asked for)."""
     needed = memory_needed(manifest, weight_bytes)
     what = (f"the artifact ({gib(needed['slot_caches'])} of KV cache for {manifest.export.slots} slots x "
-            f"{manifest.rows_per_slot} rows, {gib(needed['weights'] + needed['packed_weights'])} of weights with "
-            "their pre-packed copy)")
+            f"{manifest.rows_per_slot} rows, {gib(needed['prefill_caches'])} of one prompt's prefill caches for "
+            f"{manifest.export.max_context} positions, {gib(needed['weights'] + needed['packed_weights'])} of "
+            "weights with their pre-packed copy)")
     check_fits(sum(needed.values()), what, "convert with fewer --slots (or --no-slot-buckets) or a smaller "
                "--budget / --max-context", available)
