@@ -43,10 +43,6 @@ class TensorSource:
     def read(self, name: str) -> np.ndarray:
         raise NotImplementedError
 
-    def largest_bytes(self) -> int:
-        """float32 bytes of the biggest tensor (what a streaming step holds at once)."""
-        return 4 * max(int(np.prod(shape)) for shape in self.shapes.values())
-
 
 def check_layer_count(declared: int, names, where: str) -> None:
     """Refuse a checkpoint whose model.layers.N tensors are not exactly the `declared` layers (checked

@@ -10,7 +10,7 @@ def memory_needed(manifest: Manifest, weight_bytes: int | None = None) -> dict[s
     runtime's own work space): the slot caches, the one-prompt prefill caches, the weights
     (weight_bytes, or the artifact's weights.bin) and one pre-packed copy of them, which every
     ONNX Runtime session of the process shares whatever the number of graphs (runtime/ort_capi.py;
-    weights.bin's own pages are released once the graphs are open)."""
+    weights.bin's own pages are released as each session is made)."""
     m, per_token = manifest, manifest.spec.kv_bytes_per_token
     prefill_rows = m.export.max_context if m.policy.compressed else 0
     prefill_rows += max(m.export.prefill_buckets(), default=0)

@@ -47,7 +47,6 @@ class SlotBackend:
         self.decode_graphs = {k: device.graph(graph_name("decode", k, self.slots), m)       # slots -> graph
                               for k in self.decode_sizes}
         self._init_decode()
-        device.loaded()
 
     def _kv(self, batch: int, rows: int):
         return self.device.zeros((batch, self.manifest.spec.num_kv_heads, rows, self.manifest.spec.head_dim), "float32")

@@ -99,12 +99,6 @@ class OrtDevice:
         self.weights.drop_resident_pages()   # each session reads every weight it pre-packs: release them now
         return session
 
-    def loaded(self) -> None:
-        """Every graph is open: weights.bin's pages may leave this process's memory (the sessions
-        hold pre-packed copies; anything read again comes back from the file)."""
-        if self.weights is not None:
-            self.weights.drop_resident_pages()
-
     def kernels(self, manifest: Manifest) -> str:
         """What multiplies the linear layers, for run summaries (MLAS picks its AVX2 / AVX-512 /
         VNNI code path itself at run time from the CPU's features)."""

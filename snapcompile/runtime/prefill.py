@@ -161,7 +161,6 @@ class PrefillRunner:
             g.bind(f"value.{i}", self.t_new_v[i], output=True)
             if self.select_graph is not None:
                 g.bind(f"window_query.{i}", self.window_q[i], output=True)
-        self.device.loaded()         # the tail's pre-packing read the weights again
 
     def chunk_rows(self, start: int) -> int:
         """Cache rows the chunk starting at `start` attends over: those of the smallest bucket that

@@ -149,9 +149,6 @@ class TrtDevice:
     def graph(self, name: str, manifest: Manifest) -> TrtGraph:
         return TrtGraph(self.trt, self.runtime, self.folder / self.engine_files[name])
 
-    def loaded(self) -> None:
-        """Nothing to release: an engine holds its weights on the GPU."""
-
     def kernels(self, manifest: Manifest) -> str:
         """What multiplies the linear layers, for run summaries."""
         return f"TensorRT engines ({manifest.export.weight_format} weights; kernels chosen by TensorRT at build)"
