@@ -183,45 +183,55 @@ def gguf_row_order(hf_name: str, config) -> np.ndarray | None:
     return unpermute_rows(rows, heads)
 
 
-def release_pages(reader, tensor) -> None:
-    """Drop the resident pages of `tensor`'s bytes in a GGUFReader's memory map (read-only: they are
-    read again from the file if touched), so a file read tensor by tensor never stays resident."""
-    import mmap
-    mapping = getattr(reader.data, "_mmap", None)
-    if mapping is None or not hasattr(mmap, "MADV_DONTNEED"):
-        return
-    start = tensor.data_offset // mmap.PAGESIZE * mmap.PAGESIZE
-    mapping.madvise(mmap.MADV_DONTNEED, start, tensor.data_offset + tensor.n_bytes - start)
+class GGUFTensors:
+    """A GGUF file's tensors (memory-mapped by gguf's reader): `by_name`, Hugging Face name -> the
+    reader's tensor; `unknown`, the names of those no Llama-family model has (GGUF_SKIPPED aside)."""
+
+    def __init__(self, path: Path):
+        import gguf
+        self.reader = gguf.GGUFReader(str(path))
+        self.by_name, self.unknown = {}, []
+        for tensor in self.reader.tensors:
+            name = gguf_hf_name(tensor.name)
+            if name is not None:
+                self.by_name[name] = tensor
+            elif tensor.name not in GGUF_SKIPPED:
+                self.unknown.append(tensor.name)
+
+    def release(self, tensor) -> None:
+        """Drop the resident pages of `tensor`'s bytes from the memory map (read-only: they are read
+        again from the file if touched), so a file read tensor by tensor never stays resident."""
+        import mmap
+        mapping = getattr(self.reader.data, "_mmap", None)
+        if mapping is None or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        start = tensor.data_offset // mmap.PAGESIZE * mmap.PAGESIZE
+        mapping.madvise(mmap.MADV_DONTNEED, start, tensor.data_offset + tensor.n_bytes - start)
 
 
 class GGUFSource(TensorSource):
-    """The tensors of a GGUF file (memory-mapped by gguf's reader), each dequantized when read."""
+    """The tensors of a GGUF file, each dequantized when read."""
 
     def __init__(self, path: Path, config, expected: dict[str, tuple[int, ...]]):
-        import gguf
         self.config = config
-        self._reader = gguf.GGUFReader(str(path))
-        self._tensors = {}
-        for tensor in self._reader.tensors:
-            name = gguf_hf_name(tensor.name)
-            if name is None and tensor.name not in GGUF_SKIPPED:
-                raise SnapcompileError(f"GGUF file {path} holds {tensor.name}, which a Llama-family model does not")
-            if name is not None:
-                self._tensors[name] = tensor
+        self.file = GGUFTensors(path)
+        if self.file.unknown:
+            raise SnapcompileError(f"GGUF file {path} holds {self.file.unknown[0]}, which a Llama-family model "
+                                   "does not")
         tied = bool(getattr(config, "tie_word_embeddings", False))
-        self._stored = _named_as_model(list(self._tensors), tied)
-        found = {n: tuple(int(d) for d in reversed(self._tensors[s].shape)) for n, s in self._stored.items()}
+        self._stored = _named_as_model(list(self.file.by_name), tied)
+        found = {n: tuple(int(d) for d in reversed(self.file.by_name[s].shape)) for n, s in self._stored.items()}
         check_against(found, expected, str(path))
         self.shapes = dict(expected)
 
     def read(self, name: str) -> np.ndarray:
         import gguf
-        tensor = self._tensors[self._stored[name]]
+        tensor = self.file.by_name[self._stored[name]]
         values = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
         values = values.reshape(self.shapes[name])
         order = gguf_row_order(name, self.config)
         values = np.ascontiguousarray(values if order is None else values[order])
-        release_pages(self._reader, tensor)
+        self.file.release(tensor)
         return values
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from snapcompile.export.quantize import BlockQuantized
-from snapcompile.models.tensors import gguf_hf_name, gguf_row_order, release_pages
+from snapcompile.models.tensors import GGUFTensors, gguf_row_order
 
 GGUF_BLOCK = 32
 KEPT_KINDS = ("Q4_0", "Q4_1", "Q8_0")
@@ -25,23 +25,18 @@ class GGUFBlocks:
     k_proj are reordered as transformers' GGUF loader reorders them (`gguf_row_order`)."""
 
     def __init__(self, path: Path, config):
-        import gguf
         self.config = config
-        self._reader = gguf.GGUFReader(str(path))
-        self._tensors = {}
-        for tensor in self._reader.tensors:
-            name = gguf_hf_name(tensor.name)
-            if name is not None and name.endswith(".weight") and tensor.tensor_type.name in KEPT_KINDS:
-                self._tensors[name] = tensor
+        self.file = GGUFTensors(path)
 
     def __contains__(self, name: str) -> bool:
-        return name in self._tensors
+        tensor = self.file.by_name.get(name)
+        return tensor is not None and name.endswith(".weight") and tensor.tensor_type.name in KEPT_KINDS
 
     def __getitem__(self, name: str) -> tuple[np.ndarray, ...]:
-        tensor = self._tensors[name]
+        tensor = self.file.by_name[name]
         kind = tensor.tensor_type.name
         u, d, m = _split_blocks(np.asarray(tensor.data), kind)
-        release_pages(self._reader, tensor)
+        self.file.release(tensor)
         order = gguf_row_order(name, self.config)
         if order is not None:
             u, d, m = u[order], d[order], None if m is None else m[order]
