@@ -51,6 +51,16 @@ def test_int4_packing_puts_the_first_value_in_the_low_nibble():
     assert pack_int4(np.array([1, -1, -8], np.int8)) == bytes([0xF1, 0x08])
 
 
+@pytest.mark.parametrize("width", [1, 6, 7])
+def test_nibbles_unpack_what_they_pack(width):
+    from snapcompile.nibbles import pack_nibbles, unpack_nibbles
+    codes = np.random.default_rng(width).integers(0, 16, (3, 2, width)).astype(np.uint8)
+    packed = pack_nibbles(codes)
+    assert packed.shape == (3, 2, (width + 1) // 2) and packed[0, 0, 0] == codes[0, 0, 0] | (
+        (codes[0, 0, 1] << 4) if width > 1 else 0)
+    np.testing.assert_array_equal(unpack_nibbles(packed)[..., :width], codes)
+
+
 @pytest.mark.parametrize("kind, bits", [("Q4_1", 4), ("Q4_1", 8), ("Q4_0", 4), ("Q8_0", 8)])
 def test_gguf_blocks_are_kept_exactly(kind, bits):
     qtype = gguf.GGMLQuantizationType[kind]

@@ -22,6 +22,7 @@ import numpy as np
 from onnx import TensorProto, helper, numpy_helper
 
 from snapcompile.errors import SnapcompileError
+from snapcompile.nibbles import pack_nibbles, unpack_nibbles
 
 QUANT_BITS = {"int8": 8, "int4": 4}
 ONNX_TYPE = {8: TensorProto.INT8, 4: TensorProto.INT4}
@@ -109,26 +110,14 @@ def _quantize_rows(weight: np.ndarray, bits: int, block_size: int) -> tuple[np.n
     zero_points = np.zeros((n, -(-blocks // per_byte)), np.uint8)
     kernel = quantize_matmul_4bits if bits == 4 else quantize_matmul_8bits
     kernel(packed, np.ascontiguousarray(weight.T, np.float32), scales, zero_points, block_size, n, k, True)
-    unsigned = _unpack(packed.reshape(n, -1), bits)
+    unsigned = packed.reshape(n, -1) if bits == 8 else unpack_nibbles(packed.reshape(n, -1))
     return (unsigned.astype(np.int16) - (1 << (bits - 1))).astype(np.int8), scales   # zero point 2^(bits-1)
-
-
-def _unpack(packed: np.ndarray, bits: int) -> np.ndarray:
-    """[rows, bytes] uint8 -> [rows, values] uint8; 4-bit values low nibble first."""
-    if bits == 8:
-        return packed
-    out = np.empty((packed.shape[0], packed.shape[1] * 2), np.uint8)
-    out[:, 0::2], out[:, 1::2] = packed & 0x0F, packed >> 4
-    return out
 
 
 def pack_int4(values: np.ndarray) -> bytes:
     """Signed int4 values (any shape, row-major) -> ONNX INT4 raw bytes (first value in the low
     nibble; an odd count is padded with a zero nibble)."""
-    flat = (values.reshape(-1).astype(np.int16) & 0x0F).astype(np.uint8)
-    if flat.size % 2:
-        flat = np.append(flat, np.uint8(0))
-    return (flat[0::2] | (flat[1::2] << 4)).tobytes()
+    return pack_nibbles((values.reshape(-1).astype(np.int16) & 0x0F).astype(np.uint8)).tobytes()
 
 
 def initializer(name: str, matrix: BlockQuantized) -> TensorProto:

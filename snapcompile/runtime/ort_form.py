@@ -23,6 +23,7 @@ import onnx
 from onnx import TensorProto, external_data_helper, helper, numpy_helper
 
 from snapcompile.artifact.manifest import WEIGHTS
+from snapcompile.nibbles import pack_nibbles, unpack_nibbles
 
 _QUANT_TYPES = {TensorProto.INT4: 4, TensorProto.INT8: 8}
 
@@ -97,8 +98,7 @@ class WeightArrays:
         raw = self.raw(tensor)
         if tensor.data_type == TensorProto.INT8:
             return raw.view(np.int8).reshape(tuple(tensor.dims))
-        values = np.empty(raw.size * 2, np.int8)             # ONNX INT4: two a byte, low nibble first
-        values[0::2], values[1::2] = raw & 0x0F, raw >> 4
+        values = unpack_nibbles(raw).astype(np.int8)         # ONNX INT4: two a byte, low nibble first
         values = np.where(values > 7, values - 16, values).astype(np.int8)
         k, n = tensor.dims
         return values[:k * n].reshape(k, n)
@@ -132,7 +132,7 @@ def nbits_layout(signed: np.ndarray, bits: int, block_size: int) -> np.ndarray:
     k, n = signed.shape
     unsigned = np.ascontiguousarray((signed.T.astype(np.int16) + (1 << (bits - 1))).astype(np.uint8))   # [N, K]
     if bits == 4:
-        unsigned = unsigned[:, 0::2] | (unsigned[:, 1::2] << 4)
+        unsigned = pack_nibbles(unsigned)
     return unsigned.reshape(n, k // block_size, -1)
 
 

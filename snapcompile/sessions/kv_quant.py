@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from snapcompile.nibbles import pack_nibbles, unpack_nibbles
+
 GROUP = 32
 KEY_AXIS, VALUE_AXIS = 1, 2      # the axis of [Hkv, n, D] a group runs along: rows (keys), dimensions (values)
 STORED_BITS = (4, 8)
@@ -48,7 +50,7 @@ class QuantizedRows:
         whole = -(-rows // GROUP) * GROUP if keys else rows          # rows of whole groups
         codes = self.codes[:, :whole]
         if self.bits == 4:                         # the last axis, padded to whole bytes: back to its codes
-            codes = _unpack4(codes)[..., :dim if keys else dim + -dim % GROUP]
+            codes = unpack_nibbles(codes)[..., :dim if keys else dim + -dim % GROUP]
         grouped, group_axis = _grouped(codes, self.axis)
         low_rows = whole // GROUP if keys else whole                 # their rows of low and step
         low, step = (np.expand_dims(a[:, :low_rows], group_axis).astype(np.float32) for a in (self.low, self.step))
@@ -76,7 +78,7 @@ def quantize_rows(rows: np.ndarray, bits: int, axis: int) -> QuantizedRows:
     codes = grouped - np.expand_dims(low.astype(np.float32), group_axis)
     codes /= np.expand_dims(safe, group_axis)
     codes = np.clip(np.rint(codes, out=codes), 0, 2 ** bits - 1, out=codes).astype(np.uint8).reshape(padded.shape)
-    packed = codes if bits == 8 else _pack4(codes)
+    packed = codes if bits == 8 else pack_nibbles(codes)
     return QuantizedRows(np.ascontiguousarray(packed), low, step, (hkv, n, dim), axis, bits)
 
 
@@ -90,15 +92,3 @@ def _grouped(array: np.ndarray, axis: int) -> tuple[np.ndarray, int]:
     return array.reshape(hkv, n // GROUP, GROUP, dim), 2
 
 
-def _pack4(codes: np.ndarray) -> np.ndarray:
-    """uint8 codes < 16 [..., m] -> [..., ceil(m / 2)], low nibble first."""
-    if codes.shape[-1] % 2:
-        codes = np.concatenate([codes, np.zeros((*codes.shape[:-1], 1), np.uint8)], axis=-1)
-    return codes[..., 0::2] | (codes[..., 1::2] << 4)
-
-
-def _unpack4(packed: np.ndarray) -> np.ndarray:
-    """[..., m] bytes -> [..., 2m] codes, low nibble first."""
-    out = np.empty((*packed.shape[:-1], packed.shape[-1] * 2), np.uint8)
-    out[..., 0::2], out[..., 1::2] = packed & 0x0F, packed >> 4
-    return out
