@@ -85,7 +85,7 @@ _SIGNATURES = {             # name -> (return type, argument types), as onnxrunt
     "BindOutput": (_STATUS, [c_void_p, c_char_p, c_void_p]),
     "RunWithBinding": (_STATUS, [c_void_p, c_void_p, c_void_p]),
     **{f"Release{kind}": (None, [c_void_p]) for kind in
-       ("Status", "SessionOptions", "Value", "Session", "IoBinding", "PrepackedWeightsContainer")},
+       ("Status", "SessionOptions", "Value", "Session", "IoBinding", "PrepackedWeightsContainer", "MemoryInfo")},
 }
 _ELEMENT_TYPES = {np.dtype(np.float32): 1, np.dtype(np.uint8): 2, np.dtype(np.int8): 3, np.dtype(np.int32): 6,
                   np.dtype(np.int64): 7, np.dtype(np.bool_): 9, np.dtype(np.float16): 10}
@@ -164,6 +164,11 @@ class TensorValues:
         return self.api.new("CreateTensorWithDataAsOrtValue", self.memory, array.ctypes.data, array.nbytes,
                             shape, array.ndim, kind, what="tensor")
 
+    def __del__(self):
+        """A value keeps its own copy of the memory info: this one can go with this object."""
+        if getattr(self, "memory", None):
+            self.api.ReleaseMemoryInfo(self.memory)
+
 
 class SharedSessions:
     """Sessions of one process that pre-pack each shared weight once (one PrepackedWeightsContainer),
@@ -176,7 +181,10 @@ class SharedSessions:
         # one CPU arena for every session (session.use_env_allocators): sessions run one at a time,
         # so the process's work space is the largest graph's, not the sum of every graph's
         arena = self.api.new("CreateCpuMemoryInfo", 1, 0, what="CPU arena memory info")
-        self.api.check(self.api.CreateAndRegisterAllocator(self.env, arena, None), "shared CPU arena")
+        try:       # the environment keeps its own copy of the memory info
+            self.api.check(self.api.CreateAndRegisterAllocator(self.env, arena, None), "shared CPU arena")
+        finally:
+            self.api.ReleaseMemoryInfo(arena)
         self.values = TensorValues()
         self._initializers: dict[int, int] = {}     # id(array) -> OrtValue, one per shared array
 
