@@ -8,17 +8,21 @@ import pytest
 pytestmark = pytest.mark.study
 
 
+def _study(script: str, *args, timeout: int = 120) -> subprocess.CompletedProcess:
+    """Run studies/`script` with `args` in this interpreter."""
+    return subprocess.run([sys.executable, f"studies/{script}", *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout)
+
+
 def test_graph_runtimes_script_times_a_prefill_chunk(tiny_dense_dir):
     """studies/graph_runtimes.py, the ONNX Runtime half (OpenVINO lives in the peers' venv)."""
-    done = subprocess.run([sys.executable, "studies/graph_runtimes.py", str(tiny_dense_dir), "--graph", "prefill",
-                           "--start", "64", "--repeats", "2", "--runtime", "ort"], capture_output=True, text=True,
-                          timeout=120)
+    done = _study("graph_runtimes.py", tiny_dense_dir, "--graph", "prefill", "--start", 64, "--repeats", 2,
+                  "--runtime", "ort")
     assert done.returncode == 0, done.stderr
     row = json.loads(done.stdout)
     assert (row["runtime"], row["graph"], row["start"], row["repeats"]) == ("ort", "prefill", 64, 2)
     assert row["chunk_ms"] > 0 and row["compile_s"] >= 0
-    missing = subprocess.run([sys.executable, "studies/graph_runtimes.py", str(tiny_dense_dir)], capture_output=True,
-                             text=True, timeout=60)
+    missing = _study("graph_runtimes.py", tiny_dense_dir, timeout=60)
     assert missing.returncode == 2 and "--ov-python is required" in missing.stderr
 
 
@@ -36,9 +40,7 @@ def test_gqa_attention_bench_compares_equal_outputs():
 
 def test_artifact_point_reports_prefill_and_decode(tiny_snap_dir):
     """studies/artifact_point.py: the ov_bench.py figures for an artifact."""
-    done = subprocess.run([sys.executable, "studies/artifact_point.py", str(tiny_snap_dir), "--context", "200",
-                           "--slots", "1,2", "--steps", "4", "--repeats", "2"], capture_output=True, text=True,
-                          timeout=120)
+    done = _study("artifact_point.py", tiny_snap_dir, "--context", 200, "--slots", "1,2", "--steps", 4, "--repeats", 2)
     assert done.returncode == 0, done.stderr
     row = json.loads(done.stdout)
     assert len(row["prefill_s"]) == 2 and all(s > 0 for s in row["prefill_s"])
@@ -54,8 +56,7 @@ def test_random_folder_writes_the_weights_snapcompile_reads(tmp_path, tiny_llama
     from snapcompile.models import load_model
     tokenizer = tmp_path / "tok"
     tiny_llama.tokenizer.save_pretrained(tokenizer)
-    done = subprocess.run([sys.executable, "studies/random_folder.py", "tiny-llama", str(tmp_path / "hf"),
-                           "--tokenizer", str(tokenizer)], capture_output=True, text=True, timeout=120)
+    done = _study("random_folder.py", "tiny-llama", tmp_path / "hf", "--tokenizer", tokenizer)
     assert done.returncode == 0, done.stderr
     written = load_model(str(tmp_path / "hf"))
     assert written.tensors.shapes == tiny_llama.tensors.shapes
