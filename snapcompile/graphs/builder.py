@@ -47,9 +47,6 @@ class GraphBuilder:
             self._const_cache[key] = name
         return self._const_cache[key]
 
-    def weight(self, name: str, array: np.ndarray) -> str:
-        return self.tensor(name, lambda: numpy_helper.from_array(np.ascontiguousarray(array), name))
-
     def tensor(self, name: str, make) -> str:
         """Add initializer `name`; make() builds its TensorProto, called only when the store has
         not written that name yet (each weight is serialized once per export, not once per graph)."""
