@@ -4,7 +4,7 @@ converted and written before the next), so no step holds the whole model.
 A TensorSource knows, before reading anything, every Hugging Face parameter name it holds and its
 shape, checked against the shapes the config needs (`expected_shapes`); `read(name)` returns that
 one tensor as float32 in Hugging Face layout ([out, in] for linear weights). Sources: a folder's
-*.safetensors files (bf16 / fp16 / fp32, memory-mapped), a GGUF file (dequantized per tensor as
+*.safetensors files (bf16 / fp16 / fp32, plain reads at the header's offsets), a GGUF file (dequantized per tensor as
 transformers' GGUF loader does), seeded random values of a real model's shape, and a model already
 in memory (the tiny test models).
 """
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from snapcompile.errors import SnapcompileError, first_line
+from snapcompile.errors import SnapcompileError, first_line, parse_json
 
 ROTARY_BUFFER = "rotary_emb.inv_freq"
 EMBED, HEAD = "model.embed_tokens.weight", "lm_head.weight"
@@ -129,17 +129,16 @@ class SafetensorsSource(TensorSource):
 def _safetensors_entries(path: Path) -> dict[str, tuple[str, tuple[int, ...], int]]:
     """name -> (dtype, shape, absolute byte offset) of a safetensors file, after the safetensors library
     has checked the file (header, offsets within the file)."""
-    import json
-
     from safetensors import SafetensorError, safe_open
     try:
         with safe_open(str(path), framework="pt"):
             pass
         with open(path, "rb") as handle:
             size = int.from_bytes(handle.read(8), "little")
-            header = json.loads(handle.read(size))
+            text = handle.read(size)
     except (SafetensorError, OSError, ValueError, RuntimeError) as err:
         raise SnapcompileError(f"{path} is not a valid safetensors file: {first_line(err)}") from None
+    header = parse_json(text, str(path))
     header.pop("__metadata__", None)
     return {name: (info["dtype"], tuple(info["shape"]), 8 + size + info["data_offsets"][0])
             for name, info in header.items()}
