@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from snapcompile.errors import SnapcompileError, first_line, parse_json
+from snapcompile.models.spec import hf_head_dim
 
 ROTARY_BUFFER = "rotary_emb.inv_freq"
 EMBED, HEAD = "model.embed_tokens.weight", "lm_head.weight"
@@ -178,8 +179,7 @@ def gguf_row_order(hf_name: str, config) -> np.ndarray | None:
     if getattr(config, "model_type", None) != "llama" or not hf_name.endswith(("q_proj.weight", "k_proj.weight")):
         return None
     heads = config.num_attention_heads if hf_name.endswith("q_proj.weight") else config.num_key_value_heads
-    rows = heads * (getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
-    return unpermute_rows(rows, heads)
+    return unpermute_rows(heads * hf_head_dim(config), heads)
 
 
 class GGUFTensors:
