@@ -249,10 +249,7 @@ def test_opening_many_graphs_costs_one_copy_of_the_weights(tmp_path):
     import sys
     folder, _ = _bigger_hf_folder(tmp_path, 1024, 4096)
     out = tmp_path / "int4"
-    convert = subprocess.run([sys.executable, "-m", "snapcompile.cli", "convert", str(folder), "-o", str(out),
-                              "--weights", "int4", "--slots", "8", "--max-context", "4096", "--chunk", "64",
-                              "--budget", "64"], capture_output=True, text=True, timeout=600)
-    assert convert.returncode == 0, convert.stderr[-2000:]
+    _convert_peak_rss(folder, out, "--weights", "int4", "--slots", "8", "--max-context", "4096")
     done = subprocess.run([sys.executable, "-c", OPEN_RSS_SCRIPT, str(out)], capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
