@@ -146,8 +146,8 @@ def _grpc_inputs(text, max_tokens, ignore_eos=False):
     import tritonclient.grpc as grpcclient
     text_input = grpcclient.InferInput("text_input", [1], "BYTES")
     text_input.set_data_from_numpy(np.array([text.encode()], dtype=np.object_))
-    limit = grpcclient.InferInput("max_tokens", [1], "INT32")
-    limit.set_data_from_numpy(np.array([max_tokens], dtype=np.int32))
+    limit = grpcclient.InferInput("max_tokens", [1], "INT64")
+    limit.set_data_from_numpy(np.array([max_tokens], dtype=np.int64))
     stream = grpcclient.InferInput("stream", [1], "BOOL")
     stream.set_data_from_numpy(np.array([True]))
     no_eos = grpcclient.InferInput("ignore_eos", [1], "BOOL")
@@ -206,12 +206,13 @@ def test_a_continued_text_resumes_the_instance_kept_cache(artifact, tmp_path):
 
 def test_a_cancelled_request_frees_its_slot(artifact, tmp_path):
     """One instance with one slot: a long request holds it until the model's 4096 positions run
-    out. The request after a cancelled long one runs at once only if the cancellation freed it."""
+    out (max_tokens past 2^32 must not wrap to a small count). The request after a cancelled long
+    one runs at once only if the cancellation freed it."""
     write_repository(artifact, tmp_path / "repo", "tiny", slots=1)
     server = TritonProcess(tmp_path / "repo", tmp_path / "work", tmp_path / "triton.log").wait_ready()
     try:
         started = time.monotonic()
-        whole = server.generate({"text_input": "go", "max_tokens": 1_000_000, "ignore_eos": True}, timeout=300).json()
+        whole = server.generate({"text_input": "go", "max_tokens": 2**32 + 3, "ignore_eos": True}, timeout=300).json()
         uncancelled_s = time.monotonic() - started
         assert whole["completion_tokens"] > 4000 and whole["finish_reason"] == "length"
         client, results = _stream_client(server)
@@ -301,7 +302,7 @@ class _TritonRequest:
     def __init__(self, text):
         pb = _StandInBackendUtils
         self.inputs = {"text_input": pb.Tensor("text_input", np.array([text.encode()], dtype=np.object_)),
-                       "max_tokens": pb.Tensor("max_tokens", np.array([4], dtype=np.int32))}
+                       "max_tokens": pb.Tensor("max_tokens", np.array([4], dtype=np.int64))}
         self.sender = _Sender()
 
     def get_response_sender(self):

@@ -28,7 +28,7 @@ NAME_RULE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")     # fullmatch: no traili
 MAX_NAME_CHARS = 128
 MAX_INSTANCES = 64
 
-INPUTS = (("text_input", "TYPE_STRING", "[ 1 ]", False), ("max_tokens", "TYPE_INT32", "[ 1 ]", True),
+INPUTS = (("text_input", "TYPE_STRING", "[ 1 ]", False), ("max_tokens", "TYPE_INT64", "[ 1 ]", True),
           ("temperature", "TYPE_FP32", "[ 1 ]", True), ("top_p", "TYPE_FP32", "[ 1 ]", True),
           ("seed", "TYPE_INT64", "[ 1 ]", True), ("stop", "TYPE_STRING", "[ -1 ]", True),
           ("stream", "TYPE_BOOL", "[ 1 ]", True), ("ignore_eos", "TYPE_BOOL", "[ 1 ]", True),
