@@ -259,6 +259,9 @@ class ServerLimits:
     head_timeout_s: float = 10.0         # to receive a request head (from connecting, or the last response)
     keep_alive_s: float = 5.0            # idle time of a kept-alive connection
     max_connections: int = 512           # open connections (and tasks); beyond: 503 from uvicorn
+    max_connections_per_client: int = 64     # open connections from one address; beyond: closed at once (0: no bound)
+    max_requests_per_client: int = 64        # engine requests in flight from one address; 429 beyond (0: no bound)
+    send_timeout_s: float = 30.0         # a response the client stops reading may wait this long, then is dropped
     render_timeout_s: float = 10.0       # to render a chat template (a file of the artifact); 400 beyond
     max_prompts: int = 32                # prompts in one /v1/completions request (each one engine request)
 

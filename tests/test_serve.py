@@ -1,6 +1,7 @@
 """`snapcompile serve`: a real server process on a free local port, driven by the official openai client."""
 import json
 import signal
+import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -377,7 +378,6 @@ def test_an_engine_thread_that_dies_fails_its_requests_turns_health_503_and_exit
 def test_slow_clients_are_closed_and_real_clients_are_served(artifact, tmp_path):
     """20 connections that send their request head a byte at a time are closed after --head-timeout,
     while a real client gets its answer; bounded in count and time, loopback only."""
-    import socket
     server = ServerProcess(artifact, "--head-timeout", "1", "--keep-alive", "1",
                            log=tmp_path / "log").wait_ready()
     slow = [socket.create_connection(("127.0.0.1", server.port), timeout=5) for _ in range(20)]
@@ -653,3 +653,88 @@ def _alive(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
+
+
+def _from(address: str) -> httpx.Client:
+    """An HTTP client whose connections come from `address` (any 127.x.y.z reaches the loopback server)."""
+    return httpx.Client(transport=httpx.HTTPTransport(local_address=address), timeout=60)
+
+
+def _unread_stream(port: int, address: str, prompts: int = 16) -> socket.socket:
+    """A raw client from `address` with a tiny receive window that asks for `prompts` long streamed
+    answers with log probabilities (~3 MB in all, more than the socket buffers hold) and reads
+    nothing."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)
+    sock.bind((address, 0))
+    sock.connect(("127.0.0.1", port))
+    payload = json.dumps({"model": "tiny", "prompt": [f"go {i}" for i in range(prompts)], "max_tokens": 480,
+                          "ignore_eos": True, "stream": True, "logprobs": 5}).encode()
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (len(payload), payload))
+    return sock
+
+
+def test_one_address_cannot_hold_the_connections_or_requests_of_others(artifact, tmp_path):
+    """An address holding idle connections past --max-connections-per-client has the extra ones
+    closed at once, and one with --max-requests-per-client requests in flight (a stream it does not
+    read) gets 429 for more; a client from another address is served meanwhile, and the address is
+    served again once its requests end."""
+    server = ServerProcess(artifact, "--max-connections-per-client", "4", "--max-requests-per-client", "16",
+                           "--max-connections", "8", log=tmp_path / "log").wait_ready()
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 2}
+    idle = [socket.create_connection(("127.0.0.1", server.port), timeout=5) for _ in range(4)]
+    try:
+        extra = socket.create_connection(("127.0.0.1", server.port), timeout=5)
+        try:
+            assert extra.recv(1) == b"", "a connection past the address's share was kept open"
+        except ConnectionResetError:
+            pass
+        extra.close()
+        with _from("127.0.0.2") as other:
+            assert other.post(server.url + "/v1/completions", json=body).status_code == 200
+    finally:
+        for sock in idle:
+            sock.close()
+    with _from("127.0.0.3") as busy, _from("127.0.0.2") as other:
+        unread = _unread_stream(server.port, "127.0.0.3")
+        time.sleep(1)
+        refused = busy.post(server.url + "/v1/completions", json=body)
+        assert refused.status_code == 429 and "--max-requests-per-client" in refused.json()["error"]["message"]
+        assert other.post(server.url + "/v1/completions", json=body).status_code == 200
+        too_many = other.post(server.url + "/v1/completions", json={**body, "prompt": ["a"] * 17})
+        assert too_many.status_code == 400
+        unread.close()
+        deadline = time.monotonic() + 10
+        while (status := busy.post(server.url + "/v1/completions", json=body).status_code) == 429:
+            assert time.monotonic() < deadline, "the closed stream's requests were never given back"
+            time.sleep(0.2)
+        assert status == 200
+    assert server.stop() == 0
+
+
+def test_a_client_that_stops_reading_loses_its_stream_after_the_send_timeout(artifact, tmp_path):
+    """A client that reads nothing of a long streamed answer: after --send-timeout its connection is
+    dropped (the rest of the answer never comes), the request no longer runs, and others are served."""
+    server = ServerProcess(artifact, "--send-timeout", "1", log=tmp_path / "log").wait_ready()
+    sock = _unread_stream(server.port, "127.0.0.1")
+    try:
+        time.sleep(6)                                          # the answers are written, the client reads nothing
+        received, sock_open = b"", True
+        sock.settimeout(5)
+        try:
+            while chunk := sock.recv(65536):
+                received += chunk
+            sock_open = False
+        except ConnectionResetError:
+            sock_open = False
+        except TimeoutError:
+            pass
+        assert not sock_open, "the unread stream still holds its connection"
+        assert b"[DONE]" not in received
+        assert server.metric("snapcompile_requests_running") == 0
+        assert httpx.post(server.url + "/v1/completions", timeout=30,
+                          json={"model": "tiny", "prompt": "hi", "max_tokens": 2}).status_code == 200
+    finally:
+        sock.close()
+        assert server.stop() == 0

@@ -48,6 +48,18 @@ LOOPBACK = ("localhost",)
               help="Seconds an idle kept-alive connection stays open.")
 @click.option("--max-connections", type=click.IntRange(min=1), default=config_default(ServerLimits, "max_connections"),
               show_default=True, help="Open connections served at once (503 beyond).")
+@click.option("--max-connections-per-client", type=click.IntRange(min=0),
+              default=config_default(ServerLimits, "max_connections_per_client"), show_default=True,
+              help="Open connections from one client address; a connection past them is closed at once "
+                   "(0: no bound). Behind a proxy every client has the proxy's address.")
+@click.option("--max-requests-per-client", type=click.IntRange(min=0),
+              default=config_default(ServerLimits, "max_requests_per_client"), show_default=True,
+              help="Requests in flight (running or waiting) from one client address, each prompt of a "
+                   "/v1/completions list counted; 429 beyond (0: no bound).")
+@click.option("--send-timeout", type=FiniteRange(min=0, min_open=True),
+              default=config_default(ServerLimits, "send_timeout_s"), show_default=True,
+              help="Seconds a response may wait for a client that stopped reading it; then the connection "
+                   "is dropped and its request aborted.")
 @click.option("--render-timeout", type=FiniteRange(min=0, min_open=True),
               default=config_default(ServerLimits, "render_timeout_s"), show_default=True,
               help="Seconds the artifact's chat template may take to render one request (400 beyond).")
@@ -61,8 +73,9 @@ LOOPBACK = ("localhost",)
                    "request's first token. A smaller --chunk at convert time makes the step finer.")
 @session_cache_option(scope=True)
 def serve(artifact, host, port, slots, max_waiting, api_key, served_model_name, backend, drain_timeout, log_level,
-          max_body_bytes, body_timeout, head_timeout, keep_alive, max_connections, render_timeout,
-          max_prompts_per_request, prefill_tokens_per_step, session_cache_bytes, session_keep, session_scope):
+          max_body_bytes, body_timeout, head_timeout, keep_alive, max_connections, max_connections_per_client,
+          max_requests_per_client, send_timeout, render_timeout, max_prompts_per_request, prefill_tokens_per_step,
+          session_cache_bytes, session_keep, session_scope):
     """Serve ARTIFACT over an OpenAI-compatible HTTP API.
 
     POST /v1/chat/completions and /v1/completions (streamed or not), GET /v1/models, /health
@@ -86,8 +99,10 @@ def serve(artifact, host, port, slots, max_waiting, api_key, served_model_name, 
         click.echo(f"warning: serving on {host} without --api-key: anyone who reaches this address can use it",
                    err=True)
     limits = ServerLimits(max_body_bytes=max_body_bytes, body_timeout_s=body_timeout, head_timeout_s=head_timeout,
-                          keep_alive_s=keep_alive, max_connections=max_connections, render_timeout_s=render_timeout,
-                          max_prompts=max_prompts_per_request)
+                          keep_alive_s=keep_alive, max_connections=max_connections,
+                          max_connections_per_client=max_connections_per_client,
+                          max_requests_per_client=max_requests_per_client, send_timeout_s=send_timeout,
+                          render_timeout_s=render_timeout, max_prompts=max_prompts_per_request)
     settings = ServerSettings(Path(artifact), served_model_name or Path(artifact).resolve().name, api_key,
                               max_waiting, slots, backend, limits, prefill_tokens_per_step, session_cache_bytes,
                               session_keep, session_scope)

@@ -19,7 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from snapcompile.config import MAX_WAITING, ServerLimits
 from snapcompile.serve.completions import OpenAIServing
 from snapcompile.serve.engine_loop import EngineLoop
-from snapcompile.serve.limits import read_json_body
+from snapcompile.serve.limits import PeerBudget, PeerRequests, read_json_body
 from snapcompile.serve.metrics import CONTENT_TYPE, Metrics
 from snapcompile.serve.protocol import ApiError, ChatRequest, CompletionRequest, now, parse
 from snapcompile.serve.scopes import cache_scope
@@ -50,10 +50,14 @@ class ServerState:
     settings: ServerSettings
     metrics: Metrics = field(default_factory=Metrics)
     scope_secret: bytes = field(default_factory=lambda: secrets.token_bytes(32))   # this process's, never shown
+    peer_requests: PeerBudget = field(init=False)       # engine requests in flight per client address
     serving: OpenAIServing | None = None
     engine_loop: EngineLoop | None = None
     draining: bool = False
     load_error: str | None = None
+
+    def __post_init__(self) -> None:
+        self.peer_requests = PeerBudget(self.settings.limits.max_requests_per_client)
 
     @property
     def engine_failed(self) -> str | None:
@@ -91,6 +95,7 @@ def create_app(state: ServerState) -> FastAPI:
     # redirect_slashes off: /v1/completions/ is an unknown route (404 in OpenAI's shape), not a 307
     app = FastAPI(title="snapcompile", docs_url=None, redoc_url=None, openapi_url=None, redirect_slashes=False)
     app.state.server = state
+    app.add_middleware(PeerRequests, budget=state.peer_requests)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, err: ApiError) -> JSONResponse:
@@ -141,6 +146,7 @@ async def _complete(state: ServerState, request: Request, kind: str, model):
     params = await asyncio.to_thread(parse, model, await read_json_body(request, state.settings.limits))
     call = await serving.accept(kind, params, scope_of(state, params.cache_salt))
     _admit(state, len(call.requests))
+    PeerRequests.hold(state.peer_requests, request, len(call.requests))
     if call.params.stream:
         return StreamingResponse(serving.stream(call), media_type="text/event-stream")
     return JSONResponse(await serving.complete(call, request.is_disconnected))

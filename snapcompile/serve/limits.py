@@ -1,16 +1,20 @@
-"""What one client may cost the server: body size and read time, connections, header time, and the
-rate of one noisy log line. Every bound has a `serve` flag (docs/serving.md, "Limits").
+"""What one client may cost the server: body size and read time, connections (in all and per
+address), requests in flight per address, header and send time, and the rate of one noisy log
+line. Every bound has a `serve` flag (docs/serving.md, "Limits").
 
-uvicorn times idle keep-alive connections but not a request's head: a client sending a byte a
-second would hold its connection (and a file descriptor) for ever. `bounded_h11_protocol` gives
-each connection `head_timeout_s` from its opening, or from its previous response, to deliver a
-complete request head, and closes it otherwise.
+uvicorn times idle keep-alive connections but not a request's head, nor a response its client
+stopped reading: a client sending a byte a second, or reading none, would hold its connection (and
+a file descriptor, and a streamed request) for ever. `bounded_h11_protocol` gives each connection
+`head_timeout_s` from its opening, or from its previous response, to deliver a complete request
+head, drops it once its client has let a response wait `send_timeout_s` unread, and closes at once
+the connections of an address past its share.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
+from collections import Counter
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
@@ -21,12 +25,47 @@ from snapcompile.serve.protocol import ApiError
 JSON_MAX_DEPTH = 64         # nesting of a request body (OpenAI's bodies need 4 or 5)
 
 
-def bounded_h11_protocol(head_timeout_s: float) -> type[H11Protocol]:
-    """uvicorn's h11 protocol, closing connections that do not deliver a request head in time."""
+class PeerBudget:
+    """Units (connections, requests) held per client address, at most `limit` each (0: no bound).
+    Used from the event loop only."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self._held: Counter[str] = Counter()
+
+    def take(self, peer: str, units: int = 1) -> bool:
+        """Hold `units` more for `peer`; False (nothing held) when that would pass the limit."""
+        if self.limit and self._held[peer] + units > self.limit:
+            return False
+        self._held[peer] += units
+        return True
+
+    def give_back(self, peer: str, units: int = 1) -> None:
+        self._held[peer] -= units
+        if self._held[peer] <= 0:
+            del self._held[peer]
+
+    def held(self, peer: str) -> int:
+        return self._held[peer]
+
+
+def bounded_h11_protocol(limits: ServerLimits, connections: PeerBudget) -> type[H11Protocol]:
+    """uvicorn's h11 protocol, closing connections that do not deliver a request head in time,
+    that leave a response unread past the send timeout, or that pass their address's share of
+    `connections`."""
+    head_timeout_s, send_timeout_s = limits.head_timeout_s, limits.send_timeout_s
 
     class BoundedH11Protocol(H11Protocol):
+        _peer: str | None = None
+        _head_timer = _send_timer = None
+
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
+            peer = _peer_address(transport)
+            if not connections.take(peer):
+                transport.abort()                 # past this address's share: nothing is read from it
+                return
+            self._peer = peer
             self._arm_head_timer()
 
         def handle_events(self) -> None:
@@ -38,8 +77,21 @@ def bounded_h11_protocol(head_timeout_s: float) -> type[H11Protocol]:
             super().on_response_complete()
             self._arm_head_timer()
 
+        def pause_writing(self) -> None:
+            super().pause_writing()                # the client reads slower than the response comes
+            self._send_timer = self.loop.call_later(send_timeout_s, self._send_timed_out)
+
+        def resume_writing(self) -> None:
+            self._cancel(self._send_timer)
+            self._send_timer = None
+            super().resume_writing()
+
         def connection_lost(self, exc) -> None:
             self._cancel_head_timer()
+            self._cancel(self._send_timer)
+            if self._peer is not None:
+                connections.give_back(self._peer)
+                self._peer = None
             super().connection_lost(exc)
 
         def _arm_head_timer(self) -> None:
@@ -47,17 +99,62 @@ def bounded_h11_protocol(head_timeout_s: float) -> type[H11Protocol]:
             self._head_timer = self.loop.call_later(head_timeout_s, self._head_timed_out)
 
         def _cancel_head_timer(self) -> None:
-            timer = getattr(self, "_head_timer", None)
+            self._cancel(self._head_timer)
+            self._head_timer = None
+
+        @staticmethod
+        def _cancel(timer) -> None:
             if timer is not None:
                 timer.cancel()
-                self._head_timer = None
 
         def _head_timed_out(self) -> None:
             self._head_timer = None
             if (self.cycle is None or self.cycle.response_complete) and not self.transport.is_closing():
                 self.transport.close()
 
+        def _send_timed_out(self) -> None:
+            """The unread response is dropped: the request sees its client gone and is aborted."""
+            self._send_timer = None
+            self.transport.abort()
+
     return BoundedH11Protocol
+
+
+class PeerRequests:
+    """Engine requests in flight per client address, at most `budget.limit` (429 beyond). A route
+    takes them with `hold`; this ASGI middleware gives them back when the HTTP request ends,
+    however it ends (answered, streamed to its end, failed, or its client gone)."""
+
+    SCOPE_KEY = "snapcompile.peer_requests"
+
+    def __init__(self, app, budget: PeerBudget):
+        self.app, self.budget = app, budget
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            held = scope.pop(self.SCOPE_KEY, None)
+            if held is not None:
+                self.budget.give_back(*held)
+
+    @classmethod
+    def hold(cls, budget: PeerBudget, request, units: int) -> None:
+        peer = request.client.host if request.client else ""
+        if 0 < budget.limit < units:
+            raise ApiError(400, f"{units} prompts in one request: more than this server runs from one address "
+                                f"({budget.limit}, serve --max-requests-per-client)", param="prompt")
+        if not budget.take(peer, units):
+            raise ApiError(429, f"this client already has {budget.held(peer)} requests in flight; this server "
+                                f"runs at most {budget.limit} from one address (serve --max-requests-per-client)",
+                           headers={"Retry-After": "1"})
+        request.scope[cls.SCOPE_KEY] = (peer, units)
+
+
+def _peer_address(transport) -> str:
+    """The client's address without its port ("" for a Unix socket)."""
+    peer = transport.get_extra_info("peername")
+    return str(peer[0]) if isinstance(peer, tuple) and peer else ""
 
 
 async def read_json_body(request, limits: ServerLimits):

@@ -11,7 +11,7 @@ import uvicorn
 
 from snapcompile.errors import EngineFailure, SnapcompileError, first_line
 from snapcompile.serve.app import ServerSettings, ServerState, create_app, drain, load_engine
-from snapcompile.serve.limits import RateLimitedLog, bounded_h11_protocol
+from snapcompile.serve.limits import PeerBudget, RateLimitedLog, bounded_h11_protocol
 
 log = logging.getLogger("snapcompile.serve")
 
@@ -76,7 +76,8 @@ def serve(settings: ServerSettings, host: str, port: int, drain_timeout_s: float
     limits = settings.limits
     config = uvicorn.Config(create_app(state), host=host, port=port, log_level=log_level,
                             timeout_graceful_shutdown=5, lifespan="off",
-                            http=bounded_h11_protocol(limits.head_timeout_s), timeout_keep_alive=limits.keep_alive_s,
+                            http=bounded_h11_protocol(limits, PeerBudget(limits.max_connections_per_client)),
+                            timeout_keep_alive=limits.keep_alive_s,
                             limit_concurrency=limits.max_connections)
     logging.getLogger("asyncio").addFilter(RateLimitedLog("out of system resource"))
     server = DrainingServer(config, state, drain_timeout_s)
