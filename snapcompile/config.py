@@ -262,7 +262,8 @@ class ServerLimits:
     max_connections_per_client: int = 64     # open connections from one address; beyond: closed at once (0: no bound)
     max_requests_per_client: int = 64        # engine requests in flight from one address; 429 beyond (0: no bound)
     send_timeout_s: float = 30.0         # a response the client stops reading may wait this long, then is dropped
-    render_timeout_s: float = 10.0       # to render a chat template (a file of the artifact); 400 beyond
+    render_timeout_s: float = 10.0       # to render a chat template (a file of the artifact) or tokenize; 400 beyond
+    tokenizer_workers: int = 1           # worker processes per lane (chat templates / plain tokenization)
     max_prompts: int = 32                # prompts in one /v1/completions request (each one engine request)
 
 

@@ -124,25 +124,37 @@ def _time_limit(seconds: float):
         sys.settrace(previous)
 
 
-def encode_messages(tokenizer, messages: list[dict], timeout_s: float = RENDER_TIMEOUT_S) -> list[int]:
+def encode_messages(tokenizer, messages: list[dict], timeout_s: float | None = RENDER_TIMEOUT_S,
+                    max_chars: int | None = None) -> list[int]:
     """Token ids of chat `messages` through the tokenizer's chat template, rendered within
-    `timeout_s`. A template that fails, loops, or a tokenizer that errs is a SnapcompileError
-    naming what went wrong (the template and tokenizer come from files, not from code here)."""
+    `timeout_s` (None: no deadline here; the caller bounds the process) to at most `max_chars`
+    characters (None: no bound) and then tokenized as apply_chat_template does. A template that
+    fails, loops, renders too much, or a tokenizer that errs is a SnapcompileError naming what went
+    wrong (the template and tokenizer come from files, not from code here)."""
+    rendered = render_messages(tokenizer, messages, timeout_s)
+    if max_chars is not None and len(rendered) > max_chars:
+        raise SnapcompileError(f"the chat template rendered {len(rendered)} characters: more than this model's "
+                               f"context can hold ({max_chars} at the most)")
+    return encode_text(tokenizer, rendered)
+
+
+def render_messages(tokenizer, messages: list[dict], timeout_s: float | None = RENDER_TIMEOUT_S) -> str:
+    """The chat template's text for `messages` (with the generation prompt), within `timeout_s`."""
     import jinja2
     try:
-        with _time_limit(timeout_s):
-            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        with _time_limit(timeout_s) if timeout_s is not None else contextlib.nullcontext():
+            rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     except _RenderTimeout:
         raise SnapcompileError(f"the chat template did not render within {timeout_s:g} s; refused") from None
     except jinja2.TemplateError as err:
         raise SnapcompileError(f"the chat template failed: {type(err).__name__}: {first_line(err)}") from None
     except (ValueError, TypeError) as err:
         raise SnapcompileError(f"the chat template cannot be applied: {first_line(err)}") from None
-    except BaseException as err:
-        _reraise_tokenizer_failure(err)
-    if isinstance(ids, dict) or hasattr(ids, "keys"):
-        ids = ids["input_ids"]
-    return [int(i) for i in ids]
+    except MemoryError:
+        raise SnapcompileError("the chat template ran out of memory while rendering; refused") from None
+    if not isinstance(rendered, str):
+        raise SnapcompileError(f"the chat template rendered a {type(rendered).__name__}, not text")
+    return rendered
 
 
 def encode_text(tokenizer, text: str) -> list[int]:

@@ -1,6 +1,7 @@
 """Helpers of the CLI and hardening tests: invoking the CLI in-process, asserting one-line errors,
 editing an artifact's manifest as a careless (or hostile) user would."""
 import json
+import shutil
 from pathlib import Path
 
 from click.testing import CliRunner
@@ -45,3 +46,32 @@ def rerecord_checksums(folder):
     raw["files"] = {item.name: {"bytes": item.stat().st_size, "sha256": file_sha256(item)}
                     for item in sorted(folder.iterdir()) if item.is_file() and item.name != MANIFEST}
     (folder / MANIFEST).write_text(json.dumps(raw))
+
+
+# A chat template whose work the first message's content chooses: a loop, a 3 GB string, a
+# 30-million-character rendering, or ChatML.
+HOSTILE_TEMPLATE = (
+    "{% set c = messages[0]['content'] %}"
+    "{% if c == 'loop' %}{% for i in range(100000) %}{% for j in range(100000) %}x{% endfor %}{% endfor %}"
+    "{% elif c == 'huge' %}{{ 'a' * 3000000000 }}"
+    "{% elif c == 'long' %}{{ 'a' * 30000000 }}"
+    "{% else %}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "<|im_start|>assistant\n{% endif %}")
+
+
+def hostile_copy(artifact: Path, folder: Path) -> Path:
+    r"""A resealed copy of `artifact` with HOSTILE_TEMPLATE, a pre-tokenizer regex that is quadratic
+    in the text (`\w*\s` over letters without a space: 1.3 s for 20,000, ~30 s for 100,000), and a
+    2000-character vocabulary entry (a prompt may then hold 2000 characters a token)."""
+    shutil.copytree(artifact, folder)
+    (folder / "chat_template.jinja").write_text(HOSTILE_TEMPLATE)
+    tokenizer = json.loads((folder / "tokenizer.json").read_text())
+    tokenizer["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [
+        {"type": "Split", "pattern": {"Regex": r"\w*\s"}, "behavior": "Isolated", "invert": False},
+        tokenizer["pre_tokenizer"]]}
+    added = tokenizer["added_tokens"]
+    added.append({**added[-1], "id": max(token["id"] for token in added) + 1, "content": "x" * 2000,
+                  "special": False})
+    (folder / "tokenizer.json").write_text(json.dumps(tokenizer))
+    rerecord_checksums(folder)
+    return folder

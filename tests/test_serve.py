@@ -407,34 +407,44 @@ def test_slow_clients_are_closed_and_real_clients_are_served(artifact, tmp_path)
         server.stop()
 
 
-def test_a_pathological_chat_template_is_refused_in_time_and_the_server_stays_responsive(artifact, tmp_path):
-    """A crafted artifact whose template loops 10^10 times: 400 after --render-timeout, /health
-    answers meanwhile, and SIGTERM still drains and exits 0."""
-    import shutil
-
-    from tests.cli_helpers import rerecord_checksums
-    crafted = tmp_path / "crafted"            # a copy: the module's artifact serves the other tests
-    shutil.copytree(artifact, crafted)
-    (crafted / "chat_template.jinja").write_text(
-        "{% for i in range(100000) %}{% for j in range(100000) %}x{% endfor %}{% endfor %}")
-    rerecord_checksums(crafted)
+def test_hostile_templates_and_tokenizers_are_bounded_and_hold_only_their_lane(artifact, tmp_path):
+    """A crafted artifact (tests.cli_helpers.hostile_copy): a looping template is refused after
+    --render-timeout while /health and plain completions answer at once; a template allocating 3 GB
+    and one rendering 30 million characters are refused; a prompt the quadratic tokenizer would
+    take ~30 s on is refused after the timeout; the server answers normally after all of it, and
+    SIGTERM still drains and exits 0."""
+    from tests.cli_helpers import hostile_copy
+    crafted = hostile_copy(artifact, tmp_path / "crafted")   # a copy: the module's artifact serves the other tests
     server = ServerProcess(crafted, "--render-timeout", "2", log=tmp_path / "log").wait_ready()
+
+    def chat(content):
+        return httpx.post(server.url + "/v1/chat/completions", timeout=60,
+                          json={"model": "tiny", "messages": [{"role": "user", "content": content}], "max_tokens": 2})
+
+    def complete(prompt):
+        return httpx.post(server.url + "/v1/completions", timeout=60,
+                          json={"model": "tiny", "prompt": prompt, "max_tokens": 2})
     try:
-        with ThreadPoolExecutor(1) as pool:
+        with ThreadPoolExecutor(2) as pool:
             started = time.monotonic()
-            chat = pool.submit(httpx.post, server.url + "/v1/chat/completions", timeout=60,
-                               json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}]})
-            health_times = []
-            while not chat.done() and time.monotonic() - started < 30:
+            looping = [pool.submit(chat, "loop") for _ in range(2)]
+            times = []
+            while not all(reply.done() for reply in looping) and time.monotonic() - started < 30:
                 begin = time.monotonic()
                 assert httpx.get(server.url + "/health", timeout=5).status_code == 200
-                health_times.append(time.monotonic() - begin)
-                time.sleep(0.2)
-            reply = chat.result(timeout=30)
-        assert reply.status_code == 400 and "did not render within 2 s" in reply.json()["error"]["message"]
-        assert health_times and max(health_times) < 1.0
-        assert httpx.post(server.url + "/v1/completions", timeout=30,
-                          json={"model": "tiny", "prompt": "hi", "max_tokens": 2}).status_code == 200
+                assert complete("hi").status_code == 200
+                times.append(time.monotonic() - begin)
+                time.sleep(0.1)
+            for reply in looping:
+                reply = reply.result(timeout=30)
+                assert reply.status_code == 400 and "did not render within 2 s" in reply.json()["error"]["message"]
+        assert times and max(times) < 1.5, times
+        for content, fragment in (("huge", "out of memory"), ("long", "rendered 30000000 characters")):
+            reply = chat(content)
+            assert reply.status_code == 400 and fragment in reply.json()["error"]["message"], reply.text
+        reply = complete("a" * 100_000)
+        assert reply.status_code == 400 and "did not finish within 2 s" in reply.json()["error"]["message"]
+        assert chat("hi").status_code == 200 and complete("hi").status_code == 200
     finally:
         assert server.stop() == 0
 

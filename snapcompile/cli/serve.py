@@ -62,7 +62,12 @@ LOOPBACK = ("localhost",)
                    "is dropped and its request aborted.")
 @click.option("--render-timeout", type=FiniteRange(min=0, min_open=True),
               default=config_default(ServerLimits, "render_timeout_s"), show_default=True,
-              help="Seconds the artifact's chat template may take to render one request (400 beyond).")
+              help="Seconds the artifact's chat template and tokenizer may take for one request, the wait for "
+                   "a tokenizer worker included (400 beyond; a worker past it is killed and replaced).")
+@click.option("--tokenizer-workers", type=click.IntRange(min=1),
+              default=config_default(ServerLimits, "tokenizer_workers"), show_default=True,
+              help="Worker processes rendering chat templates, and as many tokenizing plain prompts (~120 MB "
+                   "each; each bounded to 2 GiB beyond its tokenizer).")
 @click.option("--max-prompts-per-request", type=click.IntRange(min=1),
               default=config_default(ServerLimits, "max_prompts"), show_default=True,
               help="Prompts one /v1/completions request may carry (a list of prompts; 400 beyond). Each is "
@@ -74,7 +79,8 @@ LOOPBACK = ("localhost",)
 @session_cache_option(scope=True)
 def serve(artifact, host, port, slots, max_waiting, api_key, served_model_name, backend, drain_timeout, log_level,
           max_body_bytes, body_timeout, head_timeout, keep_alive, max_connections, max_connections_per_client,
-          max_requests_per_client, send_timeout, render_timeout, max_prompts_per_request, prefill_tokens_per_step,
+          max_requests_per_client, send_timeout, render_timeout, tokenizer_workers, max_prompts_per_request,
+          prefill_tokens_per_step,
           session_cache_bytes, session_keep, session_scope):
     """Serve ARTIFACT over an OpenAI-compatible HTTP API.
 
@@ -102,7 +108,8 @@ def serve(artifact, host, port, slots, max_waiting, api_key, served_model_name, 
                           keep_alive_s=keep_alive, max_connections=max_connections,
                           max_connections_per_client=max_connections_per_client,
                           max_requests_per_client=max_requests_per_client, send_timeout_s=send_timeout,
-                          render_timeout_s=render_timeout, max_prompts=max_prompts_per_request)
+                          render_timeout_s=render_timeout, tokenizer_workers=tokenizer_workers,
+                          max_prompts=max_prompts_per_request)
     settings = ServerSettings(Path(artifact), served_model_name or Path(artifact).resolve().name, api_key,
                               max_waiting, slots, backend, limits, prefill_tokens_per_step, session_cache_bytes,
                               session_keep, session_scope)

@@ -23,6 +23,7 @@ from snapcompile.serve.limits import PeerBudget, PeerRequests, read_json_body
 from snapcompile.serve.metrics import CONTENT_TYPE, Metrics
 from snapcompile.serve.protocol import ApiError, ChatRequest, CompletionRequest, now, parse
 from snapcompile.serve.scopes import cache_scope
+from snapcompile.serve.tokenizer_pool import TokenizerPool
 
 log = logging.getLogger("snapcompile.serve")
 RETRY_AFTER_S = 1
@@ -53,6 +54,7 @@ class ServerState:
     peer_requests: PeerBudget = field(init=False)       # engine requests in flight per client address
     serving: OpenAIServing | None = None
     engine_loop: EngineLoop | None = None
+    tokenizers: TokenizerPool | None = None
     draining: bool = False
     load_error: str | None = None
 
@@ -86,9 +88,11 @@ def load_engine(state: ServerState) -> None:
     engine_loop.start()
     export = engine.backend.manifest.export
     state.engine_loop = engine_loop
+    state.tokenizers = TokenizerPool(settings.artifact, settings.limits.tokenizer_workers,
+                                     settings.limits.render_timeout_s)
     state.serving = OpenAIServing(engine_loop, engine.tokenizer, settings.model_name,
                                   max(export.max_context, engine.prompt_limit + 1),
-                                  settings.limits.render_timeout_s, settings.limits.max_prompts)
+                                  state.tokenizers, settings.limits.max_prompts)
 
 
 def create_app(state: ServerState) -> FastAPI:

@@ -15,9 +15,10 @@ from dataclasses import dataclass
 from snapcompile.engine.engine import Result, TokenEvent
 from snapcompile.engine.request import Request, SamplingParams
 from snapcompile.errors import PromptError, SnapcompileError
-from snapcompile.prompts import RENDER_TIMEOUT_S, encode_messages, encode_text, max_prompt_chars
+from snapcompile.prompts import max_prompt_chars
 from snapcompile.serve.engine_loop import EngineLoop, Update
 from snapcompile.serve.protocol import ApiError, ChatRequest, CompletionRequest, PromptItem, new_id, now, usage
+from snapcompile.serve.tokenizer_pool import TokenizerPool
 
 DISCONNECT_POLL_S = 0.1     # how often a non-streamed request checks that its client is still there
 
@@ -37,15 +38,17 @@ class Call:
 
 class OpenAIServing:
     def __init__(self, engine_loop: EngineLoop, tokenizer, model_name: str, max_context: int,
-                 render_timeout_s: float = RENDER_TIMEOUT_S, max_prompts: int = 32):
+                 tokenizers: TokenizerPool, max_prompts: int = 32):
+        """`tokenizer` decodes (echoes); `tokenizers` renders chat templates and tokenizes prompts in
+        worker processes, each job bounded in time and memory."""
         self.engine_loop, self.tokenizer, self.model_name = engine_loop, tokenizer, model_name
-        self.max_context, self.render_timeout_s, self.max_prompts = max_context, render_timeout_s, max_prompts
+        self.max_context, self.tokenizers, self.max_prompts = max_context, tokenizers, max_prompts
         self.max_prompt_chars = max_prompt_chars(tokenizer, engine_loop.engine.prompt_limit)
         self._per_thread = threading.local()
 
     def _thread_tokenizer(self):
-        """This worker thread's own copy of the tokenizer: a fast tokenizer's encode borrows its Rust
-        state mutably, so concurrent calls on one object can fail ("Already borrowed")."""
+        """This worker thread's own copy of the tokenizer: a fast tokenizer borrows its Rust state
+        mutably, so concurrent calls on one object can fail ("Already borrowed")."""
         tokenizer = getattr(self._per_thread, "tokenizer", None)
         if tokenizer is None:
             tokenizer = self._per_thread.tokenizer = copy.deepcopy(self.tokenizer)
@@ -55,8 +58,8 @@ class OpenAIServing:
     async def accept(self, kind: str, params: ChatRequest | CompletionRequest, scope: str | None = None) -> Call:
         """Check `params` against this model and build the engine request (400s name the field),
         in the session store's `scope` (`scope_of`).
-        The prompt is tokenized (and the chat template rendered) on a worker thread, within a time
-        limit, after its size was checked: the event loop never waits on it."""
+        The prompt is tokenized (and the chat template rendered) in a worker process, within a time
+        and memory bound, after its size was checked: the event loop never waits on it."""
         params.unsupported()
         if params.model != self.model_name:
             raise ApiError(404, f"the model {params.model!r} does not exist; this server serves {self.model_name!r}",
@@ -71,9 +74,12 @@ class OpenAIServing:
             raise ApiError(400, str(err), param=param) from None
         requests = await asyncio.to_thread(self._engine_requests, params, prompts, param, scope)
         echo = kind == "completion" and params.echo
-        echoes = tuple(self.tokenizer.decode(prompt) for prompt in prompts) if echo else ()
+        echoes = await asyncio.to_thread(self._echoes, prompts) if echo else ()
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
         return Call(kind, params, requests, new_id(prefix), self.model_name, echoes)
+
+    def _echoes(self, prompts: list[list[int]]) -> tuple[str, ...]:
+        return tuple(self._thread_tokenizer().decode(prompt) for prompt in prompts)
 
     def _engine_requests(self, params: ChatRequest | CompletionRequest, prompts: list[list[int]], param: str,
                          scope: str | None) -> tuple[Request, ...]:
@@ -114,14 +120,14 @@ class OpenAIServing:
             raise ApiError(400, "this model has no chat template; use /v1/completions", param="messages")
         messages = [{"role": m.role, "content": m.text()} for m in params.messages]
         self._check_size(sum(len(m["content"]) + len(m["role"]) for m in messages), "messages")
-        return encode_messages(self._thread_tokenizer(), messages, self.render_timeout_s)
+        return self.tokenizers.chat(messages, self.max_prompt_chars)
 
     def _raw_prompt(self, prompt: PromptItem) -> list[int]:
         """A completion prompt's token ids: given as they are, or those of its text."""
         if not isinstance(prompt, str):
             return prompt
         self._check_size(len(prompt), "prompt")
-        return encode_text(self._thread_tokenizer(), prompt)
+        return self.tokenizers.text(prompt)
 
     # ------------------------------------------------------------------ responses
     def _submit(self, requests: tuple[Request, ...]) -> asyncio.Queue:
