@@ -192,6 +192,57 @@ def check_output_file(path: Path, force: bool, inputs: tuple[Path, ...] = (),
     return path
 
 
+class PartialLines:
+    """A results file written as the results come: each line appended (and flushed) to
+    `<target>.partial`, created before any work (an existing one is replaced only with `force`);
+    `finish(text)` writes the whole target atomically and removes the partial file. Should the
+    partial file stop taking lines (a full disk), `intact` turns False and the run goes on: the
+    caller holds every line too. Whatever ends the run early leaves the partial file in place."""
+
+    def __init__(self, target: Path, force: bool):
+        self.target = Path(target)
+        self.path = self.target.with_name(self.target.name + ".partial")
+        self.lines, self.intact = 0, True
+        flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | (os.O_TRUNC if force else os.O_EXCL)
+        if force and os.path.lexists(self.path) and not stat.S_ISREG(os.lstat(self.path).st_mode):
+            raise SnapcompileError(f"{self.path} is not a regular file; remove it or choose another output")
+        try:
+            self._handle = os.fdopen(os.open(self.path, flags, 0o644), "w", encoding="utf-8")
+        except FileExistsError:
+            raise SnapcompileError(f"{self.path} exists (an earlier run's partial results?); use --force to "
+                                   "replace it, or move it away") from None
+        except OSError as err:
+            raise SnapcompileError(f"cannot write {self.path}: {err.strerror or err}") from None
+
+    def append(self, line: str) -> None:
+        if not self.intact:
+            return
+        try:
+            self._handle.write(line + "\n")
+            self._handle.flush()
+            self.lines += 1
+        except OSError:
+            self.intact = False
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self._handle.close()
+
+    def finish(self, text: str) -> None:
+        """Write `text` to the target atomically and drop the partial file. On an OSError the
+        SnapcompileError says where the results are: in the partial file when it holds them all
+        (`intact`), else nowhere on disk (the caller prints them)."""
+        self.close()
+        try:
+            write_text_atomic(self.target, text)
+        except OSError as err:
+            kept = (f"all {self.lines} results are in {self.path}" if self.intact
+                    else "the results are printed on standard output instead")
+            raise SnapcompileError(f"cannot write {self.target}: {err.strerror or err}; {kept}") from None
+        with contextlib.suppress(OSError):
+            os.unlink(self.path)
+
+
 def write_json_atomic(path: Path, payload) -> None:
     """Write JSON to `path` via a temporary file and a rename."""
     write_text_atomic(path, json.dumps(payload, indent=2) + "\n")

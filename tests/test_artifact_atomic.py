@@ -170,3 +170,70 @@ def test_report_files_beside_the_output_are_never_written_through_a_link_or_into
     plt.close(fig)
     assert target.read_text() == "keep" and (tmp_path / "report.md").read_text() == "| table |\n"
     assert (tmp_path / "report-budget.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def _limited_file_size(max_bytes: int):
+    """A preexec function: files this process writes stop at `max_bytes` (EFBIG, as a full disk
+    stops them with ENOSPC; SIGXFSZ ignored so the write fails instead of killing the process)."""
+    def limit():
+        import resource
+        resource.setrlimit(resource.RLIMIT_FSIZE, (max_bytes, max_bytes))
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    return limit
+
+
+def _cli(*args, preexec_fn=None):
+    return subprocess.run([sys.executable, "-m", "snapcompile.cli", *map(str, args)], capture_output=True, text=True,
+                          timeout=600, cwd=REPO, preexec_fn=preexec_fn)
+
+
+def test_run_writes_as_it_goes_and_a_refused_results_file_keeps_every_result(tiny_dense_dir, tmp_path, monkeypatch):
+    """The disk refuses the results file at the end: one error line saying where the results are,
+    every one of them in the partial file."""
+    import errno
+
+    import snapcompile.atomic
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"p{i}", "id": f"r{i}"}) + "\n" for i in range(3)))
+    output = tmp_path / "out.jsonl"
+
+    def full_disk(path, text):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+    monkeypatch.setattr(snapcompile.atomic, "write_text_atomic", full_disk)
+    result = invoke("run", tiny_dense_dir, "--prompts", prompts, "-o", output, "--max-new-tokens", 2)
+    assert_one_line_error(result, "No space left on device; all 3 results are in")
+    kept = [json.loads(line) for line in (tmp_path / "out.jsonl.partial").read_text().splitlines()]
+    assert sorted(row["id"] for row in kept) == ["r0", "r1", "r2"] and not output.exists()
+    assert_one_line_error(invoke("run", tiny_dense_dir, "--prompts", prompts, "-o", output), "use --force")
+    monkeypatch.undo()
+    result = invoke("run", tiny_dense_dir, "--prompts", prompts, "-o", output, "--max-new-tokens", 2, "--force")
+    assert result.exit_code == 0, result.output
+    assert [json.loads(line)["id"] for line in output.read_text().splitlines()] == ["r0", "r1", "r2"]
+    assert not (tmp_path / "out.jsonl.partial").exists()
+
+
+def test_a_disk_that_refuses_every_write_ends_run_in_one_line_with_the_results_printed(tiny_dense_dir, tmp_path):
+    """Files stop at 8 KiB (the tokenizer's private copy fits; one result row with 40 x 5 log
+    probabilities does not): the partial file breaks at its first row, the results file is refused,
+    and the results come on standard output with one error line."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": "x" * 40, "id": f"r{i}"}) + "\n" for i in range(3)))
+    output = tmp_path / "out.jsonl"
+    result = _cli("run", tiny_dense_dir, "--prompts", prompts, "-o", output, "--max-new-tokens", 40,
+                  "--ignore-eos", "--top-logprobs", 5, preexec_fn=_limited_file_size(8192))
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert result.returncode == 2 and len(errors) == 1 and "File too large" in errors[0], result.stderr
+    assert "printed on standard output" in errors[0] and "Traceback" not in result.stderr
+    assert sorted(json.loads(line)["id"] for line in result.stdout.splitlines()) == ["r0", "r1", "r2"]
+    assert not output.exists()
+
+
+def test_a_full_disk_ends_convert_in_one_line_and_leaves_no_staging_folder(tmp_path):
+    output = tmp_path / "out"
+    result = _cli("convert", "tiny-llama", "-o", output, "--budget", 64, "--window", 8, "--max-context", 256,
+                  "--chunk", 64,
+                  preexec_fn=_limited_file_size(64 * 1024))
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert result.returncode == 2 and len(errors) == 1 and "File too large" in errors[0], result.stderr
+    assert "Traceback" not in result.stderr
+    assert not output.exists() and _staging_folders(output) == []

@@ -40,10 +40,19 @@ class _Group(click.Group):
         except SnapcompileError as err:
             click.echo(f"error: {_one_line(str(err))}", err=True)
             ctx.exit(1 if isinstance(err, (ParityError, EngineFailure)) else EXIT_USER_ERROR)
+        except OSError as err:      # a full disk, a read-only folder, a name too long: the system's word
+            click.echo(f"error: {_os_error(err)}", err=True)
+            ctx.exit(EXIT_USER_ERROR)
 
 
 def _raise_interrupt(signum, frame):
     raise KeyboardInterrupt
+
+
+def _os_error(err: OSError) -> str:
+    """'PATH: reason' (an OSError's own message when it names no file)."""
+    reason = err.strerror or _one_line(str(err)) or type(err).__name__
+    return f"{err.filename}: {reason}" if err.filename else reason
 
 
 def _one_line(message: str) -> str:

@@ -61,8 +61,11 @@ def _percentile(values: list[float], q: float) -> float | None:
               help="Prompt tokens prefilled between two decode steps (default: one chunk).")
 @session_cache_option()
 @click.option("-o", "--output", type=click.Path(path_type=Path),
-              help="Write results as JSONL (checked before anything runs; written atomically).")
-@click.option("--force", is_flag=True, help="Replace the --output file if it exists.")
+              help="Write results as JSONL (checked before anything runs). Each result is appended to "
+                   "OUTPUT.partial as it finishes; the whole file is written atomically at the end and the "
+                   "partial one removed. A run that ends early, or a disk that refuses the file, leaves the "
+                   "results in OUTPUT.partial (or prints them), and the error says where.")
+@click.option("--force", is_flag=True, help="Replace the --output file (and its .partial) if it exists.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (results and summary).")
 def run(artifact, prompt, prompts_file, demo, max_new_tokens, temperature, top_k, top_p, seed, stop, top_logprobs,
         raw, ignore_eos, provider, backend, max_slots, prefill_tokens_per_step, session_cache_bytes, session_keep,
@@ -72,10 +75,8 @@ def run(artifact, prompt, prompts_file, demo, max_new_tokens, temperature, top_k
     Every request value (command line and prompts file) is checked before the artifact loads; a
     request that still fails while running gets an error result and the others go on (exit 1).
     """
-    from tqdm import tqdm
-
-    from snapcompile.atomic import check_output_file
-    from snapcompile.engine.conversation import Conversation, run_conversations
+    from snapcompile.atomic import PartialLines, check_output_file
+    from snapcompile.engine.conversation import Conversation
     from snapcompile.engine.engine import Engine
     if output is not None:
         output = check_output_file(output, force, inputs=(prompts_file,), read_folders=(artifact,))
@@ -86,36 +87,27 @@ def run(artifact, prompt, prompts_file, demo, max_new_tokens, temperature, top_k
     pending = [_request_without_prompt(record.fields, index, defaults, record.where)
                for index, record in enumerate(records)]
     _refuse_duplicate_ids(pending, records)
-    engine = Engine.from_artifact(artifact, provider=provider, prefill_tokens_per_step=prefill_tokens_per_step,
-                                  backend=backend, max_slots=max_slots, session_cache_bytes=session_cache_bytes,
-                                  session_keep=session_keep)
-    chat = engine.backend.manifest.chat and not raw
-    conversations = [Conversation(replace(request, ignore_eos=ignore_eos), record.turns)
-                     for request, record in zip(pending, records)]
-    start = engine.clock()
-    with tqdm(total=sum(len(c.turns) for c in conversations), desc="requests", unit="req", file=sys.stderr,
-              disable=not sys.stderr.isatty() and as_json) as bar:
-        run_conversations(engine, conversations, chat, on_result=lambda conversation, result: bar.update(1))
-    elapsed = engine.clock() - start
-    turns = [(c, k, r) for c in conversations for k, r in enumerate(c.results)]
-    results = [r for _, _, r in turns]
+    partial = PartialLines(output, force) if output is not None else None
+    try:
+        engine = Engine.from_artifact(artifact, provider=provider, prefill_tokens_per_step=prefill_tokens_per_step,
+                                      backend=backend, max_slots=max_slots, session_cache_bytes=session_cache_bytes,
+                                      session_keep=session_keep)
+        chat = engine.backend.manifest.chat and not raw
+        conversations = [Conversation(replace(request, ignore_eos=ignore_eos), record.turns)
+                         for request, record in zip(pending, records)]
+        rows, results, elapsed = _run_rows(engine, conversations, [record.fields for record in records], chat,
+                                           top_logprobs, partial, quiet=not sys.stderr.isatty() and as_json)
+    except BaseException:
+        if partial is not None:
+            partial.close()
+            if partial.lines:
+                click.echo(f"kept the {partial.lines} results finished so far in {partial.path}", err=True)
+        raise
     summary = _summary(engine, results, elapsed)
-    rows = [{"id": r.request_id, "turn": k + 1, "prompt": c.turns[k], "text": r.text, "finish_reason": r.finish_reason,
-             "error": r.error, "prompt_tokens": r.prompt_tokens, "cached_tokens": r.cached_tokens,
-             "output_tokens": len(r.output_ids), "ttft_s": r.ttft_s} for c, k, r in turns]
-    records = [rec.fields for c, rec in zip(conversations, records) for _ in c.results]
-    if top_logprobs:
-        for row, result in zip(rows, results):
-            row["top_logprobs"] = [[{"id": i, "token": engine.tokenizer.decode([i]), "logprob": lp} for i, lp in top]
-                                   for top in result.top_logprobs]
-    for row, rec in zip(rows, records):      # prompts files may carry the expected answer
-        if "answer" in rec:
-            row["correct"] = str(rec["answer"]) in row["text"]
     if any("correct" in row for row in rows):
         summary["correct"] = sum(row.get("correct", False) for row in rows)
     if output:
-        from snapcompile.atomic import write_text_atomic
-        write_text_atomic(output, "".join(json.dumps(row) + "\n" for row in rows))
+        _write_results(partial, rows)
     if as_json:
         click.echo(json.dumps({"results": rows, "summary": summary}))
     else:
@@ -126,6 +118,60 @@ def run(artifact, prompt, prompts_file, demo, max_new_tokens, temperature, top_k
         click.echo(_format_summary(summary), err=True)
     if summary["errors"]:
         sys.exit(1)   # every result was written; some requests could not be served
+
+
+def _run_rows(engine, conversations, fields: list[dict], chat: bool, top_logprobs: int | None,
+              partial, quiet: bool) -> tuple[list[dict], list, float]:
+    """Every conversation run to its end: one row and one Result per turn, in conversation order,
+    and the run's seconds. Each row is also appended to `partial` (a PartialLines, or None) as
+    its turn finishes."""
+    from tqdm import tqdm
+
+    from snapcompile.engine.conversation import run_conversations
+    rows: dict[tuple[int, int], dict] = {}
+    fields_of = {id(conversation): record for conversation, record in zip(conversations, fields)}
+
+    def finished(conversation, result) -> None:
+        turn = len(conversation.results) - 1
+        row = _result_row(engine, conversation, turn, result, fields_of[id(conversation)], top_logprobs)
+        rows[(id(conversation), turn)] = row
+        if partial is not None:
+            partial.append(json.dumps(row))
+        bar.update(1)
+    start = engine.clock()
+    with tqdm(total=sum(len(c.turns) for c in conversations), desc="requests", unit="req", file=sys.stderr,
+              disable=quiet) as bar:
+        run_conversations(engine, conversations, chat, on_result=finished)
+    elapsed = engine.clock() - start
+    turns = [(id(c), k, r) for c in conversations for k, r in enumerate(c.results)]
+    return [rows[(c, k)] for c, k, _ in turns], [r for _, _, r in turns], elapsed
+
+
+def _result_row(engine, conversation, turn: int, result, fields: dict, top_logprobs: int | None) -> dict:
+    """One results-file row: the turn's prompt and answer, counts, and (when asked) its top log
+    probabilities and whether it holds the record's expected "answer"."""
+    row = {"id": result.request_id, "turn": turn + 1, "prompt": conversation.turns[turn], "text": result.text,
+           "finish_reason": result.finish_reason, "error": result.error, "prompt_tokens": result.prompt_tokens,
+           "cached_tokens": result.cached_tokens, "output_tokens": len(result.output_ids), "ttft_s": result.ttft_s}
+    if top_logprobs:
+        row["top_logprobs"] = [[{"id": i, "token": engine.tokenizer.decode([i]), "logprob": lp} for i, lp in top]
+                               for top in result.top_logprobs]
+    if "answer" in fields:      # prompts files may carry the expected answer
+        row["correct"] = str(fields["answer"]) in row["text"]
+    return row
+
+
+def _write_results(partial, rows: list[dict]) -> None:
+    """The results file at once; when the disk refuses it, the error says where the results are
+    (the partial file, or standard output where they are printed)."""
+    from snapcompile.errors import SnapcompileError
+    text = "".join(json.dumps(row) + "\n" for row in rows)
+    try:
+        partial.finish(text)
+    except SnapcompileError:
+        if not partial.intact:
+            click.echo(text, nl=False)
+        raise
 
 
 def _request_without_prompt(record: dict, index: int, defaults: dict, where: str | None = None):
