@@ -237,3 +237,42 @@ def test_a_full_disk_ends_convert_in_one_line_and_leaves_no_staging_folder(tmp_p
     assert result.returncode == 2 and len(errors) == 1 and "File too large" in errors[0], result.stderr
     assert "Traceback" not in result.stderr
     assert not output.exists() and _staging_folders(output) == []
+
+
+SPINNING_COMMAND = """
+import sys, time
+import click
+import snapcompile.cli
+from snapcompile.cli import main
+snapcompile.cli.STOP_GRACE_S = float(sys.argv[1])
+
+@main.command("spin")
+def spin():
+    print("spinning", flush=True)
+    while True:             # library code retrying under a bare except swallows KeyboardInterrupt
+        try:
+            while True:
+                time.sleep(0.01)
+        except:  # noqa: E722
+            pass
+
+main(["spin"])
+"""
+
+
+@pytest.mark.parametrize("second_signal", [False, True])
+def test_a_command_that_swallows_the_interrupt_still_stops(second_signal):
+    """SIGTERM ends a command even when the code it runs swallows KeyboardInterrupt: after the
+    grace time, or at once on a second signal (SIGINT); exit 130 with one error line."""
+    process = subprocess.Popen([sys.executable, "-c", SPINNING_COMMAND, "2" if not second_signal else "60"],
+                               cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert process.stdout.readline().strip() == "spinning"
+    started = time.monotonic()
+    process.send_signal(signal.SIGTERM)
+    if second_signal:
+        time.sleep(0.5)
+        process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=30)
+    assert process.returncode == 130 and "Traceback" not in stderr, stderr
+    assert stderr.strip().splitlines()[-1].startswith("error: interrupted")
+    assert time.monotonic() - started < (5 if second_signal else 10)

@@ -117,3 +117,53 @@ def test_files_the_manifest_does_not_list_change_nothing(artifact):
     engine = Engine.from_artifact(artifact, session_cache_bytes=0)
     assert engine.encode("zzz hello", chat=False) == before
     assert "HIJACKED" not in engine.tokenizer.apply_chat_template([{"role": "user", "content": "x"}], tokenize=False)
+
+
+def _huge_node(model, kind: str):
+    """Nodes a hostile edit adds to a graph: each asks for a tensor of ~2^40 elements, or one whose
+    size only a value known while running sets, or control flow."""
+    import numpy as np
+    from onnx import TensorProto, helper, numpy_helper
+    source = model.graph.input[0].name
+    huge = numpy_helper.from_array(np.array([1 << 20, 1 << 20], dtype=np.int64), "huge_shape")
+    nodes = {
+        "ConstantOfShape": [helper.make_node("Constant", [], ["huge_shape"], value=huge),
+                            helper.make_node("ConstantOfShape", ["huge_shape"], ["huge"], name="hostile")],
+        "Expand": [helper.make_node("Constant", [], ["huge_shape"], value=huge),
+                   helper.make_node("Cast", [source], ["as_float"], to=TensorProto.FLOAT),
+                   helper.make_node("ReduceMax", ["as_float"], ["one"], keepdims=0),
+                   helper.make_node("Expand", ["one", "huge_shape"], ["huge"], name="hostile")],
+        "Tile": [helper.make_node("Constant", [], ["huge_shape"], value=huge),
+                 helper.make_node("Constant", [], ["block"], value=numpy_helper.from_array(
+                     np.ones((4, 4), dtype=np.float32))),
+                 helper.make_node("Tile", ["block", "huge_shape"], ["huge"], name="hostile")],
+        "running value": [helper.make_node("Cast", [source], ["as_int"], to=TensorProto.INT64),
+                          helper.make_node("Constant", [], ["zero"], value=numpy_helper.from_array(
+                              np.array([0], dtype=np.int64))),
+                          helper.make_node("Gather", ["as_int", "zero"], ["dims"], axis=-1),
+                          helper.make_node("Reshape", ["dims", "zero_shape"], ["flat"]),
+                          helper.make_node("ConstantOfShape", ["flat"], ["huge"], name="hostile")],
+        "If": [helper.make_node("Constant", [], ["flag"], value=numpy_helper.from_array(np.array(True))),
+               helper.make_node("If", ["flag"], ["branch"], name="hostile", **{
+                   branch: helper.make_graph([helper.make_node("Constant", [], [f"{branch}_out"],
+                                                               value=numpy_helper.from_array(np.zeros(1, np.float32)))],
+                                             branch, [], [helper.make_tensor_value_info(f"{branch}_out",
+                                                                                        TensorProto.FLOAT, [1])])
+                   for branch in ("then_branch", "else_branch")})],
+    }[kind]
+    if kind == "running value":
+        model.graph.initializer.append(numpy_helper.from_array(np.array([-1], dtype=np.int64), "zero_shape"))
+    model.graph.node.extend(nodes)
+
+
+@pytest.mark.parametrize("kind, fragment", [
+    ("ConstantOfShape", "would allocate 1,099,511,627,776 elements"), ("Expand", "would allocate"),
+    ("Tile", "would allocate"), ("running value", "cannot be known at load"), ("If", "no control flow")])
+def test_a_graph_that_would_allocate_past_its_shapes_is_refused_at_load(artifact, kind, fragment):
+    import onnx
+    model = onnx.load(str(artifact / "decode.onnx"), load_external_data=False)
+    _huge_node(model, kind)
+    onnx.save_model(model, str(artifact / "decode.onnx"))
+    rerecord_checksums(artifact)
+    assert_one_line_error(invoke("run", artifact, "--prompt", "hi"), fragment)
+    assert_one_line_error(invoke("inspect", artifact), "hostile")

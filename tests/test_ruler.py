@@ -28,6 +28,9 @@ def test_cells_and_config_are_checked():
         RulerConfig("m", tasks=("qa_squad",))
     with pytest.raises(SnapcompileError, match="--lengths"):
         RulerConfig("m", lengths=(256,))
+    with pytest.raises(SnapcompileError, match="ruler_vt needs --lengths >= 1024"):
+        RulerConfig("m", lengths=(512, 4096))
+    assert RulerConfig("m", tasks=("niah_single_1",), lengths=(512,)).lengths == (512,)
     with pytest.raises(SnapcompileError, match="--weights"):
         RulerConfig("m", weights=("fp8",))
     with pytest.raises(SnapcompileError, match="--kernel must be a positive odd number"):
@@ -131,9 +134,34 @@ def _support_files(artifact):
 def test_eval_ruler_errors_are_one_line(tmp_path):
     for args, fragment in ((["--cells", "dense,snapstream"], "cell 'snapstream'"),
                            (["--tasks", "qa_hotpot"], "unknown RULER tasks: qa_hotpot"),
-                           (["--lengths", "100"], "--lengths must be")):
+                           (["--lengths", "100"], "--lengths must be"),
+                           (["--lengths", "512"], "ruler_vt needs --lengths >= 1024")):
         result = CliRunner().invoke(main, ["eval-ruler", "tiny-llama", *args, "-o", str(tmp_path / "r.json")])
         assert result.exit_code != 0 and fragment in result.output and "Traceback" not in result.output
+
+
+def test_a_data_generator_that_never_ends_stops_the_process_in_one_line():
+    """lm-eval's RULER generators retry in `while True` under a bare `except:` (printing a line per
+    try): the deadline stops the process with one error line naming the last line printed, and the
+    printed lines are kept bounded."""
+    import subprocess
+    import sys
+    script = ("import contextlib, time\n"
+              "from snapcompile.evaluation.ruler import _LastLines, _finished_within\n"
+              "printed = _LastLines(keep=3)\n"
+              "with contextlib.redirect_stdout(printed), _finished_within(1.0, printed, 'the spinning data'):\n"
+              "    while True:\n"
+              "        try:\n"
+              "            print('reduces chain length for not enough noises')\n"
+              "            time.sleep(0.001)\n"
+              "            raise AssertionError\n"
+              "        except:  # noqa: E722\n"
+              "            pass\n")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and result.stdout == "", result.stderr
+    assert result.stderr.strip().splitlines() == [
+        "error: the spinning data did not finish within 1 s (its last line: 'reduces chain length for not enough "
+        "noises'); stopped"]
 
 
 @pytest.fixture(scope="module")

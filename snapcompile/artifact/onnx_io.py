@@ -12,6 +12,7 @@ from onnx import TensorProto, external_data_helper, numpy_helper
 
 from snapcompile.artifact.files import record_files
 from snapcompile.artifact.manifest import MANIFEST, METADATA_KEY, WEIGHTS, Manifest
+from snapcompile.artifact.static_sizes import check_static_sizes
 from snapcompile.atomic import write_json_atomic
 from snapcompile.errors import SnapcompileError, first_line
 
@@ -67,6 +68,7 @@ def load_graph(folder: Path, manifest: Manifest, name: str, with_weights: bool =
     except Exception as err:  # protobuf raises DecodeError and friends for a corrupt file
         raise SnapcompileError(f"{path} is not a valid ONNX file: {first_line(err)}") from None
     check_graph_matches(model, path, manifest)
+    check_static_sizes(model, path, manifest)
     for tensor in model.graph.initializer:
         location = next((e.value for e in tensor.external_data if e.key == "location"), None)
         if tensor.data_location == TensorProto.EXTERNAL and location != WEIGHTS:

@@ -1,8 +1,10 @@
 """The `snapcompile` command line. User mistakes end in one `error:` line and exit code 2."""
 from __future__ import annotations
 
+import os
 import signal
 import sys
+import threading
 
 import click
 
@@ -10,15 +12,20 @@ from snapcompile.errors import EngineFailure, ParityError, SnapcompileError
 
 EXIT_USER_ERROR = 2
 EXIT_INTERRUPTED = 130
+STOP_GRACE_S = 10.0     # after SIGTERM / Ctrl-C, unwinding may take this long; then the process exits
 
 
 class _Group(click.Group):
     """Every user error (ours or click's usage errors) is one `error:` line and exit code 2;
-    SIGTERM unwinds like Ctrl-C, so staging folders are removed on the way out."""
+    SIGTERM unwinds like Ctrl-C, so staging folders are removed on the way out. Unwinding is
+    bounded: a second signal, or STOP_GRACE_S after the first, ends the process at once (library
+    code that retries under a bare `except:` swallows the KeyboardInterrupt a signal raises)."""
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
-        previous = signal.getsignal(signal.SIGTERM)
-        signal.signal(signal.SIGTERM, _raise_interrupt)
+        previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+        stop = _Stop()
+        for sig in previous:
+            signal.signal(sig, stop.on_signal)
         try:
             code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
         except click.ClickException as err:
@@ -28,7 +35,9 @@ class _Group(click.Group):
             click.echo("error: interrupted", err=True)
             code = EXIT_INTERRUPTED
         finally:
-            signal.signal(signal.SIGTERM, previous)
+            stop.cancel()
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
         code = code if isinstance(code, int) else 0
         if standalone_mode:
             sys.exit(code)
@@ -45,8 +54,30 @@ class _Group(click.Group):
             ctx.exit(EXIT_USER_ERROR)
 
 
-def _raise_interrupt(signum, frame):
-    raise KeyboardInterrupt
+class _Stop:
+    """The handler of SIGTERM and SIGINT: the first raises KeyboardInterrupt (the command unwinds)
+    and arms a timer that exits after STOP_GRACE_S; a second exits at once."""
+
+    def __init__(self):
+        self._timer: threading.Timer | None = None
+
+    def on_signal(self, signum, frame):
+        if self._timer is not None:
+            _exit_now("interrupted again")
+        self._timer = threading.Timer(STOP_GRACE_S, _exit_now, (f"still running {STOP_GRACE_S:g} s after the signal",))
+        self._timer.daemon = True
+        self._timer.start()
+        raise KeyboardInterrupt
+
+    def cancel(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+
+
+def _exit_now(why: str) -> None:
+    sys.stderr.write(f"error: interrupted ({why}; stopped)\n")
+    sys.stderr.flush()
+    os._exit(EXIT_INTERRUPTED)
 
 
 def _os_error(err: OSError) -> str:

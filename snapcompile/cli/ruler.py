@@ -20,7 +20,7 @@ from snapcompile.evaluation.ruler_run import DEFAULT_CELLS, RulerConfig
 @click.option("--tasks", default=",".join(RULER_TASKS), show_default=True, callback=csv_option(str),
               help="RULER tasks of lm-eval (those whose data is made offline).")
 @click.option("--lengths", default="2048,4096", show_default=True, callback=csv_option(int),
-              help="RULER's max_seq_length: prompt plus answer, in tokens.")
+              help="RULER's max_seq_length: prompt plus answer, in tokens (>= 512; >= 1024 with ruler_vt).")
 @click.option("--cells", default=",".join(DEFAULT_CELLS), show_default=True, callback=csv_option(str),
               help="What runs at each length L: 'dense', or POLICY/RATIO for POLICY at budget L // RATIO.")
 @click.option("--weights", default="fp32", show_default=True, callback=csv_option(str),

@@ -7,11 +7,15 @@ the tasks whose data needs no download are run (the essay, SQuAD and HotpotQA on
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import os
 import shutil
+import sys
+import threading
+from collections import deque
 from pathlib import Path
 
 from snapcompile.atomic import write_text_atomic
@@ -20,6 +24,14 @@ RULER_TASKS = ("niah_single_1", "niah_multikey_2", "niah_multikey_3", "ruler_vt"
 DATA_SEED = 42                   # RULER's own data scripts' default random_seed
 PREDICTION_CHARS = 400           # of each answer kept in the records
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+VT_MIN_LENGTH = 1024             # ruler_vt puts a worked example of up to 500 tokens before every sample
+EXIT_STOPPED = 2
+
+
+def build_seconds(length: int) -> float:
+    """How long lm-eval may take to make one task's data at `length` tokens (SmolLM2's tokenizer:
+    17-25 s a task at 512-4096 tokens, 2 cores)."""
+    return 300.0 + length / 50
 
 
 def offline_nltk(folder: Path) -> Path:
@@ -79,8 +91,51 @@ def build_tasks(names: tuple[str, ...], tokenizer: Path, length: int) -> list:
     for name in names:
         random.seed(DATA_SEED)
         np.random.seed(DATA_SEED)
-        tasks.append(manager.load([name])["tasks"][name])
+        printed = _LastLines()
+        with contextlib.redirect_stdout(printed), _finished_within(build_seconds(length), printed,
+                                                                   f"lm-eval's {name} data at {length} tokens"):
+            tasks.append(manager.load([name])["tasks"][name])
     return tasks
+
+
+class _LastLines:
+    """A stdout that keeps the last `keep` lines written to it and drops the rest: lm-eval's RULER
+    generators print a line per attempt (ruler_vt at too short a length printed 266 MB in 2 min)."""
+
+    def __init__(self, keep: int = 20):
+        self.lines: deque[str] = deque(maxlen=keep)
+        self._partial = ""
+
+    def write(self, text: str) -> int:
+        *whole, self._partial = (self._partial + text).split("\n")
+        self.lines.extend(line for line in whole if line.strip())
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def _finished_within(seconds: float, printed: _LastLines, what: str):
+    """Stop the process (one error line, exit 2) if the block runs past `seconds`. lm-eval's RULER
+    generators retry in `while True` loops under a bare `except:`, which swallows any exception a
+    deadline or a signal could raise, so the process exits instead; a `serve` child follows it
+    (serve.process stops children with their parent)."""
+    done = threading.Event()
+
+    def watch() -> None:
+        if done.wait(seconds):
+            return
+        last = printed.lines[-1] if printed.lines else "nothing"
+        sys.stderr.write(f"error: {what} did not finish within {seconds:.0f} s (its last line: {last[:200]!r}); "
+                         "stopped\n")
+        sys.stderr.flush()
+        os._exit(EXIT_STOPPED)
+    threading.Thread(target=watch, daemon=True, name="ruler-data-deadline").start()
+    try:
+        yield
+    finally:
+        done.set()
 
 
 def evaluate_served(tasks: list, url: str, model: str, tokenizer: Path, length: int, max_length: int,

@@ -58,6 +58,10 @@ class RulerConfig:
             raise SnapcompileError(f"--weights must be among {', '.join(WEIGHT_FORMATS)}")
         if not self.lengths or min(self.lengths) < 512:
             raise SnapcompileError("--lengths must be token counts >= 512 (RULER's haystacks need room)")
+        if "ruler_vt" in self.tasks and min(self.lengths) < ruler.VT_MIN_LENGTH:
+            raise SnapcompileError(f"ruler_vt needs --lengths >= {ruler.VT_MIN_LENGTH}: lm-eval puts a worked example "
+                                   "of up to 500 tokens before each sample, and its generator never ends when the "
+                                   "sample cannot fit (leave ruler_vt out of --tasks for shorter lengths)")
         if self.limit < 1:
             raise SnapcompileError("--limit must be >= 1")
         if self.scope not in SCOPES:
