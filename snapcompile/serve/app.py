@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from snapcompile.config import MAX_WAITING, ServerLimits
+from snapcompile.serve.bodies import BodyParser, max_values
 from snapcompile.serve.completions import OpenAIServing
 from snapcompile.serve.engine_loop import EngineLoop
 from snapcompile.serve.limits import PeerBudget, PeerRequests, read_json_body
@@ -55,6 +56,7 @@ class ServerState:
     serving: OpenAIServing | None = None
     engine_loop: EngineLoop | None = None
     tokenizers: TokenizerPool | None = None
+    bodies: BodyParser | None = None
     draining: bool = False
     load_error: str | None = None
 
@@ -90,6 +92,8 @@ def load_engine(state: ServerState) -> None:
     state.engine_loop = engine_loop
     state.tokenizers = TokenizerPool(settings.artifact, settings.limits.tokenizer_workers,
                                      settings.limits.render_timeout_s)
+    state.bodies = BodyParser(max_values(settings.limits.max_prompts, engine.prompt_limit),
+                              timeout_s=settings.limits.body_timeout_s)
     state.serving = OpenAIServing(engine_loop, engine.tokenizer, settings.model_name,
                                   max(export.max_context, engine.prompt_limit + 1),
                                   state.tokenizers, settings.limits.max_prompts)
@@ -147,7 +151,8 @@ def create_app(state: ServerState) -> FastAPI:
 async def _complete(state: ServerState, request: Request, kind: str, model):
     _authenticate(request, state.settings.api_key)
     serving = _ready(state)
-    params = await asyncio.to_thread(parse, model, await read_json_body(request, state.settings.limits))
+    body = await read_json_body(request, state.settings.limits, state.bodies)
+    params = await asyncio.to_thread(parse, model, body)
     call = await serving.accept(kind, params, scope_of(state, params.cache_salt))
     _admit(state, len(call.requests))
     PeerRequests.hold(state.peer_requests, request, len(call.requests))

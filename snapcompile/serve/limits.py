@@ -19,10 +19,9 @@ from collections import Counter
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from snapcompile.config import ServerLimits
-from snapcompile.errors import JsonTooDeep, SnapcompileError, parse_json
+from snapcompile.errors import SnapcompileError
+from snapcompile.serve.bodies import BodyParser
 from snapcompile.serve.protocol import ApiError
-
-JSON_MAX_DEPTH = 64         # nesting of a request body (OpenAI's bodies need 4 or 5)
 
 
 class PeerBudget:
@@ -157,11 +156,11 @@ def _peer_address(transport) -> str:
     return str(peer[0]) if isinstance(peer, tuple) and peer else ""
 
 
-async def read_json_body(request, limits: ServerLimits):
+async def read_json_body(request, limits: ServerLimits, bodies: BodyParser):
     """The request's JSON body, checked before any work: 415 unless application/json, 413 past
-    max_body_bytes (by Content-Length or while reading), 408 past body_timeout_s, 400 for invalid
-    JSON, nesting past JSON_MAX_DEPTH, integers too long to convert, or lone surrogates. The body is
-    parsed on a worker thread: its size is the client's, and the event loop serves everyone."""
+    max_body_bytes (by Content-Length or while reading), 408 past body_timeout_s, 400 for what
+    `bodies` refuses (invalid JSON, nesting, too many values, lone surrogates). The body is parsed
+    off the event loop (serve.bodies): its size is the client's, and the event loop serves everyone."""
     content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if content_type != "application/json":
         raise ApiError(415, "send the request body as JSON with Content-Type: application/json")
@@ -173,7 +172,10 @@ async def read_json_body(request, limits: ServerLimits):
         raw = await asyncio.wait_for(_read_bounded(request, limits.max_body_bytes), limits.body_timeout_s)
     except asyncio.TimeoutError:
         raise ApiError(408, f"the request body did not arrive within {limits.body_timeout_s:g} s") from None
-    return await asyncio.to_thread(parse_request_json, raw)
+    try:
+        return await asyncio.to_thread(bodies.parse, raw)
+    except SnapcompileError as err:
+        raise ApiError(400, str(err)) from None
 
 
 async def _read_bounded(request, max_bytes: int) -> bytes:
@@ -184,38 +186,6 @@ async def _read_bounded(request, max_bytes: int) -> bytes:
             raise ApiError(413, f"the request body is larger than {max_bytes} bytes (serve --max-body-bytes)")
         chunks.append(chunk)
     return b"".join(chunks)
-
-
-def parse_request_json(raw: bytes):
-    """errors.parse_json with every failure a 400 (never a 500), then the depth and surrogate checks."""
-    try:
-        value = parse_json(raw, "the request body")
-    except JsonTooDeep:
-        raise ApiError(400, f"the request body nests deeper than {JSON_MAX_DEPTH} levels") from None
-    except SnapcompileError as err:     # invalid JSON, ints past the digit limit
-        raise ApiError(400, str(err)) from None
-    _check_json_value(value)
-    return value
-
-
-def _check_json_value(value) -> None:
-    """Depth at most JSON_MAX_DEPTH and no string that UTF-8 cannot encode (walked without recursion)."""
-    stack = [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        if depth > JSON_MAX_DEPTH:
-            raise ApiError(400, f"the request body nests deeper than {JSON_MAX_DEPTH} levels")
-        if isinstance(item, dict):
-            stack.extend((k, depth + 1) for k in item)
-            stack.extend((v, depth + 1) for v in item.values())
-        elif isinstance(item, list):
-            stack.extend((v, depth + 1) for v in item)
-        elif isinstance(item, str):
-            try:
-                item.encode("utf-8")
-            except UnicodeEncodeError:
-                raise ApiError(400, "the request body holds a lone UTF-16 surrogate (\\ud800-\\udfff), "
-                                    "which is not text") from None
 
 
 class RateLimitedLog(logging.Filter):

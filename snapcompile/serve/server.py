@@ -87,8 +87,9 @@ def serve(settings: ServerSettings, host: str, port: int, drain_timeout_s: float
     finally:
         if state.engine_loop is not None:
             state.engine_loop.stop()
-        if state.tokenizers is not None:
-            state.tokenizers.close()
+        for workers in (state.tokenizers, state.bodies):
+            if workers is not None:
+                workers.close()
     if state.load_error is not None:
         raise SnapcompileError(f"cannot serve {settings.artifact}: {state.load_error}")
     if state.engine_failed is not None:
