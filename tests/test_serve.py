@@ -781,3 +781,11 @@ def test_large_bodies_of_small_lists_do_not_stall_the_server(artifact, tmp_path)
         assert sorted(waits)[len(waits) // 2] < 0.05, sorted(waits)
     finally:
         assert server.stop() == 0
+
+
+def test_per_client_bounds_count_an_ipv6_network_as_one_client():
+    from snapcompile.serve.limits import client_of
+    assert client_of("2001:db8:1:2::5") == client_of("2001:db8:1:2:ffff::1") == "2001:db8:1:2::/64"
+    assert client_of("2001:db8:1:3::5") != client_of("2001:db8:1:2::5")
+    assert client_of("::ffff:10.0.0.7") == "10.0.0.7" == client_of("10.0.0.7")
+    assert client_of("10.0.0.8") != client_of("10.0.0.7") and client_of("testclient") == "testclient"

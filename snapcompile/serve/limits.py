@@ -12,6 +12,7 @@ the connections of an address past its share.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import time
 from collections import Counter
@@ -139,7 +140,7 @@ class PeerRequests:
 
     @classmethod
     def hold(cls, budget: PeerBudget, request, units: int) -> None:
-        peer = request.client.host if request.client else ""
+        peer = client_of(request.client.host) if request.client else ""
         if 0 < budget.limit < units:
             raise ApiError(400, f"{units} prompts in one request: more than this server runs from one address "
                                 f"({budget.limit}, serve --max-requests-per-client)", param="prompt")
@@ -151,9 +152,23 @@ class PeerRequests:
 
 
 def _peer_address(transport) -> str:
-    """The client's address without its port ("" for a Unix socket)."""
+    """The client of a connection (client_of its address; "" for a Unix socket)."""
     peer = transport.get_extra_info("peername")
-    return str(peer[0]) if isinstance(peer, tuple) and peer else ""
+    return client_of(str(peer[0])) if isinstance(peer, tuple) and peer else ""
+
+
+def client_of(host: str) -> str:
+    """Who a per-client bound counts an address as: an IPv4 address itself (an IPv4-mapped IPv6
+    one as IPv4), an IPv6 address by its /64 (one subscriber's network holds 2^64 of them)."""
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return host
+    if isinstance(address, ipaddress.IPv6Address):
+        if address.ipv4_mapped is not None:
+            return str(address.ipv4_mapped)
+        return str(ipaddress.IPv6Network((address, 64), strict=False))
+    return str(address)
 
 
 async def read_json_body(request, limits: ServerLimits, bodies: BodyParser):
