@@ -100,10 +100,10 @@ def faulty_sampling(monkeypatch):
     from snapcompile.engine import engine as engine_module
     real = engine_module.sample
 
-    def sample(logits, params, rng):
+    def sample(logits, params, rng, *tokens):
         if params.seed == FAULT_SEED:
             raise RuntimeError("injected fault")
-        return real(logits, params, rng)
+        return real(logits, params, rng, *tokens)
     monkeypatch.setattr(engine_module, "sample", sample)
 
 

@@ -149,6 +149,35 @@ def test_bad_field_in_prompts_file(tiny_dense_dir, tmp_path):
                       "p.jsonl line 1: max_new_tokens must be an integer >= 1, got 'many'")
     bad.write_text('{"prompt": "ok", "temperature": -2}\n')
     assert_one_line_error(invoke("run", tiny_dense_dir, "--prompts", bad), "temperature must be a finite number >= 0")
+    bad.write_text('{"prompt": "ok", "logit_bias": {"a": 1}}\n')
+    assert_one_line_error(invoke("run", tiny_dense_dir, "--prompts", bad), "p.jsonl line 1: logit_bias must be")
+    bad.write_text('{"prompt": "ok", "logit_bias": {"100000": 1}}\n')
+    assert_one_line_error(invoke("run", tiny_dense_dir, "--prompts", bad), "logit_bias token ids must be in [0, 320)")
+    assert_one_line_error(invoke("run", tiny_dense_dir, "--prompt", "ok", "--min-p", 3), "min_p must be a number")
+
+
+def test_run_takes_every_sampling_field(tiny_dense_dir, tmp_path):
+    """The prompts file's and the command line's sampling fields reach the engine: the same texts
+    as the Python API with the same SamplingParams."""
+    from snapcompile import Engine, Request, SamplingParams
+    prompts = tmp_path / "p.jsonl"
+    fields = [{"logit_bias": {"65": 100}}, {"repetition_penalty": 50.0}, {"presence_penalty": -2.0},
+              {"temperature": 1.0, "seed": 3, "min_p": 0.5}, {"frequency_penalty": -2.0, "top_k": 2,
+                                                              "temperature": 1.0, "seed": 4}]
+    text = "".join(map(chr, range(32, 127)))
+    prompts.write_text("".join(json.dumps({"prompt": text, **f}) + "\n" for f in fields))
+    result = invoke("run", tiny_dense_dir, "--prompts", prompts, "--max-new-tokens", 12, "--json")
+    assert result.exit_code == 0, result.output
+    texts = [row["text"] for row in json.loads(result.output)["results"]]
+    engine = Engine.from_artifact(tiny_dense_dir, session_cache_bytes=0)
+    for field, served in zip(fields, texts):
+        bias = tuple((int(k), float(v)) for k, v in field.get("logit_bias", {}).items())
+        sampling = SamplingParams(**{k: v for k, v in field.items() if k != "logit_bias"}, logit_bias=bias)
+        request = Request(engine.encode(text, chat=False), max_new_tokens=12, sampling=sampling)
+        assert engine.generate([request])[0].text == served, field
+    result = invoke("run", tiny_dense_dir, "--prompt", text, "--max-new-tokens", 12, "--repetition-penalty", 50,
+                    "--json")
+    assert json.loads(result.output)["results"][0]["text"] == texts[1]
 
 
 def test_validate_fits_its_built_in_prompts_to_a_small_artifact(tiny_dense_dir):

@@ -107,7 +107,47 @@ def test_sampling_greedy_and_seeded():
     assert sample(logits, SamplingParams(temperature=1.0, top_k=1), np.random.default_rng(0)) == 1
 
 
-@pytest.mark.parametrize("kwargs", [dict(temperature=-1), dict(top_k=-1), dict(top_p=0.0)])
+def test_penalties_and_bias_follow_the_reference_semantics():
+    """The repetition penalty equals transformers' RepetitionPenaltyLogitsProcessor over prompt and
+    output tokens; frequency and presence penalties are OpenAI's formula over the output tokens;
+    the bias is added first; greedy follows the adjusted logits."""
+    import torch
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    from snapcompile.engine.sampling import penalized_logits
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=50).astype(np.float32)
+    prompt, output = [3, 7, 7, 11], [7, 20, 20, 20, 31]
+    reference = RepetitionPenaltyLogitsProcessor(1.7)(torch.tensor([prompt + output]), torch.tensor([logits]))[0]
+    ours = penalized_logits(logits, SamplingParams(repetition_penalty=1.7), prompt, output)
+    np.testing.assert_allclose(ours, reference.numpy(), rtol=1e-6)
+    counts = np.bincount(output, minlength=50)
+    expected = logits.astype(np.float64) - 0.5 * counts - 0.25 * (counts > 0)
+    ours = penalized_logits(logits, SamplingParams(frequency_penalty=0.5, presence_penalty=0.25), prompt, output)
+    np.testing.assert_allclose(ours, expected)
+    biased = SamplingParams(logit_bias=((42, 100.0), (int(np.argmax(logits)), -100.0)))
+    assert sample(logits, biased, np.random.default_rng(0), prompt, output) == 42
+    greedy = int(np.argmax(logits))
+    assert sample(logits, SamplingParams(repetition_penalty=100.0), np.random.default_rng(0), [greedy]) != greedy
+
+
+def test_min_p_keeps_the_tokens_transformers_keeps():
+    import torch
+    from transformers import MinPLogitsWarper
+    logits = np.array([2.0, 1.9, 0.5, -1.0, 1.2, -3.0], np.float32)
+    kept = MinPLogitsWarper(0.3)(None, torch.tensor([logits]))[0]
+    allowed = set(np.flatnonzero(np.isfinite(kept.numpy())).tolist())
+    params = SamplingParams(temperature=1.0, min_p=0.3)
+    rng = np.random.default_rng(1)
+    drawn = {sample(logits, params, rng) for _ in range(300)}
+    assert drawn == allowed
+    assert {sample(logits, SamplingParams(temperature=1.5, min_p=1.0), rng) for _ in range(50)} == {0}
+
+
+@pytest.mark.parametrize("kwargs", [dict(temperature=-1), dict(top_k=-1), dict(top_p=0.0), dict(min_p=1.5),
+                                    dict(repetition_penalty=0.0), dict(presence_penalty=2.5),
+                                    dict(frequency_penalty=float("nan")), dict(logit_bias=((1, 101.0),)),
+                                    dict(logit_bias=((-1, 1.0),)), dict(logit_bias=((1, 1.0), (1, 2.0)))])
 def test_invalid_sampling_params(kwargs):
     with pytest.raises(SnapcompileError):
         SamplingParams(**kwargs)

@@ -789,3 +789,39 @@ def test_per_client_bounds_count_an_ipv6_network_as_one_client():
     assert client_of("2001:db8:1:3::5") != client_of("2001:db8:1:2::5")
     assert client_of("::ffff:10.0.0.7") == "10.0.0.7" == client_of("10.0.0.7")
     assert client_of("10.0.0.8") != client_of("10.0.0.7") and client_of("testclient") == "testclient"
+
+
+@pytest.mark.parametrize("fields", [
+    {"repetition_penalty": 50.0}, {"presence_penalty": -2.0}, {"frequency_penalty": -2.0}, {"logit_bias": {"65": 100}},
+    {"temperature": 1.0, "seed": 5, "top_k": 3}, {"temperature": 1.0, "seed": 5, "min_p": 0.5}])
+def test_every_sampling_parameter_is_honoured(server, artifact, fields):
+    """Each parameter reaches the engine (the server's text equals the Python API's with the same
+    SamplingParams) and has an effect (the text differs from the same request without it; the
+    random tiny model rarely repeats a token, so the penalties are given the sign that makes it)."""
+    from snapcompile import Engine, Request, SamplingParams
+    prompt = "".join(map(chr, range(32, 127)))      # most byte tokens: the repetition penalty has work
+    plain = {key: value for key, value in fields.items() if key in ("temperature", "seed")}
+    engine = Engine.from_artifact(artifact, session_cache_bytes=0)
+
+    def engine_text(**sampling):
+        bias = tuple((int(k), float(v)) for k, v in sampling.pop("logit_bias", {}).items())
+        request = Request(engine.encode(prompt, chat=False), max_new_tokens=24,
+                          sampling=SamplingParams(**sampling, logit_bias=bias))
+        return engine.generate([request])[0].text
+
+    def served(**body):
+        reply = httpx.post(server.url + "/v1/completions", timeout=60,
+                           json={"model": "tiny", "prompt": prompt, "max_tokens": 24, "temperature": 0, **body})
+        assert reply.status_code == 200, reply.text
+        return reply.json()["choices"][0]["text"]
+    assert served(**fields) == engine_text(**fields)
+    assert served(**fields) != served(**plain)
+
+
+@pytest.mark.parametrize("field, value", [("typical_p", 0.5), ("repeat_penalty", 1.1), ("min_tokens", 4),
+                                          ("guided_json", {"type": "object"}), ("logit_bias", {"x": 1}),
+                                          ("logit_bias", {"999999": 1}), ("min_p", 2), ("top_k", -2)])
+def test_a_sampling_field_not_honoured_is_refused_by_name(server, field, value):
+    reply = httpx.post(server.url + "/v1/completions", timeout=60,
+                       json={"model": "tiny", "prompt": "hi", "max_tokens": 2, field: value})
+    assert reply.status_code == 400 and field in json.dumps(reply.json()["error"]), reply.text

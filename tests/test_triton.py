@@ -111,6 +111,26 @@ def test_triton_repo_cli(artifact, tmp_path):
     assert again.exit_code == 2 and again.output.startswith("error: ") and "already exists" in again.output
 
 
+def test_the_sampling_inputs_reach_the_engine(triton, artifact):
+    """top_k, min_p, the penalties and logit_bias (JSON text) give the Python API's texts; a bad
+    logit_bias is the request's error."""
+    from snapcompile import Engine, Request, SamplingParams
+    engine = Engine.from_artifact(artifact, session_cache_bytes=0)
+    text = "".join(map(chr, range(32, 127)))
+    for fields, sampling in (({"logit_bias": '{"65": 100}'}, SamplingParams(logit_bias=((65, 100.0),))),
+                             ({"repetition_penalty": 50.0}, SamplingParams(repetition_penalty=50.0)),
+                             ({"presence_penalty": -2.0, "frequency_penalty": -1.0},
+                              SamplingParams(presence_penalty=-2.0, frequency_penalty=-1.0)),
+                             ({"temperature": 1.0, "seed": 3, "top_k": 2, "min_p": 0.5},
+                              SamplingParams(temperature=1.0, seed=3, top_k=2, min_p=0.5))):
+        reply = triton.generate({"text_input": text, "max_tokens": 10, **fields})
+        assert reply.status_code == 200, reply.text
+        expected = engine.generate([Request(engine.encode(text, chat=False), max_new_tokens=10, sampling=sampling)])
+        assert reply.json()["text_output"] == expected[0].text, fields
+    bad = triton.generate({"text_input": text, "max_tokens": 2, "logit_bias": '{"999999": 1}'})
+    assert bad.status_code != 200 and "logit_bias token ids" in bad.text
+
+
 def test_generate_equals_run(triton, run_texts):
     for prompt, expected in zip(PROMPTS, run_texts):
         reply = triton.generate({"text_input": prompt, "max_tokens": 10, "temperature": 0})

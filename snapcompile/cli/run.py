@@ -38,12 +38,21 @@ def _percentile(values: list[float], q: float) -> float | None:
 @click.option("--prompts", "prompts_file", type=click.Path(path_type=Path),
               help='JSONL file: {"prompt": ...} or {"turns": [...]} (a conversation: each turn is sent with the '
                    'turns and answers before it), optional "id", "max_new_tokens", "stop", "temperature", "top_k", '
-                   '"top_p", "seed".')
+                   '"top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias" '
+                   '({"token id": bias}), "seed".')
 @click.option("--demo", is_flag=True, help="Run the built-in demo prompts (two questions and a pass-key prompt).")
 @click.option("--max-new-tokens", default=64, show_default=True, type=click.IntRange(min=1))
 @click.option("--temperature", default=0.0, show_default=True, help="0 = greedy.")
 @click.option("--top-k", default=0, show_default=True, type=click.IntRange(min=0), help="0 = off.")
 @click.option("--top-p", default=1.0, show_default=True, help="Nucleus sampling mass in (0, 1].")
+@click.option("--min-p", default=0.0, show_default=True,
+              help="Drop tokens below this share of the likeliest one's probability (0 = off).")
+@click.option("--repetition-penalty", default=1.0, show_default=True,
+              help="Divide (multiply, if negative) the logits of tokens already in the prompt or output (1 = off).")
+@click.option("--presence-penalty", default=0.0, show_default=True,
+              help="Subtract from the logits of tokens already generated, once (OpenAI's, in [-2, 2]).")
+@click.option("--frequency-penalty", default=0.0, show_default=True,
+              help="Subtract this times a token's count in the output from its logit (OpenAI's, in [-2, 2]).")
 @click.option("--seed", type=int, default=None, help="Sampling seed (per request: seed + request index).")
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
 @click.option("--top-logprobs", default=0, show_default=True,
@@ -67,7 +76,8 @@ def _percentile(values: list[float], q: float) -> float | None:
                    "results in OUTPUT.partial (or prints them), and the error says where.")
 @click.option("--force", is_flag=True, help="Replace the --output file (and its .partial) if it exists.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (results and summary).")
-def run(artifact, prompt, prompts_file, demo, max_new_tokens, temperature, top_k, top_p, seed, stop, top_logprobs,
+def run(artifact, prompt, prompts_file, demo, max_new_tokens, temperature, top_k, top_p, min_p, repetition_penalty,
+        presence_penalty, frequency_penalty, seed, stop, top_logprobs,
         raw, ignore_eos, provider, backend, max_slots, prefill_tokens_per_step, session_cache_bytes, session_keep,
         output, force, as_json):
     """Generate for prompts with continuous batching over the artifact's static slots.
@@ -81,7 +91,9 @@ def run(artifact, prompt, prompts_file, demo, max_new_tokens, temperature, top_k
     if output is not None:
         output = check_output_file(output, force, inputs=(prompts_file,), read_folders=(artifact,))
     records = _load_prompt_records(prompt, prompts_file, demo)
-    defaults = dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, max_new_tokens=max_new_tokens,
+    defaults = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                    repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
+                    frequency_penalty=frequency_penalty, logit_bias={}, seed=seed, max_new_tokens=max_new_tokens,
                     stop=stop, top_logprobs=top_logprobs)
     _request_without_prompt({"prompt": ""}, 0, defaults)        # the command line's own values
     pending = [_request_without_prompt(record.fields, index, defaults, record.where)
@@ -185,13 +197,24 @@ def _request_without_prompt(record: dict, index: int, defaults: dict, where: str
     try:
         if not isinstance(stop, (str, list, tuple)):
             raise SnapcompileError(f"stop must be a string or a list of strings, got {stop!r}")
-        sampling = SamplingParams(temperature=fields["temperature"], top_k=fields["top_k"], top_p=fields["top_p"],
-                                  seed=fields["seed"])
+        sampling = SamplingParams(**{name: fields[name] for name in SAMPLING_FIELDS},
+                                  logit_bias=_logit_bias(fields["logit_bias"]))
         stops = (stop,) if isinstance(stop, str) else tuple(stop)
         return Request([], max_new_tokens=fields["max_new_tokens"], stop=stops, sampling=sampling,
                        request_id=str(record.get("id", index)), top_logprobs=fields["top_logprobs"])
     except SnapcompileError as err:
         raise SnapcompileError(f"{where}: {err}" if where else str(err)) from None
+
+
+SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                   "frequency_penalty", "seed")
+
+
+def _logit_bias(value) -> tuple[tuple[int, float], ...]:
+    """A prompts file's {"token id": bias} object as SamplingParams' pairs."""
+    if not isinstance(value, dict) or not all(isinstance(k, str) and k.isascii() and k.isdigit() for k in value):
+        raise SnapcompileError('logit_bias must be an object of {"token id": bias}')
+    return tuple((int(key), bias) for key, bias in value.items())
 
 
 def _refuse_duplicate_ids(requests: list, records: list) -> None:

@@ -168,6 +168,8 @@ class Engine:
         vocab = self.backend.manifest.spec.vocab_size
         if any(not 0 <= token < vocab for token in request.prompt_ids):
             raise SnapcompileError(f"request {request.request_id}: token ids must be in [0, {vocab})")
+        if any(token >= vocab for token, _ in request.sampling.logit_bias):
+            raise SnapcompileError(f"request {request.request_id}: logit_bias token ids must be in [0, {vocab})")
         seq = Sequence(request, submitted_at=self.clock())
         self.sequences[request.request_id] = seq
         self._rngs[request.request_id] = np.random.default_rng(request.sampling.seed)
@@ -309,7 +311,7 @@ class Engine:
 
     def _next_token(self, seq: Sequence, logits: np.ndarray) -> TokenEvent:
         request = seq.request
-        token = sample(logits, request.sampling, self._rngs[request.request_id])
+        token = sample(logits, request.sampling, self._rngs[request.request_id], request.prompt_ids, seq.output_ids)
         logprob, top = self._record_logprobs(seq, logits, token)
         if seq.first_token_at is None:
             seq.first_token_at = self.clock()

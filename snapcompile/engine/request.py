@@ -16,12 +16,24 @@ MAX_STOP_CHARS = 256        # per stop string: the hold-back check costs O(this)
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """temperature 0 = greedy. top_k 0 and top_p 1.0 disable those filters. seed: per request."""
+    """How the next token is chosen, with vLLM's and OpenAI's semantics (docs/serving.md,
+    "Sampling"), applied in this order: `logit_bias` ((token id, bias) pairs added to the logits),
+    `repetition_penalty` (each token seen in the prompt or output: a positive logit divided by it, a
+    negative one multiplied), `frequency_penalty` (minus it times the token's count in the output)
+    and `presence_penalty` (minus it once for a token in the output); then greedy when temperature is
+    0, else temperature, `top_k`, `top_p` and `min_p` (tokens below min_p x the likeliest one's
+    probability dropped). 0 / 1.0 / 0 / 1.0 / 0 / 0 / () disable top_k, top_p, min_p,
+    repetition_penalty and the penalties and bias. seed: per request."""
 
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
     seed: int | None = None
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self):
         if not _real(self.temperature) or self.temperature < 0:
@@ -32,6 +44,40 @@ class SamplingParams:
             raise SnapcompileError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
         if self.seed is not None and (not _integer(self.seed) or not 0 <= self.seed < 2**64):
             raise SnapcompileError(f"seed must be an integer in [0, 2**64), got {self.seed!r}")
+        if not _real(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise SnapcompileError(f"min_p must be a number in [0, 1], got {self.min_p!r}")
+        if not _real(self.repetition_penalty) or not 0.0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise SnapcompileError(f"repetition_penalty must be a number in (0, {MAX_REPETITION_PENALTY:g}], "
+                                   f"got {self.repetition_penalty!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _real(value) or not -2.0 <= value <= 2.0:
+                raise SnapcompileError(f"{name} must be a number in [-2, 2], got {value!r}")
+        _check_logit_bias(self.logit_bias)
+
+    @property
+    def penalized(self) -> bool:
+        """Whether the logits depend on the tokens so far (penalties) or on a bias."""
+        return bool(self.logit_bias) or self.repetition_penalty != 1.0 or bool(self.presence_penalty) \
+            or bool(self.frequency_penalty)
+
+
+MAX_REPETITION_PENALTY = 100.0
+MAX_LOGIT_BIAS = 1024        # entries (OpenAI: 300)
+
+
+def _check_logit_bias(pairs) -> None:
+    """(token id >= 0, bias in [-100, 100]) pairs, at most MAX_LOGIT_BIAS, each id once; the ids
+    are checked against the model's vocabulary when the request is submitted."""
+    if not isinstance(pairs, tuple) or len(pairs) > MAX_LOGIT_BIAS:
+        raise SnapcompileError(f"logit_bias must hold at most {MAX_LOGIT_BIAS} (token id, bias) pairs")
+    for pair in pairs:
+        if not (isinstance(pair, tuple) and len(pair) == 2 and _integer(pair[0]) and pair[0] >= 0
+                and _real(pair[1]) and -100.0 <= pair[1] <= 100.0):
+            raise SnapcompileError(f"logit_bias entries must be a token id >= 0 and a bias in [-100, 100], "
+                                   f"got {pair!r}")
+    if len({token for token, _ in pairs}) != len(pairs):
+        raise SnapcompileError("logit_bias names a token id twice")
 
 
 def check_stop_strings(stop) -> None:

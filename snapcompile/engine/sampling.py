@@ -1,13 +1,20 @@
-"""Next-token choice from logits: greedy, temperature, top-k, top-p."""
+"""Next-token choice from logits: bias and penalties, then greedy or temperature, top-k, top-p,
+min-p (SamplingParams states the semantics). Every step is numpy over the vocabulary."""
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import numpy as np
 
 from snapcompile.engine.request import SamplingParams
 
 
-def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
-    """logits: [V] float32. Greedy when temperature is 0 (ties to the lowest id)."""
+def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator,
+           prompt_ids: Sequence[int] = (), output_ids: Sequence[int] = ()) -> int:
+    """logits: [V] float32; `prompt_ids` and `output_ids`: the sequence's tokens so far (read by
+    the penalties only). Greedy when temperature is 0 (ties to the lowest id)."""
+    if params.penalized:
+        logits = penalized_logits(logits, params, prompt_ids, output_ids)
     if params.temperature == 0.0:
         return int(np.argmax(logits))
     scaled = logits.astype(np.float64) / params.temperature
@@ -19,7 +26,28 @@ def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator)
     if params.top_p < 1.0:
         keep = int(np.searchsorted(np.cumsum(probs), params.top_p) + 1)
         order, probs = order[:keep], probs[:keep] / probs[:keep].sum()
+    if params.min_p > 0.0:
+        keep = int(np.count_nonzero(probs >= params.min_p * probs[0]))      # probs are sorted, largest first
+        order, probs = order[:keep], probs[:keep] / probs[:keep].sum()
     return int(order[rng.choice(len(order), p=probs)])
+
+
+def penalized_logits(logits: np.ndarray, params: SamplingParams, prompt_ids: Sequence[int],
+                     output_ids: Sequence[int]) -> np.ndarray:
+    """logits [V] with the bias added and the repetition, frequency and presence penalties applied
+    (a float64 copy)."""
+    adjusted = logits.astype(np.float64)
+    if params.logit_bias:
+        tokens, biases = zip(*params.logit_bias)
+        adjusted[list(tokens)] += biases
+    if params.repetition_penalty != 1.0:
+        seen = np.unique(np.concatenate([np.asarray(prompt_ids, np.int64), np.asarray(output_ids, np.int64)]))
+        values = adjusted[seen]
+        adjusted[seen] = np.where(values > 0, values / params.repetition_penalty, values * params.repetition_penalty)
+    if (params.frequency_penalty or params.presence_penalty) and len(output_ids):
+        counts = np.bincount(np.asarray(output_ids, np.int64), minlength=adjusted.size)
+        adjusted -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
+    return adjusted
 
 
 def top_logprobs(logits: np.ndarray, k: int) -> list[tuple[int, float]]:

@@ -86,15 +86,18 @@ class OpenAIServing:
         """The prompts checked and made engine requests, on a worker thread (client-sized work)."""
         for prompt in prompts:
             self._check_prompt(prompt, param=param)
+        sampling = params.sampling()
+        vocab = self.engine_loop.engine.backend.manifest.spec.vocab_size
+        if any(token >= vocab for token, _ in sampling.logit_bias):
+            raise ApiError(400, f"logit_bias token ids must lie in [0, {vocab})", param="logit_bias")
         try:
-            return tuple(self._engine_request(params, prompt, scope) for prompt in prompts)
+            return tuple(self._engine_request(params, sampling, prompt, scope) for prompt in prompts)
         except SnapcompileError as err:
             raise ApiError(400, str(err)) from None
 
-    def _engine_request(self, params: ChatRequest | CompletionRequest, prompt: list[int],
+    def _engine_request(self, params: ChatRequest | CompletionRequest, sampling: SamplingParams, prompt: list[int],
                         scope: str | None) -> Request:
         logprobs, top = params.logprob_counts()
-        sampling = SamplingParams(temperature=params.temperature, top_p=params.top_p, seed=params.seed)
         return Request(prompt, max_new_tokens=params.max_new_tokens(max(1, self.max_context - len(prompt))),
                        stop=tuple(params.stop), sampling=sampling, request_id=new_id("req"),
                        top_logprobs=top, logprobs=logprobs, ignore_eos=params.ignore_eos, cache_scope=scope)

@@ -1,9 +1,10 @@
 """The OpenAI wire format: request bodies (validated), error bodies and response builders.
 
-Fields OpenAI clients send that do not change the result here are accepted and ignored (the
+Fields that do not change the result (user, metadata, store, ...) are accepted and ignored (the
 models allow extra fields); the fields read are typed strictly ("stream": "yes" or "max_tokens":
-true are 400s, not coerced); fields asking for something this server does not do (n > 1, tools,
-...) are refused with a 400 naming the field.
+true are 400s, not coerced); fields that would change the result but are not implemented here
+(n > 1, tools, OpenAI's and vLLM's and llama.cpp's other sampling fields: UNSUPPORTED) are refused
+with a 400 naming the field, never dropped.
 """
 from __future__ import annotations
 
@@ -13,11 +14,20 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from snapcompile.engine.request import check_stop_strings
+from snapcompile.engine.request import SamplingParams, check_stop_strings
 from snapcompile.errors import SnapcompileError
 from snapcompile.serve.scopes import MAX_SALT_CHARS
 
 MAX_TOP_LOGPROBS = 20
+# fields some OpenAI-compatible server honours that would change the answer and are not implemented
+# here: refused by name when given (a value equal to the field's neutral one is accepted)
+UNSUPPORTED = {"tools": None, "functions": None, "suffix": None, "best_of": 1, "typical_p": 1.0, "top_a": 0.0,
+               "min_tokens": 0, "use_beam_search": False, "length_penalty": 1.0, "stop_token_ids": None,
+               "bad_words": None, "guided_json": None, "guided_regex": None, "guided_choice": None,
+               "guided_grammar": None, "structured_outputs": None, "prompt_logprobs": None,
+               "truncate_prompt_tokens": None, "repeat_penalty": 1.0, "repeat_last_n": None,
+               "penalty_last_n": None, "mirostat": 0, "tfs_z": 1.0, "dry_multiplier": 0.0, "xtc_probability": 0.0,
+               "grammar": None, "json_schema": None, "samplers": None, "dynatemp_range": 0.0}
 
 
 class ApiError(Exception):
@@ -53,6 +63,12 @@ class _Sampling(BaseModel):
     stream_options: StreamOptions | None = None
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=-1)                     # vLLM's: 0 or -1 keeps every token
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=100.0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None      # token id (as a string, OpenAI's form) -> bias in [-100, 100]
     seed: int | None = Field(None, ge=0, lt=2**63)
     stop: str | list[str] | None = Field(None, validate_default=True)
     n: int = 1
@@ -73,19 +89,31 @@ class _Sampling(BaseModel):
         """Refuse what this server does not implement, naming the field."""
         if self.n != 1:
             raise ApiError(400, "only n=1 is supported", param="n")
-        for name in ("tools", "functions", "logit_bias", "suffix"):
-            if getattr(self, name, None):
-                raise ApiError(400, f"{name} is not supported", param=name)
-        if getattr(self, "tool_choice", None) not in (None, "none"):
+        extra = self.model_extra or {}
+        for name, neutral in UNSUPPORTED.items():
+            if extra.get(name) not in (None, neutral) and not (neutral is None and extra.get(name) in ([], {}, "")):
+                raise ApiError(400, f"{name} is not supported by this server", param=name)
+        if extra.get("tool_choice") not in (None, "none"):
             raise ApiError(400, "tool_choice is not supported", param="tool_choice")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name, 0) not in (0, 0.0, None):
-                raise ApiError(400, f"{name} is not supported", param=name)
-        response_format = getattr(self, "response_format", None)
+        response_format = extra.get("response_format")
         if response_format and (not isinstance(response_format, dict) or response_format.get("type") != "text"):
             raise ApiError(400, "response_format other than text is not supported", param="response_format")
-        if getattr(self, "best_of", None) not in (None, 1):
-            raise ApiError(400, "best_of is not supported", param="best_of")
+
+    def sampling(self) -> SamplingParams:
+        """The engine's SamplingParams of these fields (a 400 naming the field when they do not fit)."""
+        bias = []
+        for key, value in (self.logit_bias or {}).items():
+            if not (key.isascii() and key.isdigit() and len(key) <= 12):
+                raise ApiError(400, f"logit_bias keys must be token ids (decimal strings), got {key[:20]!r}",
+                               param="logit_bias")
+            bias.append((int(key), value))
+        try:
+            return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=max(self.top_k, 0),
+                                  seed=self.seed, min_p=self.min_p, repetition_penalty=self.repetition_penalty,
+                                  presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                                  logit_bias=tuple(bias))
+        except SnapcompileError as err:            # each message begins with the field's name
+            raise ApiError(400, str(err), param=str(err).split()[0]) from None
 
     @property
     def include_usage(self) -> bool:

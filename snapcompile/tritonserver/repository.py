@@ -32,7 +32,10 @@ INPUTS = (("text_input", "TYPE_STRING", "[ 1 ]", False), ("max_tokens", "TYPE_IN
           ("temperature", "TYPE_FP32", "[ 1 ]", True), ("top_p", "TYPE_FP32", "[ 1 ]", True),
           ("seed", "TYPE_INT64", "[ 1 ]", True), ("stop", "TYPE_STRING", "[ -1 ]", True),
           ("stream", "TYPE_BOOL", "[ 1 ]", True), ("ignore_eos", "TYPE_BOOL", "[ 1 ]", True),
-          ("cache_salt", "TYPE_STRING", "[ 1 ]", True))
+          ("cache_salt", "TYPE_STRING", "[ 1 ]", True), ("top_k", "TYPE_INT64", "[ 1 ]", True),
+          ("min_p", "TYPE_FP32", "[ 1 ]", True), ("repetition_penalty", "TYPE_FP32", "[ 1 ]", True),
+          ("presence_penalty", "TYPE_FP32", "[ 1 ]", True), ("frequency_penalty", "TYPE_FP32", "[ 1 ]", True),
+          ("logit_bias", "TYPE_STRING", "[ 1 ]", True))
 OUTPUTS = (("text_output", "TYPE_STRING", "[ -1 ]"), ("prompt_tokens", "TYPE_INT32", "[ 1 ]"),
            ("completion_tokens", "TYPE_INT32", "[ 1 ]"), ("finish_reason", "TYPE_STRING", "[ 1 ]"),
            ("cached_tokens", "TYPE_INT32", "[ 1 ]"))

@@ -24,6 +24,10 @@ from snapcompile.serve.engine_loop import EngineLoop, Update
 from snapcompile.serve.metrics import Metrics
 from snapcompile.serve.scopes import cache_scope
 
+FLOAT_INPUTS = (("temperature", 0.0), ("top_p", 1.0), ("min_p", 0.0), ("repetition_penalty", 1.0),
+                ("presence_penalty", 0.0), ("frequency_penalty", 0.0))   # SamplingParams' defaults
+MAX_LOGIT_BIAS_CHARS = 64 * 1024
+
 log = logging.getLogger("snapcompile.tritonserver")
 CANCEL_POLL_S = 0.1
 DEFAULT_MAX_TOKENS = 16
@@ -108,14 +112,31 @@ class TritonWorker:
         except PromptError as err:
             detail = "is empty" if err.reason == "empty" else f"has {err.tokens} tokens"
             raise SnapcompileError(f"text_input {detail}; this model's context allows 1..{err.limit}") from None
-        sampling = SamplingParams(temperature=float(self._scalar(triton_request, "temperature", 0.0)),
-                                  top_p=float(self._scalar(triton_request, "top_p", 1.0)),
+        floats = {name: float(self._scalar(triton_request, name, default)) for name, default in FLOAT_INPUTS}
+        sampling = SamplingParams(**floats, top_k=max(int(self._scalar(triton_request, "top_k", 0)), 0),
+                                  logit_bias=self._logit_bias(triton_request),
                                   seed=_optional_int(self._scalar(triton_request, "seed", None)))
         request = Request(prompt, max_new_tokens=int(self._scalar(triton_request, "max_tokens", DEFAULT_MAX_TOKENS)),
                           stop=self._stops(triton_request), sampling=sampling, request_id=f"triton-{next(_ids)}",
                           ignore_eos=bool(self._scalar(triton_request, "ignore_eos", False)),
                           cache_scope=self._scope(self._scalar(triton_request, "cache_salt", None)))
         return request, bool(self._scalar(triton_request, "stream", False))
+
+    def _logit_bias(self, triton_request) -> tuple[tuple[int, float], ...]:
+        """The `logit_bias` input: OpenAI's {"token id": bias} object as JSON text."""
+        raw = self._scalar(triton_request, "logit_bias", None)
+        if raw is None:
+            return ()
+        text = _text(raw, "logit_bias")
+        if len(text) > MAX_LOGIT_BIAS_CHARS:
+            raise SnapcompileError(f"logit_bias has more than {MAX_LOGIT_BIAS_CHARS} characters")
+        value = parse_json(text, "logit_bias")
+        if not isinstance(value, dict) or not all(isinstance(k, str) and k.isascii() and k.isdigit() for k in value):
+            raise SnapcompileError('logit_bias must be a JSON object of {"token id": bias}')
+        vocab = self.engine.backend.manifest.spec.vocab_size
+        if any(int(key) >= vocab for key in value):
+            raise SnapcompileError(f"logit_bias token ids must lie in [0, {vocab})")
+        return tuple((int(key), bias) for key, bias in value.items())
 
     def _scope(self, salt) -> str | None:
         """The session-store scope of a request (serve.scopes.cache_scope; Triton has no API key)."""
