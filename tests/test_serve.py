@@ -825,3 +825,24 @@ def test_a_sampling_field_not_honoured_is_refused_by_name(server, field, value):
     reply = httpx.post(server.url + "/v1/completions", timeout=60,
                        json={"model": "tiny", "prompt": "hi", "max_tokens": 2, field: value})
     assert reply.status_code == 400 and field in json.dumps(reply.json()["error"]), reply.text
+
+
+def test_tokenize_and_detokenize_in_vllm_and_llama_server_shapes(server, artifact):
+    from snapcompile import Engine
+    engine = Engine.from_artifact(artifact, session_cache_bytes=0)
+    text = "The quick brown fox"
+    ids = engine.encode(text, chat=False)
+    for body in ({"prompt": text}, {"content": text, "model": "tiny"}):
+        reply = httpx.post(server.url + "/tokenize", json=body, timeout=30).json()
+        assert reply["tokens"] == ids and reply["count"] == len(ids) and reply["max_model_len"] == 512
+    chat = httpx.post(server.url + "/tokenize", json={"messages": [{"role": "user", "content": text}]}).json()
+    assert chat["tokens"] == engine.encode(text, chat=True)
+    back = httpx.post(server.url + "/detokenize", json={"tokens": ids}, timeout=30).json()
+    assert back["prompt"] == back["content"] == text
+    for path, body, fragment in (("/tokenize", {"prompt": "a", "content": "b"}, "exactly one"),
+                                 ("/tokenize", {"prompt": "a", "add_special_tokens": True}, "add_special_tokens"),
+                                 ("/tokenize", {"prompt": "a", "model": "other"}, "does not exist"),
+                                 ("/detokenize", {"tokens": [999999]}, "tokens must be"),
+                                 ("/detokenize", {"tokens": "abc"}, "tokens")):
+        reply = httpx.post(server.url + path, json=body, timeout=30)
+        assert reply.status_code in (400, 404) and fragment in reply.json()["error"]["message"], reply.text

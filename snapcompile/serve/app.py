@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from snapcompile.config import MAX_WAITING, ServerLimits
+from snapcompile.serve import protocol
 from snapcompile.serve.bodies import BodyParser, max_values
 from snapcompile.serve.completions import OpenAIServing
 from snapcompile.serve.engine_loop import EngineLoop
@@ -145,14 +146,29 @@ def create_app(state: ServerState) -> FastAPI:
     async def completions(request: Request):
         return await _complete(state, request, "completion", CompletionRequest)
 
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> JSONResponse:
+        serving, params = await _accept_body(state, request, protocol.TokenizeRequest)
+        return JSONResponse(await serving.tokenize(params))
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> JSONResponse:
+        serving, params = await _accept_body(state, request, protocol.DetokenizeRequest)
+        return JSONResponse(await serving.detokenize(params))
+
     return app
 
 
-async def _complete(state: ServerState, request: Request, kind: str, model):
+async def _accept_body(state: ServerState, request: Request, model):
+    """The authenticated, ready server's OpenAIServing and the request's body as `model`."""
     _authenticate(request, state.settings.api_key)
     serving = _ready(state)
     body = await read_json_body(request, state.settings.limits, state.bodies)
-    params = await asyncio.to_thread(parse, model, body)
+    return serving, await asyncio.to_thread(parse, model, body)
+
+
+async def _complete(state: ServerState, request: Request, kind: str, model):
+    serving, params = await _accept_body(state, request, model)
     call = await serving.accept(kind, params, scope_of(state, params.cache_salt))
     _admit(state, len(call.requests))
     PeerRequests.hold(state.peer_requests, request, len(call.requests))

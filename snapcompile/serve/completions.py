@@ -16,6 +16,7 @@ from snapcompile.engine.engine import Result, TokenEvent
 from snapcompile.engine.request import Request, SamplingParams
 from snapcompile.errors import PromptError, SnapcompileError
 from snapcompile.prompts import max_prompt_chars
+from snapcompile.serve import protocol
 from snapcompile.serve.engine_loop import EngineLoop, Update
 from snapcompile.serve.protocol import ApiError, ChatRequest, CompletionRequest, PromptItem, new_id, now, usage
 from snapcompile.serve.tokenizer_pool import TokenizerPool
@@ -61,13 +62,11 @@ class OpenAIServing:
         The prompt is tokenized (and the chat template rendered) in a worker process, within a time
         and memory bound, after its size was checked: the event loop never waits on it."""
         params.unsupported()
-        if params.model != self.model_name:
-            raise ApiError(404, f"the model {params.model!r} does not exist; this server serves {self.model_name!r}",
-                           param="model", code="model_not_found")
+        self._check_model(params.model)
         param = "messages" if kind == "chat" else "prompt"
         try:
             if kind == "chat":
-                prompts = [await asyncio.to_thread(self._chat_prompt, params)]
+                prompts = [await asyncio.to_thread(self._chat_prompt, params.messages)]
             else:
                 prompts = [await asyncio.to_thread(self._raw_prompt, item) for item in params.prompts(self.max_prompts)]
         except SnapcompileError as err:
@@ -118,10 +117,43 @@ class OpenAIServing:
             raise ApiError(400, f"the prompt has {chars} characters: more than this model's context can hold "
                                 f"({self.max_prompt_chars} at the most)", param=param, code="context_length_exceeded")
 
-    def _chat_prompt(self, params: ChatRequest) -> list[int]:
+    # ------------------------------------------------------------------ tokenizer endpoints
+    async def tokenize(self, params: protocol.TokenizeRequest) -> dict:
+        """/tokenize: the token ids the completion endpoints would feed the model, vLLM's and
+        llama-server's response keys together."""
+        self._check_model(params.model)
+        params.check()
+        try:
+            if params.messages is not None:
+                ids = await asyncio.to_thread(self._chat_prompt, params.messages)
+            else:
+                ids = await asyncio.to_thread(self._raw_prompt, params.prompt if params.content is None
+                                              else params.content)
+        except SnapcompileError as err:
+            raise ApiError(400, str(err), param="messages" if params.messages else "prompt") from None
+        max_model_len = self.engine_loop.engine.backend.manifest.export.max_context     # a fresh request's
+        return {"tokens": ids, "count": len(ids), "max_model_len": max_model_len}
+
+    async def detokenize(self, params: protocol.DetokenizeRequest) -> dict:
+        """/detokenize: the text of `tokens` (special tokens kept), as `prompt` (vLLM) and `content`
+        (llama-server)."""
+        self._check_model(params.model)
+        vocab = self.engine_loop.engine.backend.manifest.spec.vocab_size
+        if len(params.tokens) > self.max_context or any(not 0 <= token < vocab for token in params.tokens):
+            raise ApiError(400, f"tokens must be at most {self.max_context} ids in [0, {vocab})", param="tokens")
+        text = await asyncio.to_thread(lambda: self._thread_tokenizer().decode(params.tokens))
+        return {"prompt": text, "content": text}
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise ApiError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
+                           param="model", code="model_not_found")
+
+    def _chat_prompt(self, chat: list) -> list[int]:
+        """A chat's token ids through the template (`chat`: protocol Messages)."""
         if self.tokenizer.chat_template is None:
             raise ApiError(400, "this model has no chat template; use /v1/completions", param="messages")
-        messages = [{"role": m.role, "content": m.text()} for m in params.messages]
+        messages = [{"role": m.role, "content": m.text()} for m in chat]
         self._check_size(sum(len(m["content"]) + len(m["role"]) for m in messages), "messages")
         return self.tokenizers.chat(messages, self.max_prompt_chars)
 

@@ -191,6 +191,33 @@ class CompletionRequest(_Sampling):
         return self.logprobs is not None, self.logprobs or 0
 
 
+class TokenizeRequest(BaseModel):
+    """/tokenize, in vLLM's form (`prompt`, or chat `messages` through the template) or
+    llama-server's (`content`): exactly one of the three."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    model: str | None = None
+    prompt: str | None = None
+    content: str | None = None
+    messages: list[Message] | None = Field(None, min_length=1)
+    add_special_tokens: bool = False
+    add_special: bool = False
+
+    def check(self) -> None:
+        if sum(value is not None for value in (self.prompt, self.content, self.messages)) != 1:
+            raise ApiError(400, "give exactly one of prompt, content (text) or messages (a chat)", param="prompt")
+        for name in ("add_special_tokens", "add_special"):
+            if getattr(self, name):
+                raise ApiError(400, f"{name} is not supported: the ids are those /v1/completions and "
+                                    "/v1/chat/completions feed the model, without added special tokens", param=name)
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    model: str | None = None
+    tokens: list[int]
+
+
 def parse(model: type[BaseModel], body: Any) -> BaseModel:
     """Validate a JSON body; the first problem becomes a 400 naming its field."""
     if not isinstance(body, dict):
