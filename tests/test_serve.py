@@ -846,3 +846,11 @@ def test_tokenize_and_detokenize_in_vllm_and_llama_server_shapes(server, artifac
                                  ("/detokenize", {"tokens": "abc"}, "tokens")):
         reply = httpx.post(server.url + path, json=body, timeout=30)
         assert reply.status_code in (400, 404) and fragment in reply.json()["error"]["message"], reply.text
+
+
+def test_the_serving_process_holds_no_torch(server, client):
+    """Nothing on the serving path needs torch; transformers (the tokenizer) is kept from importing
+    it (~185 MB of RSS at SmolLM2's shape)."""
+    client.completions.create(model="tiny", prompt="hi", max_tokens=2)
+    maps = Path(f"/proc/{server.process.pid}/maps").read_text()
+    assert "libtorch" not in maps and "torch/lib" not in maps

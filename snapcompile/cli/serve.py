@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import os
 import secrets
 import sys
 from pathlib import Path
@@ -90,6 +91,7 @@ def serve(artifact, host, port, slots, max_waiting, api_key, served_model_name, 
     its slot. SIGTERM or Ctrl-C drains: new requests get 503, running ones finish (up to
     --drain-timeout), then the server exits 0; a second signal stops at once.
     """
+    _without_torch()
     from snapcompile.artifact.files import check_files
     from snapcompile.artifact.manifest import read_manifest
     from snapcompile.serve.app import ServerSettings
@@ -114,6 +116,16 @@ def serve(artifact, host, port, slots, max_waiting, api_key, served_model_name, 
                               max_waiting, slots, backend, limits, prefill_tokens_per_step, session_cache_bytes,
                               session_keep, session_scope)
     run_server(settings, host, port, drain_timeout, log_level)
+
+
+def _without_torch() -> None:
+    """Keep torch out of the serving process (~185 MB less RSS at SmolLM2's shape): nothing on the
+    serving path needs it, and transformers, imported for the tokenizer, imports it whenever it is
+    installed unless it is marked absent before transformers is first imported. A process that
+    already holds either (a test runner) is left as it is."""
+    if "torch" not in sys.modules and "transformers" not in sys.modules:
+        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")    # no "PyTorch was not found" line
+        sys.modules["torch"] = None
 
 
 def _loopback(host: str) -> bool:
