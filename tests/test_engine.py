@@ -1,4 +1,6 @@
 """Continuous batching: scheduling without a model, and output equality on tiny-llama."""
+from dataclasses import replace
+
 import numpy as np
 import pytest
 from hypothesis import given
@@ -38,6 +40,26 @@ def test_scheduler_admits_fifo_into_free_slots():
     scheduler.release(seqs[0])
     assert scheduler.admit() == [seqs[2]] and seqs[2].slot == 0
     assert not scheduler.idle
+
+
+def test_a_leader_and_its_followers_are_admitted_together_and_wait_for_its_prefill():
+    scheduler = Scheduler(slots=3, prefill_tokens_per_step=8)
+    first = Sequence(Request([1, 2], request_id="first"))
+    leader = Sequence(Request([5, 6], request_id="lead"))
+    followers = [Sequence(Request([5, 6], request_id=f"f{i}", shares_prefill_of="lead")) for i in range(2)]
+    for seq in (first, leader, *followers):
+        scheduler.add(seq)
+    assert scheduler.admit() == [first]                  # the group of 3 waits for 3 free slots
+    scheduler.prefill_done(first)
+    scheduler.release(first)
+    assert scheduler.admit() == [leader] and [s.slot for s in (leader, *followers)] == [0, 1, 2]
+    assert scheduler.prefill_turn() is leader and not scheduler.waiting and not scheduler.idle
+    scheduler.release(followers[1])                      # a follower that leaves frees its slot at once
+    assert scheduler.pool.free == 1
+    assert scheduler.take_followers(leader) == followers[:1] and scheduler.take_followers(leader) == []
+    orphan = Sequence(Request([7], request_id="o", shares_prefill_of="gone"))
+    scheduler.add(orphan)
+    assert scheduler.admit() == [orphan]                 # its leader is gone: it prefills on its own
 
 
 def test_compaction_moves_the_highest_decoding_sequence_down_when_the_graph_shrinks():
@@ -247,6 +269,42 @@ def test_seeded_sampling_is_reproducible(tiny_snap_dir):
         return engine.generate([Request(random_prompts([100])[0], max_new_tokens=16, sampling=params)])[0].output_ids
     assert run(1) == run(1)
     assert run(1) != run(2)
+
+
+@pytest.mark.parametrize("folder", ["tiny_snap_dir", "tiny_dense_dir"])
+def test_samples_that_share_one_prefill_equal_separate_requests(folder, request):
+    """A leader and three followers (seeds 1..4) give the texts four separate requests with those
+    seeds give; on three slots the leader and two followers share one prefill and the fourth,
+    which does not fit beside them, prefills on its own: two prefills instead of four."""
+    artifact = request.getfixturevalue(folder)
+    prompt = random_prompts([150])[0]
+
+    def requests(shared):
+        made = [Request(prompt, max_new_tokens=12, request_id=f"s{seed}",
+                        sampling=SamplingParams(temperature=1.0, seed=seed)) for seed in range(1, 5)]
+        if shared:
+            made[1:] = [replace(r, shares_prefill_of="s1", cache_scope=None) for r in made[1:]]
+        return made
+    separate = _engine(artifact).generate(requests(False))
+    engine = _engine(artifact)
+    prefills = []
+    real = engine.backend.prefill_chunks
+    engine.backend.prefill_chunks = lambda slot, ids: prefills.append(slot) or real(slot, ids)
+    shared = engine.generate(requests(True))
+    assert [r.output_ids for r in shared] == [r.output_ids for r in separate]
+    assert engine.scheduler.pool.num_slots == 3
+    assert prefills == [0, 0] and len({tuple(r.output_ids) for r in shared}) > 1
+
+
+def test_a_leader_that_ends_before_its_prefill_ends_its_followers(tiny_snap_dir):
+    engine = _engine(tiny_snap_dir)
+    prompt = random_prompts([150])[0]                     # three chunks: the first step prefills one
+    engine.submit(Request(prompt, request_id="lead"))
+    engine.submit(Request(prompt, request_id="f", shares_prefill_of="lead", cache_scope=None))
+    engine.step()
+    assert engine.abort("lead")
+    assert engine.result("f").finish_reason == "abort" and engine.scheduler.idle
+    assert engine.scheduler.pool.free == engine.scheduler.pool.num_slots
 
 
 def test_dense_sequence_stops_at_context_end(tiny_llama, tmp_path):

@@ -135,7 +135,8 @@ def test_32_requests_from_16_clients_on_4_slots(client, artifact, server):
 
 @pytest.mark.parametrize("kwargs, status, fragment", [
     ({"model": "nope"}, 404, "does not exist"),
-    ({"n": 2}, 400, "only n=1"),
+    ({"n": 5}, 400, "n=5: the samples of a prompt share its prefill"),
+    ({"n": 17}, 400, "n"),
     ({"temperature": 5}, 400, "temperature"),
     ({"top_p": 0}, 400, "top_p"),
     ({"max_tokens": 0}, 400, "max_tokens"),
@@ -854,3 +855,28 @@ def test_the_serving_process_holds_no_torch(server, client):
     client.completions.create(model="tiny", prompt="hi", max_tokens=2)
     maps = Path(f"/proc/{server.process.pid}/maps").read_text()
     assert "libtorch" not in maps and "torch/lib" not in maps
+
+
+def test_n_samples_share_one_prefill_and_equal_separate_requests(server, client, artifact):
+    """n=3 with a seed: choices 0..2 are the texts of three separate requests with seeds s, s+1,
+    s+2; usage counts the prompt once; streamed chunks carry each choice's index (and a chat
+    opens every choice with its role)."""
+    prompt = "the quick brown fox " * 5
+    replies = [client.completions.create(model="tiny", prompt=prompt, max_tokens=10, temperature=1.0, seed=7 + j)
+               for j in range(3)]
+    separate = [one.choices[0].text for one in replies]
+    reply = client.completions.create(model="tiny", prompt=prompt, max_tokens=10, temperature=1.0, seed=7, n=3)
+    assert [c.index for c in reply.choices] == [0, 1, 2] and [c.text for c in reply.choices] == separate
+    assert reply.usage.prompt_tokens == replies[0].usage.prompt_tokens
+    assert reply.usage.completion_tokens == sum(one.usage.completion_tokens for one in replies)
+    pieces: dict[int, str] = {}
+    for chunk in client.completions.create(model="tiny", prompt=prompt, max_tokens=10, temperature=1.0, seed=7, n=3,
+                                           stream=True):
+        for choice in chunk.choices:
+            pieces[choice.index] = pieces.get(choice.index, "") + choice.text
+    assert [pieces[j] for j in range(3)] == separate
+    roles = [chunk.choices[0].index for chunk in client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=3, n=2, stream=True)
+        if chunk.choices and chunk.choices[0].delta.role == "assistant"]
+    assert sorted(roles) == [0, 1]
+    assert server.metric("snapcompile_slots_in_use") == 0

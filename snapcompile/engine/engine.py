@@ -10,11 +10,11 @@ import logging
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
-from snapcompile.engine.request import Request, Sequence
+from snapcompile.engine.request import Request, Sequence, Status
 from snapcompile.engine.sampling import sample, token_logprob, top_logprobs
 from snapcompile.engine.scheduler import Scheduler
 from snapcompile.errors import PromptError, SnapcompileError, first_line
@@ -170,11 +170,24 @@ class Engine:
             raise SnapcompileError(f"request {request.request_id}: token ids must be in [0, {vocab})")
         if any(token >= vocab for token, _ in request.sampling.logit_bias):
             raise SnapcompileError(f"request {request.request_id}: logit_bias token ids must be in [0, {vocab})")
+        request = self._with_leader(request)
         seq = Sequence(request, submitted_at=self.clock())
         self.sequences[request.request_id] = seq
         self._rngs[request.request_id] = np.random.default_rng(request.sampling.seed)
         self.scheduler.add(seq)
         return seq
+
+    def _with_leader(self, request: Request) -> Request:
+        """`request`, or a copy of it that prefills on its own when the request it would share a
+        prefill with is no longer waiting with the same prompt, or the group would not fit the slots
+        (it is admitted all at once)."""
+        if request.shares_prefill_of is None:
+            return request
+        leader = self.sequences.get(request.shares_prefill_of)
+        shares = (leader is not None and leader.status is Status.WAITING
+                  and leader.request.prompt_ids == request.prompt_ids
+                  and 2 + len(self.scheduler.waiting_followers(leader)) <= self.scheduler.pool.num_slots)
+        return request if shares else replace(request, shares_prefill_of=None)
 
     def stream(self, requests: Iterable[Request] = ()) -> Iterator[TokenEvent]:
         """Submit `requests`, then yield token events until every submitted request finished."""
@@ -265,11 +278,23 @@ class Engine:
                 seq.prefill, seq.layout, seq.kept_positions = None, done.value.layout, done.value.kept_positions
                 if self.keeper is not None and done.value.rows is not None and seq.request.cache_scope is not None:
                     self.keeper.selected(done.value.rows)
-                self.scheduler.prefill_done(seq)
-                events.append(self._emit(seq, done.value.logits))
+                followers = self._start_followers(seq)
+                events.extend(self._emit(member, done.value.logits) for member in (seq, *followers))
             except Exception as err:   # this request cannot be served; the others go on
                 seq.prefill = None
                 events.append(self._fail(seq, err))
+
+    def _start_followers(self, leader: Sequence) -> list[Sequence]:
+        """Mark `leader` prefilled and give each of its followers a copy of its slot's cache rows
+        and layout: they decode from the same prefill, each with its own sampling."""
+        followers = self.scheduler.take_followers(leader)
+        self.scheduler.prefill_done(leader)
+        rows = min(self.backend.rows_per_slot, len(leader.request.prompt_ids))
+        for follower in followers:
+            self.backend.move_slot(leader.slot, follower.slot, rows)
+            follower.layout, follower.kept_positions = leader.layout, leader.kept_positions
+            self.scheduler.prefill_done(follower)
+        return followers
 
     def _decode(self, events: list[TokenEvent]) -> None:
         for seq, left in self.scheduler.compact():
@@ -364,7 +389,9 @@ class Engine:
         return None
 
     def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
-        kept = self.sessions is not None and seq.request.cache_scope is not None
+        """End `seq` (and the followers still waiting for its prefill, the same way)."""
+        kept = self.sessions is not None and seq.request.cache_scope is not None \
+            and seq.request.shares_prefill_of is None
         if kept and reason in OUTCOMES and seq.slot is not None and seq.layout is not None:
             try:
                 self._keep(seq)
@@ -374,3 +401,5 @@ class Engine:
             self.keeper.forget(seq.slot)
         seq.finish(reason, self.clock(), error)
         self.scheduler.release(seq)
+        for follower in self.scheduler.take_followers(seq):
+            self._finish(follower, reason, error)

@@ -114,6 +114,10 @@ class Request:
     # the session store's scope: resumed only from, and kept only for, requests of the same scope
     # (None: neither resumed nor kept). `serve` derives it from the API key and cache_salt.
     cache_scope: str | None = ""
+    # the id of a request submitted before this one with the same prompt: this one is not prefilled
+    # but starts from a copy of that one's prefilled cache, admitted with it (one request's n samples).
+    # It is never kept in the session store.
+    shares_prefill_of: str | None = None
 
     def __post_init__(self):
         if not self.request_id:
@@ -131,6 +135,8 @@ class Request:
             raise SnapcompileError("cache_scope must be None or a string of at most 256 characters")
         if not all(_integer(t) for t in self.prompt_ids):
             raise SnapcompileError("prompt_ids must be a list of integer token ids")
+        if self.shares_prefill_of is not None and not isinstance(self.shares_prefill_of, str):
+            raise SnapcompileError("shares_prefill_of must be None or a request id")
 
 
 class Status(Enum):

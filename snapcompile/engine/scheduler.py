@@ -1,6 +1,7 @@
 """Scheduling policy: FIFO admission into free slots (lowest first), one prefill at a time,
 token-budgeted; decoding sequences move down into free slots when that lets a step run on a
-smaller decode graph.
+smaller decode graph. A request's followers (Request.shares_prefill_of: the other samples of one
+request) are admitted with it, each into a slot of its own, and wait there for its prefill.
 
 No tensors here: it decides, the engine executes.
 """
@@ -24,20 +25,38 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.prefilling: deque[Sequence] = deque()
         self.decoding: dict[int, Sequence] = {}
+        self.followers: dict[str, list[Sequence]] = {}     # leader's request id -> admitted followers
         self.prefill_tokens_per_step = prefill_tokens_per_step
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
     def admit(self) -> list[Sequence]:
-        """Move waiting sequences into free slots; returns the newly admitted ones."""
+        """Move waiting sequences into free slots, each with its waiting followers once there are
+        slots for all of them; returns the newly admitted ones that prefill (not the followers).
+        A follower whose leader is gone is admitted as a sequence of its own."""
         admitted = []
-        while self.waiting and self.pool.free:
-            seq = self.waiting.popleft()
-            seq.slot, seq.status = self.pool.acquire(), Status.PREFILLING
+        while self.waiting:
+            seq = self.waiting[0]
+            followers = self.waiting_followers(seq)
+            if self.pool.free < 1 + len(followers):
+                break
+            for member in (seq, *followers):
+                self.waiting.remove(member)
+                member.slot, member.status = self.pool.acquire(), Status.PREFILLING
             self.prefilling.append(seq)
+            if followers:
+                self.followers[seq.request.request_id] = followers
             admitted.append(seq)
         return admitted
+
+    def waiting_followers(self, leader: Sequence) -> list[Sequence]:
+        return [seq for seq in self.waiting if seq.request.shares_prefill_of == leader.request.request_id
+                and seq is not leader]
+
+    def take_followers(self, leader: Sequence) -> list[Sequence]:
+        """The followers waiting in their slots for `leader`'s prefill (handed over once)."""
+        return self.followers.pop(leader.request.request_id, [])
 
     def prefill_turn(self) -> Sequence | None:
         """The sequence whose prefill advances this step (the oldest admitted; the backend's
@@ -45,7 +64,9 @@ class Scheduler:
         return self.prefilling[0] if self.prefilling else None
 
     def prefill_done(self, seq: Sequence) -> None:
-        self.prefilling.remove(seq)
+        """`seq` decodes from now on (a prefilled sequence, or a follower given its leader's cache)."""
+        if seq in self.prefilling:
+            self.prefilling.remove(seq)
         seq.status = Status.DECODING
         self.decoding[seq.slot] = seq
 
@@ -75,6 +96,9 @@ class Scheduler:
         leaves the queue."""
         if seq in self.waiting:
             self.waiting.remove(seq)
+        for followers in self.followers.values():
+            if seq in followers:
+                followers.remove(seq)
         if seq.slot is None:
             return
         self.decoding.pop(seq.slot, None)
@@ -85,4 +109,4 @@ class Scheduler:
 
     @property
     def idle(self) -> bool:
-        return not (self.waiting or self.prefilling or self.decoding)
+        return not (self.waiting or self.prefilling or self.decoding or any(self.followers.values()))

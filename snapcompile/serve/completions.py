@@ -10,7 +10,7 @@ import copy
 import json
 import threading
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from snapcompile.engine.engine import Result, TokenEvent
 from snapcompile.engine.request import Request, SamplingParams
@@ -73,7 +73,7 @@ class OpenAIServing:
             raise ApiError(400, str(err), param=param) from None
         requests = await asyncio.to_thread(self._engine_requests, params, prompts, param, scope)
         echo = kind == "completion" and params.echo
-        echoes = await asyncio.to_thread(self._echoes, prompts) if echo else ()
+        echoes = await asyncio.to_thread(self._echoes, [request.prompt_ids for request in requests]) if echo else ()
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
         return Call(kind, params, requests, new_id(prefix), self.model_name, echoes)
 
@@ -89,10 +89,24 @@ class OpenAIServing:
         vocab = self.engine_loop.engine.backend.manifest.spec.vocab_size
         if any(token >= vocab for token, _ in sampling.logit_bias):
             raise ApiError(400, f"logit_bias token ids must lie in [0, {vocab})", param="logit_bias")
+        slots = self.engine_loop.engine.scheduler.pool.num_slots
+        if params.n > slots:
+            raise ApiError(400, f"n={params.n}: the samples of a prompt share its prefill in slots of their own, and "
+                                f"this server has {slots}", param="n")
         try:
-            return tuple(self._engine_request(params, sampling, prompt, scope) for prompt in prompts)
+            return tuple(request for prompt in prompts for request in self._samples(params, sampling, prompt, scope))
         except SnapcompileError as err:
             raise ApiError(400, str(err)) from None
+
+    def _samples(self, params: ChatRequest | CompletionRequest, sampling: SamplingParams, prompt: list[int],
+                 scope: str | None) -> list[Request]:
+        """The n engine requests of one prompt: the first prefills it, the others start from a copy
+        of its prefilled cache (never kept), each drawing with its own seed (seed + j when given)."""
+        first = self._engine_request(params, sampling, prompt, scope)
+        rest = [replace(self._engine_request(params, replace(sampling, seed=None if sampling.seed is None
+                                                             else (sampling.seed + j) % 2**64), prompt, None),
+                        shares_prefill_of=first.request_id) for j in range(1, params.n)]
+        return [first, *rest]
 
     def _engine_request(self, params: ChatRequest | CompletionRequest, sampling: SamplingParams, prompt: list[int],
                         scope: str | None) -> Request:
@@ -170,10 +184,9 @@ class OpenAIServing:
         of this event loop."""
         updates: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
-        for index, request in enumerate(requests):
-            def deliver(update, index=index):
-                loop.call_soon_threadsafe(updates.put_nowait, (index, update))
-            self.engine_loop.submit(request, deliver)
+        def deliver_to(index: int):
+            return lambda update: loop.call_soon_threadsafe(updates.put_nowait, (index, update))
+        self.engine_loop.submit_all([(request, deliver_to(index)) for index, request in enumerate(requests)])
         return updates
 
     def _abort(self, call: Call, results: list) -> None:
@@ -220,7 +233,8 @@ class OpenAIServing:
         results: list[Result | None] = [None] * len(call.requests)
         try:
             if call.kind == "chat":
-                yield _sse(self._chunk(call, 0, {"role": "assistant", "content": ""}, None))
+                for index in range(len(call.requests)):
+                    yield _sse(self._chunk(call, index, {"role": "assistant", "content": ""}, None))
             for index, echo in enumerate(call.echoes):
                 yield _sse(self._chunk(call, index, echo, None))
             while None in results:
@@ -250,7 +264,7 @@ class OpenAIServing:
                 text = (call.echoes[index] if call.echoes else "") + result.text
                 choices.append({"index": index, "text": text, "logprobs": logprobs, "finish_reason": result.outcome})
         return {"id": call.response_id, "object": _object(call, chunk=False), "created": now(), "model": call.model,
-                "choices": choices, "usage": _usage(results)}
+                "choices": choices, "usage": _usage(call, results)}
 
     def _event_chunk(self, call: Call, index: int, update: Update) -> dict | None:
         event = update.event
@@ -270,7 +284,7 @@ class OpenAIServing:
 
     def _usage_chunk(self, call: Call, results: list[Result]) -> dict:
         return {"id": call.response_id, "object": _object(call, chunk=True), "created": now(), "model": call.model,
-                "choices": [], "usage": _usage(results)}
+                "choices": [], "usage": _usage(call, results)}
 
     def _logprobs(self, call: Call, tokens: list[TokenEvent]) -> dict | None:
         if not call.requests[0].logprobs:
@@ -294,10 +308,12 @@ class OpenAIServing:
         return self.tokenizer.decode([token_id])
 
 
-def _usage(results: list[Result]) -> dict:
-    """The usage block of a response: the sums over its choices."""
-    return usage(sum(r.prompt_tokens for r in results), sum(len(r.output_ids) for r in results),
-                 sum(r.cached_tokens for r in results))
+def _usage(call: Call, results: list[Result]) -> dict:
+    """The usage block of a response: the sums over its choices, each prompt counted once (its
+    other samples share its prefill)."""
+    prompts = [r for request, r in zip(call.requests, results) if request.shares_prefill_of is None]
+    return usage(sum(r.prompt_tokens for r in prompts), sum(len(r.output_ids) for r in results),
+                 sum(r.cached_tokens for r in prompts))
 
 
 def _object(call: Call, chunk: bool) -> str:

@@ -73,14 +73,20 @@ class EngineLoop:
     def submit(self, request: Request, deliver: Deliver) -> None:
         """Queue `request`; `deliver(update)` is called on the engine thread for each of its updates
         (on the caller's thread, at once, when the engine thread has failed)."""
+        self.submit_all([(request, deliver)])
+
+    def submit_all(self, pairs: list[tuple[Request, Deliver]]) -> None:
+        """Queue (request, deliver) pairs as one item: the engine takes them in one go (the samples
+        of one request, which share its prefill, are submitted before the engine admits any)."""
         with self._lock:            # checked and queued at once: _fail_everything drains under the lock
             failed = self.failed
             if failed is None:
-                self._active += 1
-                self.inbox.put(("submit", request, deliver))
+                self._active += len(pairs)
+                self.inbox.put(("submit", pairs))
                 return
-        event = TokenEvent(request.request_id, None, "", True, "error")
-        deliver(Update(event, _error_result(request.request_id, failed)))
+        for request, deliver in pairs:
+            event = TokenEvent(request.request_id, None, "", True, "error")
+            deliver(Update(event, _error_result(request.request_id, failed)))
 
     def abort(self, request_id: str) -> None:
         self.inbox.put(("abort", request_id))
@@ -123,7 +129,7 @@ class EngineLoop:
                 except queue.Empty:
                     break
                 if item[0] == "submit":
-                    pending[item[1].request_id] = item[2]
+                    pending.update((request.request_id, deliver) for request, deliver in item[1])
         self._deliveries.clear()
         for request_id, deliver in pending.items():
             with self._lock:
@@ -150,18 +156,21 @@ class EngineLoop:
 
     def _handle(self, item: tuple) -> None:
         if item[0] == "submit":
-            _, request, deliver = item
-            self._deliveries[request.request_id] = deliver
-            try:
-                self.engine.submit(request)
-            except Exception as err:      # refused: it never entered the engine
-                if not isinstance(err, SnapcompileError):
-                    log.exception("submitting %s failed", request.request_id)
-                reason = str(err) if isinstance(err, SnapcompileError) else f"internal error: {first_line(err)}"
-                self._deliver(TokenEvent(request.request_id, None, "", True, "error"), refused=reason)
+            for request, deliver in item[1]:
+                self._submit(request, deliver)
         elif item[0] == "abort":
             if self.engine.abort(item[1]):
                 self._deliver(TokenEvent(item[1], None, "", True, "abort"))
+
+    def _submit(self, request: Request, deliver: Deliver) -> None:
+        self._deliveries[request.request_id] = deliver
+        try:
+            self.engine.submit(request)
+        except Exception as err:      # refused: it never entered the engine
+            if not isinstance(err, SnapcompileError):
+                log.exception("submitting %s failed", request.request_id)
+            reason = str(err) if isinstance(err, SnapcompileError) else f"internal error: {first_line(err)}"
+            self._deliver(TokenEvent(request.request_id, None, "", True, "error"), refused=reason)
 
     def _fail_event(self, request_id: str, message: str) -> TokenEvent:
         self.engine.fail(request_id, message)

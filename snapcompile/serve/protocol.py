@@ -19,6 +19,7 @@ from snapcompile.errors import SnapcompileError
 from snapcompile.serve.scopes import MAX_SALT_CHARS
 
 MAX_TOP_LOGPROBS = 20
+MAX_N = 16                 # samples per prompt (each needs a slot of its own at once)
 # fields some OpenAI-compatible server honours that would change the answer and are not implemented
 # here: refused by name when given (a value equal to the field's neutral one is accepted)
 UNSUPPORTED = {"tools": None, "functions": None, "suffix": None, "best_of": 1, "typical_p": 1.0, "top_a": 0.0,
@@ -71,7 +72,7 @@ class _Sampling(BaseModel):
     logit_bias: dict[str, float] | None = None      # token id (as a string, OpenAI's form) -> bias in [-100, 100]
     seed: int | None = Field(None, ge=0, lt=2**63)
     stop: str | list[str] | None = Field(None, validate_default=True)
-    n: int = 1
+    n: int = Field(1, ge=1, le=MAX_N)         # samples of each prompt, sharing its prefill
     ignore_eos: bool = False               # vLLM's extension, for fixed-length benchmarks
     cache_salt: str | None = Field(None, min_length=1, max_length=MAX_SALT_CHARS)   # vLLM's: who shares kept caches
 
@@ -87,8 +88,6 @@ class _Sampling(BaseModel):
 
     def unsupported(self) -> None:
         """Refuse what this server does not implement, naming the field."""
-        if self.n != 1:
-            raise ApiError(400, "only n=1 is supported", param="n")
         extra = self.model_extra or {}
         for name, neutral in UNSUPPORTED.items():
             if extra.get(name) not in (None, neutral) and not (neutral is None and extra.get(name) in ([], {}, "")):

@@ -63,3 +63,11 @@ def test_random_folder_writes_the_weights_snapcompile_reads(tmp_path, tiny_llama
     for name in written.tensors.shapes:
         bf16 = torch.from_numpy(tiny_llama.tensors.read(name)).to(torch.bfloat16).float().numpy()
         np.testing.assert_array_equal(written.tensors.read(name), bf16)
+
+
+def test_n_samples_bench_compares_a_shared_prefill_with_separate_requests(tiny_snap_dir):
+    """studies/n_samples_bench.py: both runs draw the same samples; the summary line has both times."""
+    done = _study("n_samples_bench.py", tiny_snap_dir, "--n", 3, "--prompt-tokens", 200, "--new-tokens", 4,
+                  "--rounds", 1)
+    assert done.returncode == 0, done.stderr
+    assert "3 samples of" in done.stdout and "shared prefill" in done.stdout
