@@ -338,7 +338,37 @@ def test_an_engine_fault_fails_one_request_and_the_server_goes_on(artifact, faul
     finally:
         server.should_exit = True
         thread.join(30)
-        state.engine_loop.stop()
+        state.close()
+
+
+@pytest.mark.slow
+def test_smollm2_answers_20_prompts_under_a_json_schema(smol_snap, tmp_path):
+    """The real model through the openai SDK's `parse` with a pydantic model: every one of 20 answers
+    parses and validates (a 135M model may answer badly, never invalidly)."""
+    import pydantic
+
+    class Person(pydantic.BaseModel):
+        name: str = pydantic.Field(max_length=40)
+        age: int = pydantic.Field(ge=0, le=120)
+        city: str = pydantic.Field(max_length=40)
+
+    people = ["Marie Curie", "Albert Einstein", "Ada Lovelace", "Alan Turing", "Isaac Newton", "Nikola Tesla",
+              "Rosalind Franklin", "Charles Darwin", "Grace Hopper", "Galileo Galilei"]
+    prompts = ([f"Describe {p} as JSON with name, age and city." for p in people]
+               + [f"Invent person number {i}: their name, age and city as JSON." for i in range(10)])
+    process = ServerProcess(smol_snap, model="smollm2", log=tmp_path / "server.log").wait_ready(300)
+    try:
+        client = openai.OpenAI(base_url=process.url + "/v1", api_key="unused", max_retries=0, timeout=600)
+
+        def ask(prompt):
+            return client.chat.completions.parse(model="smollm2", messages=[{"role": "user", "content": prompt}],
+                                                 response_format=Person, max_tokens=96, temperature=0)
+        with ThreadPoolExecutor(3) as pool:
+            replies = list(pool.map(ask, prompts))
+        assert all(r.choices[0].finish_reason == "stop" and isinstance(r.choices[0].message.parsed, Person)
+                   for r in replies)
+    finally:
+        assert process.stop() == 0
 
 
 @pytest.mark.slow
@@ -880,3 +910,33 @@ def test_n_samples_share_one_prefill_and_equal_separate_requests(server, client,
         if chunk.choices and chunk.choices[0].delta.role == "assistant"]
     assert sorted(roles) == [0, 1]
     assert server.metric("snapcompile_slots_in_use") == 0
+
+
+def test_structured_output_through_the_openai_client(server, client):
+    """`chat.completions.parse` with a pydantic model (the SDK sends response_format json_schema and
+    validates the answer): the random tiny model's answers come back as validated objects; JSON mode
+    answers a JSON object or ends by length; a schema llguidance refuses is a 400 naming
+    response_format."""
+    from typing import Literal
+
+    import pydantic
+
+    class Answer(pydantic.BaseModel):
+        colour: Literal["red", "green", "blue"]
+        ok: bool
+
+    for seed in range(4):
+        reply = client.chat.completions.parse(model="tiny", messages=[{"role": "user", "content": f"pick {seed}"}],
+                                              response_format=Answer, max_tokens=48, temperature=1.0, seed=seed)
+        assert reply.choices[0].finish_reason == "stop" and isinstance(reply.choices[0].message.parsed, Answer)
+    mode = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "json"}],
+                                          response_format={"type": "json_object"}, max_tokens=40, temperature=0)
+    if mode.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(mode.choices[0].message.content), dict)
+    else:
+        assert mode.choices[0].finish_reason == "length" and mode.choices[0].message.content.startswith("{")
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=4,
+                                       response_format={"type": "json_schema",
+                                                        "json_schema": {"name": "x", "schema": {"type": "nonsense"}}})
+    assert refused.value.body["param"] == "response_format"

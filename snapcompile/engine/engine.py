@@ -335,8 +335,11 @@ class Engine:
         return TokenEvent(seq.request.request_id, None, "", True, "error")
 
     def _next_token(self, seq: Sequence, logits: np.ndarray) -> TokenEvent:
-        request = seq.request
-        token = sample(logits, request.sampling, self._rngs[request.request_id], request.prompt_ids, seq.output_ids)
+        request, constraint = seq.request, seq.request.constraint
+        allowed = logits if constraint is None else constraint.mask(logits)
+        token = sample(allowed, request.sampling, self._rngs[request.request_id], request.prompt_ids, seq.output_ids)
+        if constraint is not None:
+            constraint.consume(token)
         logprob, top = self._record_logprobs(seq, logits, token)
         if seq.first_token_at is None:
             seq.first_token_at = self.clock()
@@ -376,6 +379,8 @@ class Engine:
         return new
 
     def _stop_reason(self, seq: Sequence) -> str | None:
+        if seq.request.constraint is not None and seq.request.constraint.finished:
+            return "stop"             # the grammar allows nothing more: the answer is complete
         hits = [seq.text.find(s, max(0, len(seq.text) - 64 - len(s))) for s in seq.request.stop]
         hits = [h for h in hits if h >= 0]
         if hits:

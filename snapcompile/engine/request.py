@@ -118,6 +118,8 @@ class Request:
     # but starts from a copy of that one's prefilled cache, admitted with it (one request's n samples).
     # It is never kept in the session store.
     shares_prefill_of: str | None = None
+    # a token constraint (engine.constraints.GrammarConstraint: structured output), this request's own
+    constraint: object = None
 
     def __post_init__(self):
         if not self.request_id:

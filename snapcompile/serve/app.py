@@ -64,6 +64,14 @@ class ServerState:
     def __post_init__(self) -> None:
         self.peer_requests = PeerBudget(self.settings.limits.max_requests_per_client)
 
+    def close(self) -> None:
+        """Stop the engine thread and the worker processes (tokenizers, large bodies)."""
+        if self.engine_loop is not None:
+            self.engine_loop.stop()
+        for workers in (self.tokenizers, self.bodies):
+            if workers is not None:
+                workers.close()
+
     @property
     def engine_failed(self) -> str | None:
         """Why the engine thread stopped, once it has (the server then exits non-zero)."""

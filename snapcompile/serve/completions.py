@@ -12,6 +12,7 @@ import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 
+from snapcompile.engine.constraints import GrammarConstraint, GrammarTokenizer
 from snapcompile.engine.engine import Result, TokenEvent
 from snapcompile.engine.request import Request, SamplingParams
 from snapcompile.errors import PromptError, SnapcompileError
@@ -46,6 +47,8 @@ class OpenAIServing:
         self.max_context, self.tokenizers, self.max_prompts = max_context, tokenizers, max_prompts
         self.max_prompt_chars = max_prompt_chars(tokenizer, engine_loop.engine.prompt_limit)
         self._per_thread = threading.local()
+        self._grammars: GrammarTokenizer | None = None        # built at the first structured request
+        self._grammars_lock = threading.Lock()
 
     def _thread_tokenizer(self):
         """This worker thread's own copy of the tokenizer: a fast tokenizer borrows its Rust state
@@ -108,12 +111,27 @@ class OpenAIServing:
                         shares_prefill_of=first.request_id) for j in range(1, params.n)]
         return [first, *rest]
 
+    def _constraint(self, params: ChatRequest | CompletionRequest) -> GrammarConstraint | None:
+        """The token constraint of `response_format` (a fresh one per engine request), or None."""
+        schema = params.json_schema()
+        if schema is None:
+            return None
+        with self._grammars_lock:
+            if self._grammars is None:
+                vocab = self.engine_loop.engine.backend.manifest.spec.vocab_size
+                self._grammars = GrammarTokenizer(self.tokenizer, vocab)
+        try:
+            return self._grammars.json_schema(schema)
+        except SnapcompileError as err:
+            raise ApiError(400, str(err), param="response_format") from None
+
     def _engine_request(self, params: ChatRequest | CompletionRequest, sampling: SamplingParams, prompt: list[int],
                         scope: str | None) -> Request:
         logprobs, top = params.logprob_counts()
         return Request(prompt, max_new_tokens=params.max_new_tokens(max(1, self.max_context - len(prompt))),
                        stop=tuple(params.stop), sampling=sampling, request_id=new_id("req"),
-                       top_logprobs=top, logprobs=logprobs, ignore_eos=params.ignore_eos, cache_scope=scope)
+                       top_logprobs=top, logprobs=logprobs, ignore_eos=params.ignore_eos, cache_scope=scope,
+                       constraint=self._constraint(params))
 
     def _check_prompt(self, prompt: list[int], param: str) -> None:
         """Engine.check_prompt in OpenAI's words (400; context_length_exceeded for a long one), and

@@ -94,9 +94,27 @@ class _Sampling(BaseModel):
                 raise ApiError(400, f"{name} is not supported by this server", param=name)
         if extra.get("tool_choice") not in (None, "none"):
             raise ApiError(400, "tool_choice is not supported", param="tool_choice")
-        response_format = extra.get("response_format")
-        if response_format and (not isinstance(response_format, dict) or response_format.get("type") != "text"):
-            raise ApiError(400, "response_format other than text is not supported", param="response_format")
+
+    def json_schema(self) -> dict | None:
+        """The JSON schema `response_format` asks the answer to follow (json_object: any object;
+        json_schema: its `schema`), or None for text."""
+        response_format = (self.model_extra or {}).get("response_format")
+        if response_format is None:
+            return None
+        kind = response_format.get("type") if isinstance(response_format, dict) else None
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            return {"type": "object"}
+        if kind == "json_schema":
+            spec = response_format.get("json_schema")
+            schema = spec.get("schema") if isinstance(spec, dict) else None
+            if not isinstance(schema, dict):
+                raise ApiError(400, "response_format json_schema needs {\"json_schema\": {\"name\": ..., \"schema\": "
+                                    "{...}}}", param="response_format")
+            return schema
+        raise ApiError(400, "response_format must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or "
+                            "{\"type\": \"json_schema\", ...}", param="response_format")
 
     def sampling(self) -> SamplingParams:
         """The engine's SamplingParams of these fields (a 400 naming the field when they do not fit)."""

@@ -85,11 +85,7 @@ def serve(settings: ServerSettings, host: str, port: int, drain_timeout_s: float
     try:
         server.run()
     finally:
-        if state.engine_loop is not None:
-            state.engine_loop.stop()
-        for workers in (state.tokenizers, state.bodies):
-            if workers is not None:
-                workers.close()
+        state.close()
     if state.load_error is not None:
         raise SnapcompileError(f"cannot serve {settings.artifact}: {state.load_error}")
     if state.engine_failed is not None:
