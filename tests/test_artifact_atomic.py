@@ -276,3 +276,11 @@ def test_a_command_that_swallows_the_interrupt_still_stops(second_signal):
     assert process.returncode == 130 and "Traceback" not in stderr, stderr
     assert stderr.strip().splitlines()[-1].startswith("error: interrupted")
     assert time.monotonic() - started < (5 if second_signal else 10)
+
+
+def test_an_output_name_too_long_for_the_file_system_is_one_error_line(tiny_dense_dir, tmp_path):
+    long_name = tmp_path / ("a" * 300)
+    assert_one_line_error(invoke("run", tiny_dense_dir, "--prompt", "hi", "-o", long_name.with_suffix(".jsonl")),
+                          "File name too long")
+    assert_one_line_error(invoke("convert", "tiny-llama", "-o", long_name, "--budget", 64, "--window", 8,
+                                 "--max-context", 256, "--chunk", 64), "File name too long")
