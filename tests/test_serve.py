@@ -140,7 +140,9 @@ def test_32_requests_from_16_clients_on_4_slots(client, artifact, server):
     ({"temperature": 5}, 400, "temperature"),
     ({"top_p": 0}, 400, "top_p"),
     ({"max_tokens": 0}, 400, "max_tokens"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools is not supported"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}],
+      "tool_choice": {"type": "function", "function": {"name": "g"}}}, 400, "not among the tools"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, 400, "name"),
     ({"messages": [{"role": "user", "content": ""}]}, 200, ""),           # the template makes it non-empty
     ({"messages": [{"role": "user", "content": "x" * 600}]}, 400, "tokens; this model's context allows at most 512"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400,
@@ -940,3 +942,48 @@ def test_structured_output_through_the_openai_client(server, client):
                                        response_format={"type": "json_schema",
                                                         "json_schema": {"name": "x", "schema": {"type": "nonsense"}}})
     assert refused.value.body["param"] == "response_format"
+
+
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "required": ["city", "celsius"], "additionalProperties": False,
+                   "properties": {"city": {"enum": ["Paris", "Oslo"]}, "celsius": {"type": "boolean"}}}}}
+
+
+@pytest.fixture(scope="module")
+def long_client(tiny_llama, tmp_path_factory):
+    """A server on a 2048-position tiny artifact (the byte-level tokenizer spends a token a
+    character, and a tools prompt has a few hundred)."""
+    folder = build_artifact(tiny_llama, tmp_path_factory.mktemp("tools") / "tiny", ExportConfig(slots=2,
+                            max_context=2048, chunk=64), TINY_SNAPSTREAM)
+    process = ServerProcess(folder, log=tmp_path_factory.mktemp("log") / "tools.log").wait_ready()
+    yield openai.OpenAI(base_url=process.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    assert process.stop() == 0
+
+
+def test_a_tool_call_round_trip_through_the_openai_client(long_client):
+    """tool_choice "required": the answer is a tool call whose arguments follow the tool's schema
+    (finish_reason tool_calls); the call and its result sent back, tool_choice "none" gives a text
+    answer; "auto" answers either a call or text, both well formed; streaming with tools is a 400."""
+    client = long_client
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    reply = client.chat.completions.create(model="tiny", messages=messages, tools=[WEATHER_TOOL],
+                                           tool_choice="required", max_tokens=128, temperature=0)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    call = choice.message.tool_calls[0]
+    arguments = json.loads(call.function.arguments)
+    assert call.function.name == "get_weather" and arguments["city"] in ("Paris", "Oslo")
+    assert isinstance(arguments["celsius"], bool) and call.id.startswith("call_")
+    history = messages + [choice.message.model_dump(exclude_none=True),
+                          {"role": "tool", "tool_call_id": call.id, "content": "18 degrees, sunny"}]
+    final = client.chat.completions.create(model="tiny", messages=history, tools=[WEATHER_TOOL], tool_choice="none",
+                                           max_tokens=8, temperature=0)
+    assert final.choices[0].message.tool_calls is None and isinstance(final.choices[0].message.content, str)
+    for seed in range(3):
+        auto = client.chat.completions.create(model="tiny", messages=messages, tools=[WEATHER_TOOL], max_tokens=128,
+                                              temperature=1.0, seed=seed).choices[0]
+        assert (auto.finish_reason == "tool_calls" and auto.message.tool_calls) or \
+            (auto.finish_reason in ("stop", "length") and isinstance(auto.message.content, str))
+    with pytest.raises(openai.BadRequestError, match="stream with tools"):
+        client.chat.completions.create(model="tiny", messages=messages, tools=[WEATHER_TOOL], stream=True)

@@ -17,7 +17,7 @@ from snapcompile.engine.engine import Result, TokenEvent
 from snapcompile.engine.request import Request, SamplingParams
 from snapcompile.errors import PromptError, SnapcompileError
 from snapcompile.prompts import max_prompt_chars
-from snapcompile.serve import protocol
+from snapcompile.serve import protocol, tools
 from snapcompile.serve.engine_loop import EngineLoop, Update
 from snapcompile.serve.protocol import ApiError, ChatRequest, CompletionRequest, PromptItem, new_id, now, usage
 from snapcompile.serve.tokenizer_pool import TokenizerPool
@@ -66,10 +66,12 @@ class OpenAIServing:
         and memory bound, after its size was checked: the event loop never waits on it."""
         params.unsupported()
         self._check_model(params.model)
+        if kind == "chat":
+            tools.check(params)
         param = "messages" if kind == "chat" else "prompt"
         try:
             if kind == "chat":
-                prompts = [await asyncio.to_thread(self._chat_prompt, params.messages)]
+                prompts = [await asyncio.to_thread(self._chat_prompt, params)]
             else:
                 prompts = [await asyncio.to_thread(self._raw_prompt, item) for item in params.prompts(self.max_prompts)]
         except SnapcompileError as err:
@@ -112,8 +114,12 @@ class OpenAIServing:
         return [first, *rest]
 
     def _constraint(self, params: ChatRequest | CompletionRequest) -> GrammarConstraint | None:
-        """The token constraint of `response_format` (a fresh one per engine request), or None."""
-        schema = params.json_schema()
+        """The token constraint of active tools or of `response_format` (a fresh one per engine
+        request), or None."""
+        schema = tools.answer_schema(params) if isinstance(params, ChatRequest) else None
+        if schema is not None and params.json_schema() is not None:
+            raise ApiError(400, "give tools or a JSON response_format, not both", param="response_format")
+        schema = schema or params.json_schema()
         if schema is None:
             return None
         with self._grammars_lock:
@@ -157,7 +163,7 @@ class OpenAIServing:
         params.check()
         try:
             if params.messages is not None:
-                ids = await asyncio.to_thread(self._chat_prompt, params.messages)
+                ids = await asyncio.to_thread(self._chat_prompt, params)
             else:
                 ids = await asyncio.to_thread(self._raw_prompt, params.prompt if params.content is None
                                               else params.content)
@@ -181,11 +187,12 @@ class OpenAIServing:
             raise ApiError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
                            param="model", code="model_not_found")
 
-    def _chat_prompt(self, chat: list) -> list[int]:
-        """A chat's token ids through the template (`chat`: protocol Messages)."""
+    def _chat_prompt(self, params: ChatRequest | protocol.TokenizeRequest) -> list[int]:
+        """A chat's token ids through the template (with the tools' system message when it has
+        active tools, serve.tools)."""
         if self.tokenizer.chat_template is None:
             raise ApiError(400, "this model has no chat template; use /v1/completions", param="messages")
-        messages = [{"role": m.role, "content": m.text()} for m in chat]
+        messages = tools.template_messages(params)
         self._check_size(sum(len(m["content"]) + len(m["role"]) for m in messages), "messages")
         return self.tokenizers.chat(messages, self.max_prompt_chars)
 
@@ -276,8 +283,11 @@ class OpenAIServing:
         for index, (result, events) in enumerate(zip(results, tokens)):
             logprobs = self._logprobs(call, events)
             if call.kind == "chat":
-                choices.append({"index": index, "message": {"role": "assistant", "content": result.text},
-                                "logprobs": logprobs, "finish_reason": result.outcome})
+                content, calls, reason = result.text, None, result.outcome
+                if tools.active(call.params) and not result.failed:
+                    content, calls, reason = tools.parse_answer(result.text, result.outcome)
+                message = {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
+                choices.append({"index": index, "message": message, "logprobs": logprobs, "finish_reason": reason})
             else:
                 text = (call.echoes[index] if call.echoes else "") + result.text
                 choices.append({"index": index, "text": text, "logprobs": logprobs, "finish_reason": result.outcome})

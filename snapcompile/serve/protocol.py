@@ -22,7 +22,7 @@ MAX_TOP_LOGPROBS = 20
 MAX_N = 16                 # samples per prompt (each needs a slot of its own at once)
 # fields some OpenAI-compatible server honours that would change the answer and are not implemented
 # here: refused by name when given (a value equal to the field's neutral one is accepted)
-UNSUPPORTED = {"tools": None, "functions": None, "suffix": None, "best_of": 1, "typical_p": 1.0, "top_a": 0.0,
+UNSUPPORTED = {"functions": None, "suffix": None, "best_of": 1, "typical_p": 1.0, "top_a": 0.0,
                "min_tokens": 0, "use_beam_search": False, "length_penalty": 1.0, "stop_token_ids": None,
                "bad_words": None, "guided_json": None, "guided_regex": None, "guided_choice": None,
                "guided_grammar": None, "structured_outputs": None, "prompt_logprobs": None,
@@ -92,8 +92,6 @@ class _Sampling(BaseModel):
         for name, neutral in UNSUPPORTED.items():
             if extra.get(name) not in (None, neutral) and not (neutral is None and extra.get(name) in ([], {}, "")):
                 raise ApiError(400, f"{name} is not supported by this server", param=name)
-        if extra.get("tool_choice") not in (None, "none"):
-            raise ApiError(400, "tool_choice is not supported", param="tool_choice")
 
     def json_schema(self) -> dict | None:
         """The JSON schema `response_format` asks the answer to follow (json_object: any object;
@@ -143,10 +141,38 @@ class TextPart(BaseModel):
     text: str | None = None
 
 
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    description: str | None = Field(None, max_length=4096)
+    parameters: dict | None = None           # a JSON schema of the arguments (none: any object)
+
+
+class ToolDef(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class CalledFunction(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    name: str
+    arguments: str                           # JSON text, as OpenAI sends it back
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    id: str = Field(max_length=256)
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class Message(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
+    tool_calls: list[ToolCall] | None = Field(None, max_length=64)     # an assistant's earlier calls
+    tool_call_id: str | None = Field(None, max_length=256)             # a tool message's call
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -158,6 +184,8 @@ class Message(BaseModel):
 
 class ChatRequest(_Sampling):
     messages: list[Message] = Field(min_length=1)
+    tools: list[ToolDef] | None = Field(None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | dict | None = None
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
