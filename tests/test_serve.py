@@ -346,7 +346,8 @@ def test_an_engine_fault_fails_one_request_and_the_server_goes_on(artifact, faul
 @pytest.mark.slow
 def test_smollm2_answers_20_prompts_under_a_json_schema(smol_snap, tmp_path):
     """The real model through the openai SDK's `parse` with a pydantic model: every one of 20 answers
-    parses and validates (a 135M model may answer badly, never invalidly)."""
+    parses and validates (a 135M model may answer badly, never invalidly); and through pydantic-ai
+    (its tool-call output mode)."""
     import pydantic
 
     class Person(pydantic.BaseModel):
@@ -369,6 +370,13 @@ def test_smollm2_answers_20_prompts_under_a_json_schema(smol_snap, tmp_path):
             replies = list(pool.map(ask, prompts))
         assert all(r.choices[0].finish_reason == "stop" and isinstance(r.choices[0].message.parsed, Person)
                    for r in replies)
+        from pydantic_ai import Agent
+        from pydantic_ai.models.openai import OpenAIChatModel
+        from pydantic_ai.providers.openai import OpenAIProvider
+        model = OpenAIChatModel("smollm2", provider=OpenAIProvider(base_url=process.url + "/v1", api_key="unused"))
+        answer = Agent(model, output_type=Person).run_sync("Describe Marie Curie: name, age, city.",
+                                                           model_settings={"temperature": 0, "max_tokens": 160})
+        assert isinstance(answer.output, Person)
     finally:
         assert process.stop() == 0
 
@@ -987,3 +995,23 @@ def test_a_tool_call_round_trip_through_the_openai_client(long_client):
             (auto.finish_reason in ("stop", "length") and isinstance(auto.message.content, str))
     with pytest.raises(openai.BadRequestError, match="stream with tools"):
         client.chat.completions.create(model="tiny", messages=messages, tools=[WEATHER_TOOL], stream=True)
+
+
+def test_an_agent_framework_gets_a_validated_object(long_client):
+    """pydantic-ai (its structured output calls a final_result tool with tool_choice required) on
+    the random tiny model: the object comes back validated."""
+    from typing import Literal
+
+    import pydantic
+    from pydantic_ai import Agent
+    from pydantic_ai.models.openai import OpenAIChatModel
+    from pydantic_ai.providers.openai import OpenAIProvider
+
+    class City(pydantic.BaseModel):
+        name: Literal["Paris", "Oslo"]
+        sunny: bool
+
+    model = OpenAIChatModel("tiny", provider=OpenAIProvider(base_url=str(long_client.base_url), api_key="unused"))
+    result = Agent(model, output_type=City).run_sync("Which city, and is it sunny?",
+                                                     model_settings={"temperature": 0, "max_tokens": 160})
+    assert isinstance(result.output, City)
