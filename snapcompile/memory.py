@@ -18,6 +18,15 @@ def available_host_memory() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
+def process_status_kib(field: str) -> int:
+    """A KiB figure of this process's /proc/self/status (VmRSS, VmHWM, VmSize, ...)."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise OSError(f"{field} is not in /proc/self/status")
+
+
 def gib(n: int) -> str:
     return f"{n / 2**30:.1f} GiB"
 

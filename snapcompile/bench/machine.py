@@ -5,6 +5,8 @@ import os
 import time
 from pathlib import Path
 
+from snapcompile.memory import process_status_kib
+
 
 def rss_bytes() -> int:
     """Current resident set size of this process, counted exactly (/proc/self/smaps_rollup walks the
@@ -15,12 +17,12 @@ def rss_bytes() -> int:
                 return int(line.split()[1]) * 1024
     except OSError:
         pass
-    return _status_kib("VmRSS") * 1024
+    return process_status_kib("VmRSS") * 1024
 
 
 def peak_rss_bytes() -> int:
     """Peak resident set size since the last reset_peak_rss()."""
-    return _status_kib("VmHWM") * 1024
+    return process_status_kib("VmHWM") * 1024
 
 
 def reset_peak_rss() -> None:
@@ -30,12 +32,6 @@ def reset_peak_rss() -> None:
     except OSError:
         pass
 
-
-def _status_kib(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
 
 
 def memory_bandwidth(megabytes: int = 512, repeats: int = 5) -> float:

@@ -15,6 +15,8 @@ import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 
+from snapcompile.memory import process_status_kib
+
 PARENT_POLL_S = 1.0
 
 
@@ -45,20 +47,11 @@ def run_worker(fd: int, headroom_bytes: int, load: Callable[[], object],
 def _limit_memory(headroom_bytes: int) -> None:
     """RLIMIT_AS = the address space held now + headroom: work that allocates more gets
     MemoryError (Python) or dies (native code), never the machine's memory."""
-    held = _address_space_bytes()
-    if held is not None:
-        resource.setrlimit(resource.RLIMIT_AS, (held + headroom_bytes, held + headroom_bytes))
-
-
-def _address_space_bytes() -> int | None:
     try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith("VmSize:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
+        held = process_status_kib("VmSize") * 1024
+    except OSError:             # no /proc: no bound (the time bound still holds)
+        return
+    resource.setrlimit(resource.RLIMIT_AS, (held + headroom_bytes, held + headroom_bytes))
 
 
 def _watch_parent(parent: int) -> None:
