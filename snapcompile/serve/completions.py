@@ -122,6 +122,9 @@ class OpenAIServing:
         schema = schema or params.json_schema()
         if schema is None:
             return None
+        if params.stop:
+            raise ApiError(400, "stop strings cannot be combined with tools or a JSON response_format: a stop "
+                                "could cut the answer short and report it complete", param="stop")
         with self._grammars_lock:
             if self._grammars is None:
                 vocab = self.engine_loop.engine.backend.manifest.spec.vocab_size

@@ -37,13 +37,15 @@ def start_all(workers: list[WorkerProcess]) -> None:
 
 
 class Lane:
+    """Jobs of one kind on `workers`, one job per worker at a time (thread-safe)."""
+
     def __init__(self, name: str, workers: list[WorkerProcess]):
         self.name, self.workers = name, workers
         self._idle: queue.Queue[WorkerProcess] = queue.Queue()
         for worker in workers:
             self._idle.put(worker)
 
-    def run(self, job: tuple, timeout_s: float, late: str) -> list[int]:
+    def run(self, job, timeout_s: float, late: str):
         """`job`'s answer within `timeout_s`, the wait for an idle worker included (the start of a
         worker replacing a killed one is not counted: that was the killed job's cost)."""
         started = time.monotonic()
@@ -108,7 +110,7 @@ class WorkerProcess:
         if not self._ready:
             self.wait_ready()
 
-    def call(self, job: tuple, timeout_s: float, late: str) -> list[int]:
+    def call(self, job, timeout_s: float, late: str):
         """`job`'s answer; past `timeout_s`, or when the process dies, the process is replaced
         (started again at once, so the next job finds it loaded) and the job refused."""
         try:
