@@ -44,8 +44,9 @@ class GrammarTokenizer:
 
 
 class GrammarConstraint:
-    """One request's grammar state. `mask(logits)` -> a masked copy [V]; `consume(token)`;
-    `failed` names a grammar error (the request then fails)."""
+    """One request's grammar state: `mask(logits [V])` -> a copy with every forbidden token at
+    -inf; `consume(token)` (a SnapcompileError, which fails the request, if the grammar refuses it);
+    `finished` once the grammar allows nothing more."""
 
     def __init__(self, matcher, vocab_size: int):
         import llguidance.numpy as llnp
