@@ -201,7 +201,7 @@ class PartialLines:
 
     def __init__(self, target: Path, force: bool):
         self.target = Path(target)
-        self.path = self.target.with_name(self.target.name + ".partial")
+        self.path = self.path_of(self.target)
         self.lines, self.intact = 0, True
         flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | (os.O_TRUNC if force else os.O_EXCL)
         if force and os.path.lexists(self.path) and not stat.S_ISREG(os.lstat(self.path).st_mode):
@@ -213,6 +213,11 @@ class PartialLines:
                                    "replace it, or move it away") from None
         except OSError as err:
             raise SnapcompileError(f"cannot write {self.path}: {err.strerror or err}") from None
+
+    @staticmethod
+    def path_of(target: Path) -> Path:
+        """Where the lines of `target` go while they come."""
+        return Path(target).with_name(Path(target).name + ".partial")
 
     def append(self, line: str) -> None:
         if not self.intact:

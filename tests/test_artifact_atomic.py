@@ -205,6 +205,11 @@ def test_run_writes_as_it_goes_and_a_refused_results_file_keeps_every_result(tin
     kept = [json.loads(line) for line in (tmp_path / "out.jsonl.partial").read_text().splitlines()]
     assert sorted(row["id"] for row in kept) == ["r0", "r1", "r2"] and not output.exists()
     assert_one_line_error(invoke("run", tiny_dense_dir, "--prompts", prompts, "-o", output), "use --force")
+    named_like_it = tmp_path / "p.jsonl.partial"              # an input where the partial file would go
+    named_like_it.write_text(prompts.read_text())
+    assert_one_line_error(invoke("run", tiny_dense_dir, "--prompts", named_like_it, "-o", tmp_path / "p.jsonl",
+                                 "--force"), "also an input")
+    assert named_like_it.read_text() == prompts.read_text()
     monkeypatch.undo()
     result = invoke("run", tiny_dense_dir, "--prompts", prompts, "-o", output, "--max-new-tokens", 2, "--force")
     assert result.exit_code == 0, result.output

@@ -90,6 +90,7 @@ def run(artifact, prompt, prompts_file, demo, max_new_tokens, temperature, top_k
     from snapcompile.engine.engine import Engine
     if output is not None:
         output = check_output_file(output, force, inputs=(prompts_file,), read_folders=(artifact,))
+        check_output_file(PartialLines.path_of(output), force, inputs=(prompts_file,), read_folders=(artifact,))
     records = _load_prompt_records(prompt, prompts_file, demo)
     defaults = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                     repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
