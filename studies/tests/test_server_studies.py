@@ -1,4 +1,4 @@
-"""studies/store_lookup_bench.py and studies/event_loop_probe.py run and print their figures."""
+"""studies/store_lookup_bench.py, event_loop_probe.py and serve_memory.py run and print their figures."""
 import subprocess
 import sys
 
@@ -20,3 +20,11 @@ def test_event_loop_probe_runs(tiny_snap_dir):
                           capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines()[-1].startswith("/health: ") and " max " in done.stdout
+
+
+def test_serve_memory_measures_serve_alone(tiny_snap_dir):
+    done = subprocess.run([sys.executable, "studies/serve_memory.py", str(tiny_snap_dir), "--rounds", "1",
+                           "--requests", "2", "--prompt-tokens", "50"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    line = done.stdout.splitlines()[-1]
+    assert line.startswith("snapcompile serve: ready ") and "(5 processes)" in line and "failed requests: 0" in line
