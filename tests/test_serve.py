@@ -794,8 +794,9 @@ def test_a_client_that_stops_reading_loses_its_stream_after_the_send_timeout(art
 def test_large_bodies_of_small_lists_do_not_stall_the_server(artifact, tmp_path):
     """Two clients send 2.7 MiB bodies of small token-id lists back to back for 5 s: each is refused
     (more values than any request of this model needs, found in a worker process), and /health
-    answers meanwhile with a median under 50 ms (parsed on threads of the serving process the median
-    was 171-274 ms, studies/event_loop_probe.py)."""
+    answers meanwhile with a median under 120 ms (parsed on threads of the serving process the median
+    was 171-274 ms in studies/event_loop_probe.py, now 2-3 ms there; measured here, the test
+    process's own flood threads share its GIL with the probe: 30-70 ms)."""
     server = ServerProcess(artifact, log=tmp_path / "log").wait_ready()
     body = json.dumps({"model": "tiny", "prompt": [[1, 2, 3]] * 260_000, "max_tokens": 1}).encode()
     stop, refusals = time.monotonic() + 5, []
@@ -819,7 +820,7 @@ def test_large_bodies_of_small_lists_do_not_stall_the_server(artifact, tmp_path)
         for thread in threads:
             thread.join(60)
         assert refusals and all(status == 400 and "JSON values" in message for status, message in refusals)
-        assert sorted(waits)[len(waits) // 2] < 0.05, sorted(waits)
+        assert sorted(waits)[len(waits) // 2] < 0.12, sorted(waits)
     finally:
         assert server.stop() == 0
 
@@ -1018,3 +1019,18 @@ def test_an_agent_framework_gets_a_validated_object(long_client):
     result = Agent(model, output_type=City).run_sync("Which city, and is it sunny?",
                                                      model_settings={"temperature": 0, "max_tokens": 160})
     assert isinstance(result.output, City)
+
+
+def test_torch_is_kept_out_only_where_nothing_served_needs_it(artifact, tmp_path):
+    """A standard artifact on ONNX Runtime is served without torch; TensorRT and a plugin lowering
+    (custom op nodes whose ONNX Runtime kernels are torch code) keep it; an unreadable manifest
+    keeps it too (the error comes from read_manifest)."""
+    import shutil
+
+    from snapcompile.cli.serve import _needs_torch
+    assert not _needs_torch(artifact, "ort") and _needs_torch(artifact, "trt")
+    plugin = tmp_path / "plugin"
+    shutil.copytree(artifact, plugin)
+    manifest = json.loads((plugin / "manifest.json").read_text())
+    (plugin / "manifest.json").write_text(json.dumps({**manifest, "lowering": "plugin"}))
+    assert _needs_torch(plugin, "ort") and _needs_torch(tmp_path / "missing", "ort")

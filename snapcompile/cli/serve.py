@@ -91,7 +91,8 @@ def serve(artifact, host, port, slots, max_waiting, api_key, served_model_name, 
     its slot. SIGTERM or Ctrl-C drains: new requests get 503, running ones finish (up to
     --drain-timeout), then the server exits 0; a second signal stops at once.
     """
-    _without_torch()
+    if not _needs_torch(Path(artifact), backend):
+        _without_torch()
     from snapcompile.artifact.files import check_files
     from snapcompile.artifact.manifest import read_manifest
     from snapcompile.serve.app import ServerSettings
@@ -116,6 +117,19 @@ def serve(artifact, host, port, slots, max_waiting, api_key, served_model_name, 
                               max_waiting, slots, backend, limits, prefill_tokens_per_step, session_cache_bytes,
                               session_keep, session_scope)
     run_server(settings, host, port, drain_timeout, log_level)
+
+
+def _needs_torch(artifact: Path, backend: str) -> bool:
+    """Whether serving `artifact` may need torch: TensorRT (its plugins' kernels), or custom op
+    nodes run by ONNX Runtime (a plugin lowering, served by torch implementations). Read from the
+    manifest's JSON alone, before anything imports transformers; anything unreadable says yes
+    (read_manifest reports it a moment later)."""
+    if backend != "ort":
+        return True
+    try:
+        return json.loads((artifact / "manifest.json").read_bytes()[:2**24]).get("lowering", "standard") != "standard"
+    except (OSError, ValueError, AttributeError):
+        return True
 
 
 def _without_torch() -> None:
