@@ -190,7 +190,7 @@ def _write_results(partial, rows: list[dict]) -> None:
 def _request_without_prompt(record: dict, index: int, defaults: dict, where: str | None = None):
     """A validated Request of one prompts record (no token ids yet); fields the record lacks come
     from the command line. Errors name `where` (the file line or the --prompt)."""
-    from snapcompile.engine.request import Request, SamplingParams
+    from snapcompile.engine.request import Request, SamplingParams, logit_bias_pairs
     fields = {key: record.get(key, default) for key, default in defaults.items()}
     if "seed" not in record and defaults["seed"] is not None:
         fields["seed"] = defaults["seed"] + index
@@ -199,7 +199,7 @@ def _request_without_prompt(record: dict, index: int, defaults: dict, where: str
         if not isinstance(stop, (str, list, tuple)):
             raise SnapcompileError(f"stop must be a string or a list of strings, got {stop!r}")
         sampling = SamplingParams(**{name: fields[name] for name in SAMPLING_FIELDS},
-                                  logit_bias=_logit_bias(fields["logit_bias"]))
+                                  logit_bias=logit_bias_pairs(fields["logit_bias"]))
         stops = (stop,) if isinstance(stop, str) else tuple(stop)
         return Request([], max_new_tokens=fields["max_new_tokens"], stop=stops, sampling=sampling,
                        request_id=str(record.get("id", index)), top_logprobs=fields["top_logprobs"])
@@ -209,13 +209,6 @@ def _request_without_prompt(record: dict, index: int, defaults: dict, where: str
 
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                    "frequency_penalty", "seed")
-
-
-def _logit_bias(value) -> tuple[tuple[int, float], ...]:
-    """A prompts file's {"token id": bias} object as SamplingParams' pairs."""
-    if not isinstance(value, dict) or not all(isinstance(k, str) and k.isascii() and k.isdigit() for k in value):
-        raise SnapcompileError('logit_bias must be an object of {"token id": bias}')
-    return tuple((int(key), bias) for key, bias in value.items())
 
 
 def _refuse_duplicate_ids(requests: list, records: list) -> None:

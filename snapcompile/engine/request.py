@@ -66,6 +66,15 @@ MAX_REPETITION_PENALTY = 100.0
 MAX_LOGIT_BIAS = 1024        # entries (OpenAI: 300)
 
 
+def logit_bias_pairs(mapping) -> tuple[tuple[int, float], ...]:
+    """OpenAI's `logit_bias` object ({"token id": bias}, ids as decimal strings) as SamplingParams'
+    pairs (the biases are checked there)."""
+    if not isinstance(mapping, dict) or not all(isinstance(key, str) and key.isascii() and key.isdigit()
+                                                and len(key) <= 12 for key in mapping):
+        raise SnapcompileError('logit_bias must be an object of {"token id": bias}, each id a decimal string')
+    return tuple((int(key), bias) for key, bias in mapping.items())
+
+
 def _check_logit_bias(pairs) -> None:
     """(token id >= 0, bias in [-100, 100]) pairs, at most MAX_LOGIT_BIAS, each id once; the ids
     are checked against the model's vocabulary when the request is submitted."""

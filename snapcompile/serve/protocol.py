@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from snapcompile.engine.request import SamplingParams, check_stop_strings
+from snapcompile.engine.request import SamplingParams, check_stop_strings, logit_bias_pairs
 from snapcompile.errors import SnapcompileError
 from snapcompile.serve.scopes import MAX_SALT_CHARS
 
@@ -116,17 +116,11 @@ class _Sampling(BaseModel):
 
     def sampling(self) -> SamplingParams:
         """The engine's SamplingParams of these fields (a 400 naming the field when they do not fit)."""
-        bias = []
-        for key, value in (self.logit_bias or {}).items():
-            if not (key.isascii() and key.isdigit() and len(key) <= 12):
-                raise ApiError(400, f"logit_bias keys must be token ids (decimal strings), got {key[:20]!r}",
-                               param="logit_bias")
-            bias.append((int(key), value))
         try:
             return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=max(self.top_k, 0),
                                   seed=self.seed, min_p=self.min_p, repetition_penalty=self.repetition_penalty,
                                   presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-                                  logit_bias=tuple(bias))
+                                  logit_bias=logit_bias_pairs(self.logit_bias or {}))
         except SnapcompileError as err:            # each message begins with the field's name
             raise ApiError(400, str(err), param=str(err).split()[0]) from None
 

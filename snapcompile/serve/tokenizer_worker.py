@@ -29,8 +29,6 @@ def _answer(tokenizer, job) -> tuple[str, object]:
         return "ok", encode_text(tokenizer, payload)
     except SnapcompileError as err:
         return "error", str(err)
-    except MemoryError:
-        return "error", "the tokenizer ran out of memory on this prompt; refused"
 
 
 if __name__ == "__main__":

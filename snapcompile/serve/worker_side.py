@@ -40,7 +40,7 @@ def run_worker(fd: int, headroom_bytes: int, load: Callable[[], object],
         try:
             reply = answer(state, job)
         except MemoryError:
-            reply = ("error", "the request ran out of its worker's memory bound; refused")
+            reply = ("error", "the request ran out of memory in its worker (the worker's bound); refused")
         conn.send(reply)
 
 

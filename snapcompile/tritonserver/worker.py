@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from snapcompile.engine.request import Request, SamplingParams
+from snapcompile.engine.request import Request, SamplingParams, logit_bias_pairs
 from snapcompile.errors import JsonTooDeep, PromptError, SnapcompileError, check_text, first_line, parse_json
 from snapcompile.prompts import max_prompt_chars
 from snapcompile.serve.engine_loop import EngineLoop, Update
@@ -130,13 +130,7 @@ class TritonWorker:
         text = _text(raw, "logit_bias")
         if len(text) > MAX_LOGIT_BIAS_CHARS:
             raise SnapcompileError(f"logit_bias has more than {MAX_LOGIT_BIAS_CHARS} characters")
-        value = parse_json(text, "logit_bias")
-        if not isinstance(value, dict) or not all(isinstance(k, str) and k.isascii() and k.isdigit() for k in value):
-            raise SnapcompileError('logit_bias must be a JSON object of {"token id": bias}')
-        vocab = self.engine.backend.manifest.spec.vocab_size
-        if any(int(key) >= vocab for key in value):
-            raise SnapcompileError(f"logit_bias token ids must lie in [0, {vocab})")
-        return tuple((int(key), bias) for key, bias in value.items())
+        return logit_bias_pairs(parse_json(text, "logit_bias"))     # ids past the vocabulary: Engine.submit
 
     def _scope(self, salt) -> str | None:
         """The session-store scope of a request (serve.scopes.cache_scope; Triton has no API key)."""
