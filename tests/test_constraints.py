@@ -25,8 +25,9 @@ def grammars(engine):
 def test_a_random_model_under_a_schema_answers_valid_json_and_stops(engine, grammars):
     """Whatever the (random) model prefers, every sample is JSON that the schema accepts, reported
     finished ("stop") only when complete."""
+    grammar = grammars.json_schema(SCHEMA)
     requests = [Request(engine.encode(f"answer {i}", chat=False), max_new_tokens=64,
-                        sampling=SamplingParams(temperature=1.0, seed=i), constraint=grammars.json_schema(SCHEMA))
+                        sampling=SamplingParams(temperature=1.0, seed=i), constraint=grammar.constraint())
                 for i in range(6)]
     for result in engine.generate(requests):
         assert result.outcome == "stop", result
@@ -37,7 +38,7 @@ def test_a_random_model_under_a_schema_answers_valid_json_and_stops(engine, gram
 
 def test_an_answer_cut_by_max_tokens_is_length_not_stop(engine, grammars):
     result = engine.generate([Request(engine.encode("x", chat=False), max_new_tokens=3,
-                                      constraint=grammars.json_schema(SCHEMA))])[0]
+                                      constraint=grammars.json_schema(SCHEMA).constraint())])[0]
     assert result.outcome == "length" and len(result.output_ids) == 3
 
 

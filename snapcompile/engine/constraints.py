@@ -29,9 +29,10 @@ class GrammarTokenizer:
         self.vocab_size = vocab_size
         self.ll = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size)
 
-    def json_schema(self, schema: dict) -> GrammarConstraint:
-        """A constraint producing JSON valid under `schema`; SnapcompileError for a schema that is
-        too large or that llguidance refuses (the message says why)."""
+    def json_schema(self, schema: dict) -> JsonGrammar:
+        """The grammar of JSON valid under `schema`, compiled and checked once (each request makes
+        its own constraint from it); SnapcompileError for a schema that is too large or that
+        llguidance refuses (the message says why)."""
         import llguidance
         text = json.dumps(schema)
         if len(text) > MAX_SCHEMA_CHARS:
@@ -40,7 +41,18 @@ class GrammarTokenizer:
         problem = llguidance.LLMatcher.validate_grammar(grammar, self.ll)
         if problem:
             raise SnapcompileError(f"the JSON schema cannot be used: {problem.strip().splitlines()[0]}")
-        return GrammarConstraint(llguidance.LLMatcher(self.ll, grammar), self.vocab_size)
+        return JsonGrammar(self, grammar)
+
+
+class JsonGrammar:
+    """A checked grammar; `constraint()` -> a fresh GrammarConstraint (one per request)."""
+
+    def __init__(self, tokenizer: GrammarTokenizer, grammar):
+        self.tokenizer, self.grammar = tokenizer, grammar
+
+    def constraint(self) -> GrammarConstraint:
+        import llguidance
+        return GrammarConstraint(llguidance.LLMatcher(self.tokenizer.ll, self.grammar), self.tokenizer.vocab_size)
 
 
 class GrammarConstraint:

@@ -12,7 +12,7 @@ import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 
-from snapcompile.engine.constraints import GrammarConstraint, GrammarTokenizer
+from snapcompile.engine.constraints import GrammarTokenizer, JsonGrammar
 from snapcompile.engine.engine import Result, TokenEvent
 from snapcompile.engine.request import Request, SamplingParams
 from snapcompile.errors import PromptError, SnapcompileError
@@ -98,28 +98,31 @@ class OpenAIServing:
         if params.n > slots:
             raise ApiError(400, f"n={params.n}: the samples of a prompt share its prefill in slots of their own, and "
                                 f"this server has {slots}", param="n")
+        grammar = self._grammar(params)
         try:
-            return tuple(request for prompt in prompts for request in self._samples(params, sampling, prompt, scope))
+            return tuple(request for prompt in prompts
+                         for request in self._samples(params, sampling, grammar, prompt, scope))
         except SnapcompileError as err:
             raise ApiError(400, str(err)) from None
 
-    def _samples(self, params: ChatRequest | CompletionRequest, sampling: SamplingParams, prompt: list[int],
-                 scope: str | None) -> list[Request]:
+    def _samples(self, params: ChatRequest | CompletionRequest, sampling: SamplingParams, grammar: JsonGrammar | None,
+                 prompt: list[int], scope: str | None) -> list[Request]:
         """The n engine requests of one prompt: the first prefills it, the others start from a copy
         of its prefilled cache (never kept), each drawing with its own seed (seed + j when given)."""
-        first = self._engine_request(params, sampling, prompt, scope)
+        first = self._engine_request(params, sampling, grammar, prompt, scope)
         rest = [replace(self._engine_request(params, replace(sampling, seed=None if sampling.seed is None
-                                                             else (sampling.seed + j) % 2**64), prompt, None),
-                        shares_prefill_of=first.request_id) for j in range(1, params.n)]
+                                                             else (sampling.seed + j) % 2**64), grammar, prompt,
+                                             None), shares_prefill_of=first.request_id) for j in range(1, params.n)]
         return [first, *rest]
 
-    def _constraint(self, params: ChatRequest | CompletionRequest) -> GrammarConstraint | None:
-        """The token constraint of active tools or of `response_format` (a fresh one per engine
-        request), or None."""
-        schema = tools.answer_schema(params) if isinstance(params, ChatRequest) else None
-        if schema is not None and params.json_schema() is not None:
+    def _grammar(self, params: ChatRequest | CompletionRequest) -> JsonGrammar | None:
+        """The grammar of active tools or of `response_format` (checked once per HTTP request; each
+        engine request gets its own constraint from it), or None."""
+        tool_schema = tools.answer_schema(params) if isinstance(params, ChatRequest) else None
+        format_schema = params.json_schema()
+        if tool_schema is not None and format_schema is not None:
             raise ApiError(400, "give tools or a JSON response_format, not both", param="response_format")
-        schema = schema or params.json_schema()
+        schema = tool_schema or format_schema
         if schema is None:
             return None
         if params.stop:
@@ -134,13 +137,13 @@ class OpenAIServing:
         except SnapcompileError as err:
             raise ApiError(400, str(err), param="response_format") from None
 
-    def _engine_request(self, params: ChatRequest | CompletionRequest, sampling: SamplingParams, prompt: list[int],
-                        scope: str | None) -> Request:
+    def _engine_request(self, params: ChatRequest | CompletionRequest, sampling: SamplingParams,
+                        grammar: JsonGrammar | None, prompt: list[int], scope: str | None) -> Request:
         logprobs, top = params.logprob_counts()
         return Request(prompt, max_new_tokens=params.max_new_tokens(max(1, self.max_context - len(prompt))),
                        stop=tuple(params.stop), sampling=sampling, request_id=new_id("req"),
                        top_logprobs=top, logprobs=logprobs, ignore_eos=params.ignore_eos, cache_scope=scope,
-                       constraint=self._constraint(params))
+                       constraint=grammar.constraint() if grammar is not None else None)
 
     def _check_prompt(self, prompt: list[int], param: str) -> None:
         """Engine.check_prompt in OpenAI's words (400; context_length_exceeded for a long one), and
