@@ -10,6 +10,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from snapcompile.errors import SnapcompileError, first_line, parse_json
+from snapcompile.models.file_tokenizer import refuse_auto_map
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
@@ -26,10 +27,7 @@ def refuse_remote_code(folder: Path) -> None:
             text = path.read_bytes()
         except FileNotFoundError:
             continue
-        raw = parse_json(text, str(path))
-        if isinstance(raw, dict) and "auto_map" in raw:
-            raise SnapcompileError(f"{path} asks to run Python code from the folder (auto_map); snapcompile "
-                                   "never executes code from a model folder or artifact: refused")
+        refuse_auto_map(parse_json(text, str(path)), path)
 
 
 def load_tokenizer(folder: Path, gguf_file: str | None = None, files: list[str] | None = None):

@@ -2,10 +2,10 @@
 `bench-serve` load, beside llama.cpp's `llama-server` on the same model, alternating the systems.
 
     .venv/bin/python studies/serve_memory.py ARTIFACT [--llama-server BIN --gguf FILE --parallel 8
-        --context 16384] [--rounds 2] [--requests 16] [--prompt-tokens 1000]
+        --context 16384] [--rounds 2] [--requests 16] [--prompt-tokens 1000] [--session-cache-bytes auto]
 
-Prints one line per system and round: RSS of the process tree (GiB) when /health first answers and
-after the load, and the load's failed requests. Without --llama-server only `serve` is measured.
+Prints per system and round: RSS of the process tree (GiB) when /health first answers and after
+the load, the load's failed requests, and each process's RSS (MiB). Without --llama-server only `serve` is measured.
 """
 from __future__ import annotations
 
@@ -24,17 +24,29 @@ import httpx
 from snapcompile.serve.process import free_port
 
 
-def tree_rss_gib(pid: int) -> tuple[float, int]:
-    """RSS (GiB) of `pid` and its children, and how many processes that is."""
+def tree_rss_gib(pid: int) -> tuple[float, int, str]:
+    """RSS (GiB) of `pid` and its children, how many processes that is, and each one's RSS (MiB)
+    named by its program or Python module."""
     children = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
-    total, pids = 0, [pid, *map(int, children)]
-    for member in pids:
+    total, parts = 0, []
+    for member in [pid, *map(int, children)]:
         try:
             status = Path(f"/proc/{member}/status").read_text()
+            argv = Path(f"/proc/{member}/cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        total += int(next(line for line in status.splitlines() if line.startswith("VmRSS")).split()[1]) * 1024
-    return total / 2**30, len(pids)
+        rss = int(next(line for line in status.splitlines() if line.startswith("VmRSS")).split()[1]) * 1024
+        total += rss
+        parts.append(f"{_role(argv)} {rss / 2**20:.0f}")
+    return total / 2**30, len(parts), ", ".join(parts)
+
+
+def _role(argv: list[bytes]) -> str:
+    """`-m MODULE`'s last name, or the program's name."""
+    words = [word.decode(errors="replace") for word in argv]
+    if "-m" in words[:-1]:
+        return words[words.index("-m") + 1].rsplit(".", 1)[-1]
+    return Path(words[0]).name
 
 
 def measure(name: str, command: list[str], port: int, args) -> None:
@@ -49,17 +61,17 @@ def measure(name: str, command: list[str], port: int, args) -> None:
                 pass
             time.sleep(0.5)
         time.sleep(2)
-        ready, count = tree_rss_gib(process.pid)
+        ready, count, ready_parts = tree_rss_gib(process.pid)
         with tempfile.TemporaryDirectory() as scratch:
             load = subprocess.run([sys.executable, "-m", "snapcompile.cli", "bench-serve", f"http://127.0.0.1:{port}",
                                    "--model", "model", "--requests", str(args.requests), "--concurrency", "8",
                                    "--prompt-tokens", str(args.prompt_tokens), "--output-tokens", "32",
                                    "--tokenizer", str(args.artifact), "--json", "-o", f"{scratch}/bench.json"],
                                   capture_output=True, text=True, timeout=1800)
-        after, _ = tree_rss_gib(process.pid)
+        after, _, after_parts = tree_rss_gib(process.pid)
         failed = json.loads(load.stdout)["summary"]["failed"] if load.stdout.strip() else "the load did not run"
         print(f"{name}: ready {ready:.2f} GiB ({count} processes), after the load {after:.2f} GiB; failed requests: "
-              f"{failed}", flush=True)
+              f"{failed}\n  MiB ready: {ready_parts}\n  MiB after: {after_parts}", flush=True)
     finally:
         os.killpg(process.pid, signal.SIGTERM)
         process.wait(60)
@@ -75,10 +87,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--prompt-tokens", type=int, default=1000)
+    parser.add_argument("--session-cache-bytes", default="auto",
+                        help="serve's store of kept conversations (0: off; it holds each finished request's rows)")
     args = parser.parse_args()
     port_a, port_b = free_port(), free_port()
     systems = [("snapcompile serve", [sys.executable, "-m", "snapcompile.cli", "serve", str(args.artifact),
-                                      "--port", str(port_a), "--served-model-name", "model"], port_a)]
+                                      "--port", str(port_a), "--served-model-name", "model",
+                                      "--session-cache-bytes", args.session_cache_bytes], port_a)]
     if args.llama_server is not None:
         systems.append((f"llama-server --parallel {args.parallel} -c {args.context}",
                         [str(args.llama_server), "-m", str(args.gguf), "--parallel", str(args.parallel), "-c",

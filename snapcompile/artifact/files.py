@@ -46,12 +46,20 @@ def record_files(folder: Path, manifest: Manifest) -> None:
                       for item in sorted(Path(folder).iterdir()) if item.is_file() and item.name != MANIFEST}
 
 
+FILE_TOKENIZER = ("tokenizer.json", "tokenizer_config.json")   # what FileTokenizer reads (with a template)
+
+
 def artifact_tokenizer(folder: Path, manifest: Manifest):
     """The tokenizer of an artifact (or engine folder) with this `manifest`, read from the files
-    the manifest lists and nothing else; their sizes are checked first."""
-    from snapcompile.models.tokenizer import load_tokenizer
+    the manifest lists and nothing else; their sizes are checked first. A fast tokenizer's files
+    are read without transformers (`FileTokenizer`: the same ids and renderings); others through
+    transformers."""
     names = manifest.support_files()
     check_files(folder, manifest, names, checksums=False)
+    if all(name in names for name in FILE_TOKENIZER):
+        from snapcompile.models.file_tokenizer import FileTokenizer
+        return FileTokenizer.from_folder(folder, names)
+    from snapcompile.models.tokenizer import load_tokenizer
     return load_tokenizer(folder, files=names)
 
 

@@ -25,9 +25,14 @@ class GrammarTokenizer:
     49152 tokens). `vocab_size`: the width of the model's logits."""
 
     def __init__(self, tokenizer, vocab_size: int):
-        import llguidance.hf
+        import llguidance
         self.vocab_size = vocab_size
-        self.ll = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size)
+        if hasattr(tokenizer, "to_json"):          # a FileTokenizer: no transformers needed
+            self.ll = llguidance.LLTokenizer(tokenizer.to_json(), n_vocab=vocab_size,
+                                             eos_token=tokenizer.eos_token_id)
+        else:
+            import llguidance.hf
+            self.ll = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size)
 
     def json_schema(self, schema: dict) -> JsonGrammar:
         """The grammar of JSON valid under `schema`, compiled and checked once (each request makes

@@ -1,7 +1,8 @@
 """A tokenizer worker process (serve.tokenizer_pool): `python -m snapcompile.serve.tokenizer_worker
 FOLDER HEADROOM_BYTES FD`.
 
-Loads the artifact's tokenizer without torch, then answers ("chat", messages, max_chars) or
+Loads the artifact's tokenizer (a FileTokenizer: neither transformers nor torch; an artifact
+without tokenizer.json goes through transformers, kept from torch), then answers ("chat", messages, max_chars) or
 ("text", text, None) with ("ok", ids) | ("error", message) (serve.worker_side.run_worker).
 """
 from __future__ import annotations
@@ -13,7 +14,7 @@ from snapcompile.serve.worker_side import run_worker
 
 
 def _load(folder: Path):
-    sys.modules["torch"] = None       # transformers then loads as tokenizer-only (~120 MB instead of ~310 MB)
+    sys.modules["torch"] = None       # should transformers load, as tokenizer-only (~120 MB instead of ~310 MB)
     from snapcompile.artifact.files import artifact_tokenizer
     from snapcompile.artifact.manifest import read_manifest
     return artifact_tokenizer(folder, read_manifest(folder))

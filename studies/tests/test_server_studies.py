@@ -1,4 +1,5 @@
 """studies/store_lookup_bench.py, event_loop_probe.py and serve_memory.py run and print their figures."""
+import re
 import subprocess
 import sys
 
@@ -26,5 +27,8 @@ def test_serve_memory_measures_serve_alone(tiny_snap_dir):
     done = subprocess.run([sys.executable, "studies/serve_memory.py", str(tiny_snap_dir), "--rounds", "1",
                            "--requests", "2", "--prompt-tokens", "50"], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
-    line = done.stdout.splitlines()[-1]
+    line, ready, after = done.stdout.splitlines()[-3:]
     assert line.startswith("snapcompile serve: ready ") and "(5 processes)" in line and "failed requests: 0" in line
+    for parts in (ready, after):
+        assert re.fullmatch(r"  MiB (ready|after): cli \d+, tokenizer_worker \d+, tokenizer_worker \d+, "
+                            r"body_worker \d+, body_worker \d+", parts), parts
