@@ -66,8 +66,6 @@ class OpenAIServing:
         and memory bound, after its size was checked: the event loop never waits on it."""
         params.unsupported()
         self._check_model(params.model)
-        if kind == "chat":
-            tools.check(params)
         param = "messages" if kind == "chat" else "prompt"
         try:
             if kind == "chat":
@@ -268,13 +266,18 @@ class OpenAIServing:
                     yield _sse(self._chunk(call, index, {"role": "assistant", "content": ""}, None))
             for index, echo in enumerate(call.echoes):
                 yield _sse(self._chunk(call, index, echo, None))
+            whole = tools.active(call.params)      # a tool call is known only once its answer is complete
+            events: list[list[TokenEvent]] = [[] for _ in call.requests]
             while None in results:
                 index, update = await updates.get()
                 results[index] = update.result
                 if update.result is not None and update.result.failed:
                     yield _sse(_generation_error(call, update.result).body())
                     break
-                chunk = self._event_chunk(call, index, update)
+                if whole and update.event.token_id is not None:
+                    events[index].append(update.event)
+                chunk = self._event_chunk(call, index, update) if not whole else \
+                    self._answer_chunk(call, index, update.result, events[index]) if update.result else None
                 if chunk is not None:
                     yield _sse(chunk)
             else:
@@ -309,6 +312,13 @@ class OpenAIServing:
         delta = {"content": event.text} if event.text else {}
         return self._chunk(call, index, delta if call.kind == "chat" else event.text, reason,
                            self._logprobs(call, tokens))
+
+    def _answer_chunk(self, call: Call, index: int, result: Result, events: list[TokenEvent]) -> dict:
+        """A chat answer with active tools, streamed whole once it is complete: its tool calls
+        (each delta entry with its index, as OpenAI streams them) or its content."""
+        content, calls, reason = tools.parse_answer(result.text, result.outcome)
+        delta = {"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]} if calls else {"content": content}
+        return self._chunk(call, index, delta, reason, self._logprobs(call, events))
 
     def _chunk(self, call: Call, index: int, delta, reason: str | None, logprobs=None) -> dict:
         choice = {"index": index, "logprobs": logprobs, "finish_reason": reason}

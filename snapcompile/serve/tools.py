@@ -4,7 +4,8 @@ With `tools` (and `tool_choice` other than "none") the chat gets a system messag
 and the answer format, and the answer is constrained (engine.constraints) to one JSON object:
 `{"tool_call": {"name": ..., "arguments": {...}}}` (arguments valid under the tool's parameter
 schema) or, with tool_choice "auto", `{"response": "..."}`. The object is then returned as
-OpenAI's `tool_calls` (finish_reason "tool_calls") or as the message content. Earlier calls and
+OpenAI's `tool_calls` (finish_reason "tool_calls") or as the message content; streamed, as one
+chunk once the answer is complete (the call is known only then). Earlier calls and
 tool results in the history are rendered as that format and as user turns, so every template
 takes them.
 """
@@ -24,14 +25,6 @@ DIRECT = ' To answer the user yourself, answer with only this JSON: {"response":
 def active(request) -> bool:
     """Whether `request` (a chat, or /tokenize's messages) offers tools the answer may call."""
     return bool(getattr(request, "tools", None)) and request.tool_choice != "none"
-
-
-def check(request: ChatRequest) -> None:
-    """What this implementation refuses with active tools: streaming (the call is known only once
-    the whole answer is)."""
-    if active(request) and request.stream:
-        raise ApiError(400, "stream with tools is not supported: the answer is parsed into tool_calls once it "
-                            "is complete", param="stream")
 
 
 def template_messages(request: ChatRequest) -> list[dict]:
