@@ -117,7 +117,11 @@ class ExportConfig:
         return cls(**{"tail": 0, **d})
 
 
-SESSION_KEEP = ("compressed", "full", "quantized")   # what a session store keeps of a compressed sequence (Engine)
+# What a session store keeps of a compressed sequence (Engine); the first is the default: `full` is the
+# exact one (a resumed turn is selected as if prefilled whole), the others trade answers for memory
+# (docs/serving.md, "Conversations").
+SESSION_KEEP = ("full", "compressed", "quantized")
+DEFAULT_SESSION_KEEP = SESSION_KEEP[0]
 
 
 @dataclass(frozen=True)

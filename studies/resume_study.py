@@ -55,13 +55,15 @@ import argparse
 import math
 import sys
 
+from snapcompile.evaluation.conversations import PARTS
+
 VARIANTS = ("dense", "resume", "all-rows", "all-rows-early", "all-rows-late", "summary", "summary-decode", "cluster",
             "recompute", "recompute-max", "recompute-quest", "reconstruct", "reconstruct-1",
             "all-rows-q4", "all-rows-q8", "all-rows-q4-kept8")
 REPEAT_REQUEST = "Repeat the previous context."
 RECONSTRUCT_CHUNK = 512                # reconstruction queries scored at a time (bounds the logits' memory)
 CLUSTER_ITERATIONS = 8
-SAME_CONVERSATIONS = ("model", "length", "first", "samples", "seed", "answer_tokens")
+SAME_CONVERSATIONS = ("model", "length", "first", "samples", "seed", "part")
 EARLIER_DEFAULTS = {"first": 0}       # the value of an argument in a JSON written before it existed
 
 
@@ -451,17 +453,20 @@ def greedy(sequence, logits, eos: set[int], limit: int) -> list[int]:
     return tokens
 
 
-def converse(loaded, case, variant: str, policy, answer_tokens: int, recall: int = 2) -> list[dict]:
-    """Greedy answers of every turn of `case` under `variant`."""
+def converse(loaded, case, variant: str, policy, recall: int = 2) -> list[dict]:
+    """Greedy answers of every turn of `case` (an evaluation.conversations.Conversation) under
+    `variant`, each within the turn's answer_tokens."""
     from snapcompile.config import PolicyConfig
-    from snapcompile.evaluation.turns import FACTS, first_turn, next_turn_tokens
+    from snapcompile.evaluation.conversations import TURNS
+    from snapcompile.evaluation.turns import first_turn, next_turn_tokens
     from snapcompile.export.dense import eos_ids
     from snapcompile.reference.oracle import ReferenceSequence
     tokenizer, chat, eos = loaded.tokenizer, loaded.chat, set(eos_ids(loaded.tokenizer))
     ids, turns = first_turn(tokenizer, case, chat), []
     sequence_type = study_sequence_type(variant, recall)
     sequence, fed = None, 0
-    for turn in range(FACTS):
+    for turn in range(TURNS):
+        answer_tokens = case.answer_tokens[turn]
         if variant == "dense":
             sequence = ReferenceSequence(loaded.model, PolicyConfig(policy="dense"), len(ids) + answer_tokens + 1)
             logits = sequence.feed(ids)
@@ -474,10 +479,10 @@ def converse(loaded, case, variant: str, policy, answer_tokens: int, recall: int
             logits = sequence.resume(ids, min(fed, len(ids) - policy.selection_window))
         tokens = greedy(sequence, logits, eos, answer_tokens)
         text = tokenizer.decode(tokens, skip_special_tokens=True)
-        turns.append({"turn": turn + 1, "text": text, "correct": case.answer(turn) in text})
+        turns.append({"turn": turn + 1, "text": text, "correct": case.found(turn, text) is not None})
         fed = len(ids) + len(tokens) - 1                 # the last sampled token is never fed
-        if turn + 1 < FACTS:
-            ids = ids + tokens + next_turn_tokens(tokenizer, case.question(turn + 1), chat, tokens[-1] in eos)
+        if turn + 1 < TURNS:
+            ids = ids + tokens + next_turn_tokens(tokenizer, case.questions[turn + 1], chat, tokens[-1] in eos)
     return turns
 
 
@@ -544,7 +549,8 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--ratio", type=int, default=4, help="B = the final conversation's length // ratio")
     parser.add_argument("--kernel", type=int, default=31)
-    parser.add_argument("--answer-tokens", type=int, default=24)
+    parser.add_argument("--part", choices=PARTS, default="tune",
+                        help="eval-turns' conversations to study (tune: a study is tuning)")
     parser.add_argument("--segment", type=int, default=128, help="positions per summary row (summary)")
     parser.add_argument("--recall", type=int, default=2, help="segments fed again at a resumed turn (recompute*)")
     parser.add_argument("--variants", default=",".join(VARIANTS))
@@ -565,23 +571,23 @@ def main() -> int:
     import torch
 
     from snapcompile.errors import SnapcompileError
-    from snapcompile.evaluation.turns import FACTS, TurnsConfig, check_config, make_case
+    from snapcompile.evaluation.conversations import TURNS
+    from snapcompile.evaluation.turns import TurnsConfig, check_config
     from snapcompile.models import load_model
     torch.manual_seed(0)
-    config = TurnsConfig(args.model, lengths=(args.length,), samples=args.samples, seed=args.seed, ratio=args.ratio,
-                         kernel=args.kernel, answer_tokens=args.answer_tokens)
+    config = TurnsConfig(args.model, lengths=(args.length,), samples=args.samples, seed=args.seed, part=args.part,
+                         ratio=args.ratio, kernel=args.kernel)
     try:
         check_config(config)
         policies = {v: policy_of(config, v, args.segment) for v in variants}
         loaded = load_model(args.model)
-        cases = [make_case(loaded.tokenizer, args.length, s, args.seed, loaded.chat)
-                 for s in range(args.first, args.samples)]
+        cases = config.conversations(loaded.tokenizer, args.length, loaded.chat)[args.first:]
     except SnapcompileError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     for sample, case in enumerate(cases, start=args.first):
         for variant in variants:
-            turns = converse(loaded, case, variant, policies[variant], args.answer_tokens, args.recall)
+            turns = converse(loaded, case, variant, policies[variant], args.recall)
             records.append({"variant": variant, "case": case.key, "turns": turns})
             marks = "".join("+" if t["correct"] else "." for t in turns)
             print(f"[{sample + 1}/{args.samples}] {case.key} {variant:>8} {marks}", file=sys.stderr, flush=True)
@@ -589,7 +595,7 @@ def main() -> int:
     for variant, s in summary.items():
         paired = f", of dense's right answers {s['kept_of_dense_correct']}/{s['dense_correct']}" \
             if s["dense_correct"] is not None else ""
-        print(f"{variant:>8}  turns 2-{FACTS}: {s['later_correct']}/{s['later_turns']}{paired}")
+        print(f"{variant:>8}  turns 2-{TURNS}: {s['later_correct']}/{s['later_turns']}{paired}")
     if args.json_path:
         from snapcompile.atomic import write_json_atomic
         write_json_atomic(args.json_path, {"args": vars(args), "policies": {v: str(p) for v, p in policies.items()},

@@ -22,23 +22,24 @@ from types import SimpleNamespace
 SURE_MARGIN = 0.1            # evaluation.report.SURE_MARGIN: dense was sure at or above it
 
 
-def dense_conversation(loaded, case, texts: list[str], answer_tokens: int):
+def dense_conversation(loaded, case, texts: list[str]):
     """Dense's conversation rebuilt from its answers `texts` (one per turn): the token ids of the
     whole conversation and, per turn, the span (start, end) of its answer in them. An answer that
-    re-encodes to fewer than `answer_tokens` tokens ended with EOS."""
-    from snapcompile.evaluation.turns import FACTS, first_turn, next_turn_tokens
+    re-encodes to fewer than its turn's answer_tokens ended with EOS."""
+    from snapcompile.evaluation.conversations import TURNS
+    from snapcompile.evaluation.turns import first_turn, next_turn_tokens
     from snapcompile.export.dense import eos_ids
     from snapcompile.prompts import encode_text
     tokenizer, eos = loaded.tokenizer, eos_ids(loaded.tokenizer)[0]
     ids, spans = first_turn(tokenizer, case, loaded.chat), []
     for turn, text in enumerate(texts):
         answer = encode_text(tokenizer, text)
-        ended = len(answer) < answer_tokens
+        ended = len(answer) < case.answer_tokens[turn]
         answer = answer + [eos] * ended
         spans.append((len(ids), len(ids) + len(answer)))
         ids = ids + answer
-        if turn + 1 < FACTS:
-            ids = ids + next_turn_tokens(tokenizer, case.question(turn + 1), loaded.chat, ended)
+        if turn + 1 < TURNS:
+            ids = ids + next_turn_tokens(tokenizer, case.questions[turn + 1], loaded.chat, ended)
     return ids, spans
 
 
@@ -53,21 +54,22 @@ def teacher_forced_top2(model, ids: list[int], spans: list[tuple[int, int]]):
                 for start, end in spans]
 
 
-def answer_margins(loaded, case, texts: list[str], answer_tokens: int) -> list[float | None]:
+def answer_margins(loaded, case, texts: list[str]) -> list[float | None]:
     """Per turn: dense's answer margin, None when the rebuilt answer is not its greedy continuation
-    or the number is not in it."""
+    or no accepted answer is in it."""
     from snapcompile.evaluation.metrics import answer_margin
-    ids, spans = dense_conversation(loaded, case, texts, answer_tokens)
+    ids, spans = dense_conversation(loaded, case, texts)
     margins = []
     for turn, ((start, end), top) in enumerate(zip(spans, teacher_forced_top2(loaded.model, ids, spans))):
         answer = ids[start:end]
         if top.indices[:, 0].tolist() != answer:
             margins.append(None)
             continue
+        text = loaded.tokenizer.decode(answer, skip_special_tokens=True)
+        found = case.found(turn, text)
         pairs = [list(zip(i.tolist(), v.tolist())) for i, v in zip(top.indices, top.values)]
-        result = SimpleNamespace(text=loaded.tokenizer.decode(answer, skip_special_tokens=True),
-                                 output_ids=answer, top_logprobs=pairs)
-        margins.append(answer_margin(loaded.tokenizer, result, case.answer(turn)))
+        result = SimpleNamespace(text=text, output_ids=answer, top_logprobs=pairs)
+        margins.append(None if found is None else answer_margin(loaded.tokenizer, result, found))
     return margins
 
 
@@ -104,7 +106,7 @@ def main() -> int:
         parser.error(f"not resume_study.py JSON: {err}")
     import torch
 
-    from snapcompile.evaluation.turns import make_case
+    from snapcompile.evaluation.conversations import make_conversation
     from snapcompile.models import load_model
     torch.manual_seed(0)
     loaded, margins, records = None, {}, []
@@ -114,10 +116,11 @@ def main() -> int:
         for record in (r for r in study_records if r["variant"] == "dense"):
             if f"{record['case']}/1" in margins:         # a study run with --reference repeats dense's records
                 continue
-            sample = int(record["case"].rsplit("/s", 1)[1])
-            case = make_case(loaded.tokenizer, study_args["length"], sample, study_args["seed"], loaded.chat)
+            part, kind, _, sample = record["case"].split("/")          # resume_study's case.key
+            case = make_conversation(loaded.tokenizer, kind, part, study_args["seed"], study_args["length"],
+                                     int(sample[1:]), loaded.chat)
             texts = [t["text"] for t in record["turns"]]
-            for turn, margin in enumerate(answer_margins(loaded, case, texts, study_args["answer_tokens"]), 1):
+            for turn, margin in enumerate(answer_margins(loaded, case, texts), 1):
                 margins[f"{case.key}/{turn}"] = margin
             print(f"{case.key}: " + " ".join(_margin(margins[f"{case.key}/{t}"]) for t in range(1, len(texts) + 1)),
                   file=sys.stderr, flush=True)

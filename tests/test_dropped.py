@@ -50,10 +50,10 @@ def test_the_oldest_dropped_rows_go_first_past_the_bound():
 def test_quantized_keep_holds_the_slot_rows_in_8_bits_and_every_dropped_row_in_4(tiny_snap_dir):
     document, = random_prompts([160], seed=21)
     quantized = _engine(tiny_snap_dir, session_cache_bytes=2**26, session_keep="quantized")
-    exact = _engine(tiny_snap_dir, session_cache_bytes=2**26)
-    for engine in (quantized, exact):
+    compressed = _engine(tiny_snap_dir, session_cache_bytes=2**26, session_keep="compressed")
+    for engine in (quantized, compressed):
         engine.generate([Request(document, max_new_tokens=4, ignore_eos=True)])
-    held, slot = quantized.sessions.newest(), exact.sessions.newest()
+    held, slot = quantized.sessions.newest(), compressed.sessions.newest()
     assert held.keys[0].bits == 8 and held.dropped.rows == len(document) + 3 - held.rows
     for layer, chunk_positions in enumerate(held.dropped.chunks[0].positions):
         for kept_heads, dropped_heads in zip(held.positions[layer], chunk_positions):
@@ -61,7 +61,7 @@ def test_quantized_keep_holds_the_slot_rows_in_8_bits_and_every_dropped_row_in_4
         keys, _ = held.layer_rows(layer, held.rows)
         step = (slot.keys[layer].max(axis=1) - slot.keys[layer].min(axis=1)).max() / 255
         assert np.abs(keys - slot.keys[layer]).max() <= step
-    bound = exact.backend.manifest.kv_bytes_per_slot() + held.token_ids.nbytes \
+    bound = compressed.backend.manifest.kv_bytes_per_slot() + held.token_ids.nbytes \
         + len(held.positions) * held.positions[0].shape[0] * TINY_SNAPSTREAM.slot_rows * 8
     assert held.nbytes <= bound
     assert not quantized.keeper._held

@@ -2,6 +2,8 @@
 import json
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -591,7 +593,7 @@ def test_session_keep_full_or_quantized_resumes_from_the_first_turn(snap_artifac
     the whole first prompt and answers as an engine with the same store does."""
     from snapcompile import Engine, Request
     bad = CliRunner().invoke(main, ["serve", str(snap_artifact), "--session-keep", "everything"])
-    assert bad.exit_code == 2 and "'compressed', 'full', 'quantized'" in bad.output
+    assert bad.exit_code == 2 and "'full', 'compressed', 'quantized'" in bad.output
     engine = Engine.from_artifact(snap_artifact, session_cache_bytes=2**26, session_keep=keep)
     process = ServerProcess(snap_artifact, "--session-keep", keep, log=tmp_path / "full.log").wait_ready()
     try:
@@ -616,8 +618,9 @@ def test_bench_serve_conversations_report_ttft_and_resumed_tokens_per_turn(serve
     out, prompts = tmp_path / "bs.json", tmp_path / "conversations.jsonl"
     result = CliRunner().invoke(main, ["bench-serve", server.url, "--model", "tiny", "--requests", "2",
                                        "--concurrency", "2", "--prompt-tokens", "100", "--output-tokens", "5",
-                                       "--turns", "3", "--tokenizer", str(artifact), "--save-prompts", str(prompts),
-                                       "-o", str(out), "--json"], catch_exceptions=False)
+                                       "--turns", "3", "--follow-up-tokens", "5,40", "--tokenizer", str(artifact),
+                                       "--save-prompts", str(prompts), "-o", str(out), "--json"],
+                           catch_exceptions=False)
     assert result.exit_code == 0, result.output
     per_turn = json.loads(out.read_text())["summary"]["per_turn"]
     assert [t["turn"] for t in per_turn] == [1, 2, 3] and all(t["completed"] == 2 for t in per_turn)
@@ -631,6 +634,19 @@ def test_bench_serve_conversations_report_ttft_and_resumed_tokens_per_turn(serve
     tokens = [t["prompt_tokens_mean"] for t in per_turn]
     assert tokens[0] == 100 < tokens[1] < tokens[2]
     assert "Conversations of 3 turns" in out.with_suffix(".md").read_text()
+
+
+def test_bench_serve_follow_ups_are_drawn_within_their_bounds():
+    from snapcompile.errors import SnapcompileError
+    from snapcompile.serve.bench import ServeBenchConfig
+    config = ServeBenchConfig("http://x", "m", requests=3, prompt_tokens=500, turns=4, follow_up_tokens=(5, 200))
+    lengths = config.part_lengths()
+    assert lengths[::4] == [500] * 3 and len(lengths) == 12
+    later = [n for i, n in enumerate(lengths) if i % 4]
+    assert all(5 <= n <= 200 for n in later) and len(set(later)) > 4
+    assert ServeBenchConfig("http://x", "m", requests=2, turns=3).part_lengths() == [2000] * 6
+    with pytest.raises(SnapcompileError, match="follow-up-tokens"):
+        ServeBenchConfig("http://x", "m", turns=3, follow_up_tokens=(50, 10))
 
 
 def test_kept_caches_are_shared_only_within_a_scope(artifact, tmp_path):
@@ -795,34 +811,38 @@ def test_large_bodies_of_small_lists_do_not_stall_the_server(artifact, tmp_path)
     """Two clients send 2.7 MiB bodies of small token-id lists back to back for 5 s: each is refused
     (more values than any request of this model needs, found in a worker process), and /health
     answers meanwhile with a median under 120 ms (parsed on threads of the serving process the median
-    was 171-274 ms in studies/event_loop_probe.py, now 2-3 ms there; measured here, the test
-    process's own flood threads share its GIL with the probe: 30-70 ms)."""
+    was 171-274 ms in studies/event_loop_probe.py, now 2-3 ms there). The clients are processes of
+    their own, so the probe shares no GIL with them."""
     server = ServerProcess(artifact, log=tmp_path / "log").wait_ready()
-    body = json.dumps({"model": "tiny", "prompt": [[1, 2, 3]] * 260_000, "max_tokens": 1}).encode()
-    stop, refusals = time.monotonic() + 5, []
-
-    def flood():
-        with httpx.Client(timeout=60) as sender:
-            while time.monotonic() < stop:
-                reply = sender.post(server.url + "/v1/completions", content=body,
-                                    headers={"Content-Type": "application/json"})
-                refusals.append((reply.status_code, reply.json()["error"]["message"]))
     try:
-        threads = [threading.Thread(target=flood) for _ in range(2)]
-        for thread in threads:
-            thread.start()
-        waits = []
+        flooders = [subprocess.Popen([sys.executable, "-c", FLOOD, server.url, "5"], stdout=subprocess.PIPE, text=True)
+                    for _ in range(2)]
+        assert all(flooder.stdout.readline() == "sending\n" for flooder in flooders)
+        stop, waits = time.monotonic() + 5, []
         while time.monotonic() < stop:
             begin = time.monotonic()
             assert httpx.get(server.url + "/health", timeout=10).status_code == 200
             waits.append(time.monotonic() - begin)
             time.sleep(0.02)
-        for thread in threads:
-            thread.join(60)
+        refusals = [tuple(reply) for flooder in flooders for reply in json.loads(flooder.communicate(timeout=60)[0])]
         assert refusals and all(status == 400 and "JSON values" in message for status, message in refusals)
         assert sorted(waits)[len(waits) // 2] < 0.12, sorted(waits)
     finally:
         assert server.stop() == 0
+
+
+FLOOD = """
+import json, sys, time
+import httpx
+body = json.dumps({"model": "tiny", "prompt": [[1, 2, 3]] * 260_000, "max_tokens": 1}).encode()
+stop, replies = time.monotonic() + float(sys.argv[2]), []
+print("sending", flush=True)
+with httpx.Client(timeout=60) as sender:
+    while time.monotonic() < stop:
+        reply = sender.post(sys.argv[1] + "/v1/completions", content=body, headers={"Content-Type": "application/json"})
+        replies.append((reply.status_code, reply.json()["error"]["message"]))
+print(json.dumps(replies))
+"""
 
 
 def test_per_client_bounds_count_an_ipv6_network_as_one_client():
@@ -890,12 +910,27 @@ def test_tokenize_and_detokenize_in_vllm_and_llama_server_shapes(server, artifac
         assert reply.status_code in (400, 404) and fragment in reply.json()["error"]["message"], reply.text
 
 
-def test_the_serving_process_holds_no_torch(server, client):
-    """Nothing on the serving path needs torch; transformers (the tokenizer) is kept from importing
-    it (~185 MB of RSS at SmolLM2's shape)."""
-    client.completions.create(model="tiny", prompt="hi", max_tokens=2)
-    maps = Path(f"/proc/{server.process.pid}/maps").read_text()
-    assert "libtorch" not in maps and "torch/lib" not in maps
+def test_the_serving_process_imports_neither_torch_nor_transformers(artifact, tmp_path):
+    """The tokenizer and chat template are read with `tokenizers` and jinja2 (FileTokenizer), the
+    grammar's token table too: a chat completion, a JSON-schema one and a detokenize go through a
+    server that never imports transformers or torch (`python -X importtime` lists every import)."""
+    from snapcompile.serve.process import SERVE
+    log = tmp_path / "imports.log"
+    process = ServerProcess(artifact, log=log, launcher=("-X", "importtime", *SERVE)).wait_ready()
+    try:
+        client = openai.OpenAI(base_url=process.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+        schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=8,
+                                       response_format={"type": "json_schema",
+                                                        "json_schema": {"name": "x", "schema": schema}})
+        assert httpx.post(process.url + "/detokenize", json={"tokens": [104, 105]}, timeout=30).status_code == 200
+    finally:
+        assert process.stop() == 0
+    modules = {line.rsplit("|", 1)[-1].strip() for line in log.read_text().splitlines()
+               if line.startswith("import time:")}
+    assert "snapcompile.serve.app" in modules and "llguidance" in modules
+    assert not {m.split(".")[0] for m in modules} & {"transformers", "torch"}
 
 
 def test_n_samples_share_one_prefill_and_equal_separate_requests(server, client, artifact):
@@ -976,7 +1011,8 @@ def long_client(tiny_llama, tmp_path_factory):
 def test_a_tool_call_round_trip_through_the_openai_client(long_client):
     """tool_choice "required": the answer is a tool call whose arguments follow the tool's schema
     (finish_reason tool_calls); the call and its result sent back, tool_choice "none" gives a text
-    answer; "auto" answers either a call or text, both well formed; streaming with tools is a 400."""
+    answer; "auto" answers either a call or text, both well formed; streamed, the call comes whole
+    in one chunk the SDK's stream accumulator assembles into the same message."""
     client = long_client
     messages = [{"role": "user", "content": "What is the weather in Paris?"}]
     reply = client.chat.completions.create(model="tiny", messages=messages, tools=[WEATHER_TOOL],
@@ -997,8 +1033,14 @@ def test_a_tool_call_round_trip_through_the_openai_client(long_client):
                                               temperature=1.0, seed=seed).choices[0]
         assert (auto.finish_reason == "tool_calls" and auto.message.tool_calls) or \
             (auto.finish_reason in ("stop", "length") and isinstance(auto.message.content, str))
-    with pytest.raises(openai.BadRequestError, match="stream with tools"):
-        client.chat.completions.create(model="tiny", messages=messages, tools=[WEATHER_TOOL], stream=True)
+    with client.chat.completions.stream(model="tiny", messages=messages, tools=[WEATHER_TOOL], tool_choice="required",
+                                        max_tokens=128, temperature=0) as stream:
+        streamed = stream.get_final_completion().choices[0]
+    assert streamed.finish_reason == "tool_calls" and streamed.message.tool_calls[0].function.name == "get_weather"
+    assert streamed.message.tool_calls[0].function.arguments == call.function.arguments
+    chunks = list(client.chat.completions.create(model="tiny", messages=messages, tools=[WEATHER_TOOL],
+                                                 tool_choice="none", max_tokens=4, temperature=0, stream=True))
+    assert chunks[-1].choices[0].finish_reason in ("stop", "length")
 
 
 def test_an_agent_framework_gets_a_validated_object(long_client):

@@ -187,7 +187,7 @@ def _oracle_conversation(model, policy, rows, turns, steps):
 @pytest.mark.parametrize("folder", ["tiny_dense_dir", "tiny_snap_dir", "tiny_summary_dir"])
 def test_resumed_turns_equal_the_oracle_multi_turn_policy(request, tiny_llama, folder):
     folder = request.getfixturevalue(folder)
-    engine = _engine(folder, session_cache_bytes=2**26)
+    engine = _engine(folder, session_cache_bytes=2**26, session_keep="compressed")
     turns = random_prompts([200, 30, 12], seed=5)
     steps = 40
     ids, outputs, cached = [], [], []
@@ -223,7 +223,7 @@ def _check_summaries(entries: list[KeptCache]) -> None:
 @pytest.mark.parametrize("folder", ["tiny_snap_dir", "tiny_summary_dir"])
 def test_one_entry_serves_concurrent_requests_unchanged(request, folder):
     folder = request.getfixturevalue(folder)
-    engine = _engine(folder, session_cache_bytes=2**26)
+    engine = _engine(folder, session_cache_bytes=2**26, session_keep="compressed")
     document, = random_prompts([300], seed=6)
     first, = engine.generate([Request(document, max_new_tokens=4, ignore_eos=True)])
     kept, = engine.sessions._entries.values()
@@ -234,7 +234,7 @@ def test_one_entry_serves_concurrent_requests_unchanged(request, folder):
     together = engine.generate(shared)
     assert [r.cached_tokens for r in together] == [300 + 3] * 3
     assert all(np.array_equal(a, b) for a, b in zip(snapshot, held))
-    alone = [_engine(folder, session_cache_bytes=2**26) for _ in questions]
+    alone = [_engine(folder, session_cache_bytes=2**26, session_keep="compressed") for _ in questions]
     for solo, request in zip(alone, shared):
         solo.generate([Request(document, max_new_tokens=4, ignore_eos=True)])
         again, = solo.generate([Request(request.prompt_ids, max_new_tokens=8, ignore_eos=True)])
@@ -243,14 +243,14 @@ def test_one_entry_serves_concurrent_requests_unchanged(request, folder):
 
 
 def test_a_conversation_may_pass_max_context_but_not_the_model_positions(tiny_snap_dir):
-    engine = _engine(tiny_snap_dir, session_cache_bytes=2**26)
+    engine = _engine(tiny_snap_dir, session_cache_bytes=2**26, session_keep="compressed")
     ids, = random_prompts([480], seed=8)
     first, = engine.generate([Request(ids, max_new_tokens=30, ignore_eos=True)])
     longer = ids + first.output_ids + random_prompts([60], seed=9)[0]      # 570 tokens > max_context 512
     engine.check_prompt(longer)
     result, = engine.generate([Request(longer, max_new_tokens=4, ignore_eos=True)])
     assert result.error is None and result.cached_tokens == 480 + 29
-    fresh = _engine(tiny_snap_dir, session_cache_bytes=2**26)
+    fresh = _engine(tiny_snap_dir, session_cache_bytes=2**26, session_keep="compressed")
     refused, = fresh.generate([Request(longer, max_new_tokens=4)])        # nothing to resume from
     assert "does not fit" in refused.error
     limit = engine.max_positions
@@ -295,19 +295,51 @@ def test_full_keep_resumes_a_shared_prefix_as_its_own_prefill(tiny_snap_dir):
     assert resumed.cached_tokens == 300 and resumed.output_ids == alone.output_ids
 
 
-def test_full_keep_holds_the_answer_while_the_ring_does_and_the_prompt_after(tiny_snap_dir):
+def test_full_keep_holds_the_prompt_and_prefills_the_answer_again(tiny_snap_dir):
+    """The answer's rows were computed against the B selected rows, not the whole conversation:
+    the entry holds the prompt's rows only, and the next turn prefills the answer with its own."""
     prompt, follow_up = random_prompts([200, 20], seed=13)
-    ring = TINY_SNAPSTREAM.budget - TINY_SNAPSTREAM.resolved_prompt_share
     engine = _engine(tiny_snap_dir, session_cache_bytes=2**26, session_keep="full")
-    short, = engine.generate([Request(prompt, max_new_tokens=ring, ignore_eos=True)])
+    first, = engine.generate([Request(prompt, max_new_tokens=6, ignore_eos=True)])
     kept = engine.sessions.newest()
-    assert kept.rows == len(kept.token_ids) == 200 + ring - 1, "every fed answer token is still in the ring"
-    second, = engine.generate([Request(prompt + short.output_ids + follow_up, max_new_tokens=4, ignore_eos=True)])
-    assert second.cached_tokens == 200 + ring - 1
-    assert engine.sessions.newest().rows == len(prompt + short.output_ids + follow_up) + 3
-    long, = engine.generate([Request(prompt, max_new_tokens=ring + 10, ignore_eos=True)])
-    assert engine.sessions.newest().rows == len(engine.sessions.newest().token_ids) == 200, \
-        "the ring overwrote part of the answer: the prompt alone is kept"
+    assert kept.rows == len(kept.token_ids) == 200 and kept.compressed_at == 0
+    second, = engine.generate([Request(prompt + first.output_ids + follow_up, max_new_tokens=4, ignore_eos=True)])
+    assert second.cached_tokens == 200
+    assert engine.sessions.newest().rows == len(prompt + first.output_ids + follow_up)
+
+
+def test_full_keep_stores_the_prompt_once_it_is_selected_within_the_store_bytes(tiny_snap_dir):
+    """The entry goes into the store at the prompt's selection, so the store's bytes bound every
+    full copy (no running sequence holds one of its own); one larger than the store is refused."""
+    prompt, = random_prompts([200], seed=16)
+    engine = _engine(tiny_snap_dir, session_cache_bytes=2**26, session_keep="full")
+    seq = engine.submit(Request(prompt, max_new_tokens=20, ignore_eos=True))
+    while not len(engine.sessions):
+        engine.step()
+    assert not seq.finished and list(engine.sessions.newest().token_ids) == prompt and not engine.keeper._held
+    size = engine.sessions.bytes
+    small = _engine(tiny_snap_dir, session_cache_bytes=size - 1, session_keep="full")
+    small.generate([Request(prompt, max_new_tokens=4)])
+    assert len(small.sessions) == 0 and small.sessions.counters.refused == 1
+
+
+def test_full_keep_answers_every_turn_as_if_it_were_prefilled_whole(tiny_snap_dir):
+    """The default session mode is exact: a conversation of four turns, each resumed from the one
+    before, gets token for token the answers of a store-less engine prefilling every turn whole."""
+    first, *later = random_prompts([160, 12, 40, 5], seed=15)
+    resumed_engine = _engine(tiny_snap_dir, session_cache_bytes=2**26)
+    assert resumed_engine.session_keep == "full", "full is the default"
+    whole_engine = _engine(tiny_snap_dir)
+    resumed, whole, ids_r, ids_w = [], [], first, first
+    for turn in range(4):
+        r, = resumed_engine.generate([Request(ids_r, max_new_tokens=5 + 3 * turn, ignore_eos=True)])
+        w, = whole_engine.generate([Request(ids_w, max_new_tokens=5 + 3 * turn, ignore_eos=True)])
+        resumed.append((r.output_ids, r.cached_tokens))
+        whole.append(w.output_ids)
+        if turn < 3:
+            ids_r = ids_w = ids_r + r.output_ids + later[turn]
+    assert [ids for ids, _ in resumed] == whole
+    assert [cached for _, cached in resumed] == [0, 160, 160 + 5 + 12, 160 + 5 + 12 + 8 + 40]
 
 
 def test_full_keep_follows_a_sequence_moved_to_a_lower_slot(tiny_snap_dir):
@@ -316,12 +348,13 @@ def test_full_keep_follows_a_sequence_moved_to_a_lower_slot(tiny_snap_dir):
     engine.generate([Request(short, max_new_tokens=2, ignore_eos=True), Request(long, max_new_tokens=12,
                                                                                 ignore_eos=True)])
     kept = engine.sessions.newest()
-    assert kept.rows == len(kept.token_ids) == 150 + 11 and not engine.keeper._held
+    assert kept.rows == len(kept.token_ids) == 150 and not engine.keeper._held
 
 
 def test_summaries_follow_a_sequence_moved_to_a_lower_slot(tiny_summary_dir):
     short, long = random_prompts([40, 150], seed=14)
-    together, alone = (_engine(tiny_summary_dir, session_cache_bytes=2**26) for _ in range(2))
+    together, alone = (_engine(tiny_summary_dir, session_cache_bytes=2**26, session_keep="compressed")
+                       for _ in range(2))
     together.generate([Request(short, max_new_tokens=2, ignore_eos=True), Request(long, max_new_tokens=12,
                                                                                    ignore_eos=True)])
     alone.generate([Request(long, max_new_tokens=12, ignore_eos=True)])
@@ -336,17 +369,19 @@ def test_summaries_follow_a_sequence_moved_to_a_lower_slot(tiny_summary_dir):
 
 def test_session_keep_is_checked_and_off_without_a_store(tiny_snap_dir):
     from snapcompile.errors import SnapcompileError
-    with pytest.raises(SnapcompileError, match="--session-keep must be one of compressed, full"):
+    with pytest.raises(SnapcompileError, match="--session-keep must be one of full, compressed"):
         _engine(tiny_snap_dir, session_cache_bytes=2**26, session_keep="all")
     assert _engine(tiny_snap_dir, session_keep="full").keeper is None
     full = _engine(tiny_snap_dir, session_cache_bytes=2**26, session_keep="full")
     assert full.prompt_limit == full.backend.max_prompt_len(), "every row is kept: the conversation must fit"
+    with pytest.raises(PromptError, match="--session-keep compressed resumes one past it"):
+        full.check_prompt([1] * (full.prompt_limit + 1))
 
 
 def test_an_abandoned_resumed_prefill_leaves_no_summary_bias_behind(tiny_summary_dir):
     """A request cancelled while its resumed prefill attends over summaries: the next prompt's
     prefill sees plain rows."""
-    engine = _engine(tiny_summary_dir, session_cache_bytes=2**26)
+    engine = _engine(tiny_summary_dir, session_cache_bytes=2**26, session_keep="compressed")
     document, question, other = random_prompts([200, 150, 120], seed=21)
     first, = engine.generate([Request(document, max_new_tokens=4, ignore_eos=True)])
     ids = document + first.output_ids + question

@@ -61,26 +61,33 @@ def test_turns_store_resumes_and_refuses_another_configuration(tmp_path):
 
 
 def test_eval_turns_runs_every_mode(tmp_path):
-    result = invoke("eval-turns", "tiny-llama", "--lengths", 700, "--samples", 1, "--cache-dir", tmp_path / "cache",
-                    "-o", tmp_path / "turns.json", "--json")
+    result = invoke("eval-turns", "tiny-llama", "--lengths", 700, "--samples", 2, "--kinds", "dates,two-documents",
+                    "--cache-dir", tmp_path / "cache", "-o", tmp_path / "turns.json", "--json")
     assert result.exit_code == 0, result.output
     payload = json.loads((tmp_path / "turns.json").read_text())
-    by_mode = {r["mode"]: r["turns"] for r in payload["records"]}
-    assert sorted(by_mode) == ["dense", "reprefill", "resume", "resume-full", "ring"]
+    records = {(r["mode"], r["kind"]): r["turns"] for r in payload["records"]}
+    assert sorted({mode for mode, _ in records}) == ["dense", "reprefill", "resume", "resume-full", "ring"]
+    assert {kind for _, kind in records} == {"dates", "two-documents"}
+    by_mode = {mode: turns for (mode, kind), turns in records.items() if kind == "dates"}
     assert all(len(t) == 5 for t in by_mode.values())
     assert by_mode["reprefill"][0]["text"] == by_mode["resume"][0]["text"] == by_mode["ring"][0]["text"]
     assert all(t["cached_tokens"] == 0 for mode in ("dense", "reprefill") for t in by_mode[mode])
     resumed = [t["cached_tokens"] for t in by_mode["resume"]]
-    assert resumed[0] == 0 and all(later >= earlier + 60 for earlier, later in zip(resumed[1:], resumed[2:]))
+    assert resumed[0] == 0 and all(later > earlier for earlier, later in zip(resumed[1:], resumed[2:]))
     prompts = [t["prompt_tokens"] for t in by_mode["resume"]]
     assert all(cached < tokens for cached, tokens in zip(resumed, prompts))
     assert {(r["mode"], r["turn"]) for r in payload["retention"]} == {(m, t) for m in by_mode for t in range(1, 6)}
-    assert all(0.0 <= t["asked_kept"] <= 1.0 for t in by_mode["resume"]), "the asked number's rows, per turn"
+    assert all(0.0 <= t["asked_kept"] <= 1.0 for t in by_mode["resume"]), "the asked answer's rows, per turn"
     assert all(t["asked_kept"] is None for mode in ("dense", "reprefill", "ring", "resume-full") for t in by_mode[mode])
     full = [t["cached_tokens"] for t in by_mode["resume-full"]]
     assert full[0] == 0 and all(c > 0 for c in full[1:]), "every later turn resumed from the full entry"
-    assert by_mode["resume-full"][0]["text"] == by_mode["reprefill"][0]["text"]
-    assert not (tmp_path / "turns.json.partial.jsonl").exists() and (tmp_path / "turns.md").is_file()
+    assert [t["text"] for t in by_mode["resume-full"]] == [t["text"] for t in by_mode["reprefill"]], \
+        "the default mode answers every turn as prefilling it whole does"
+    later = {r["mode"]: r for r in payload["later_turns"]}
+    assert later["resume-full"]["answers"] == 2 * 4
+    assert later["resume-full"]["of_reprefill_kept"] == later["reprefill"]["reprefill_right"]
+    assert "Later turns (2..5) together" in (tmp_path / "turns.md").read_text()
+    assert not (tmp_path / "turns.json.partial.jsonl").exists()
 
 
 def test_bench_turns_reports_ttft_per_turn_and_kept_bytes(tmp_path):

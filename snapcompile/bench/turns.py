@@ -23,7 +23,7 @@ from pathlib import Path
 from snapcompile.config import ExportConfig, PolicyConfig
 from snapcompile.errors import SnapcompileError
 from snapcompile.evaluation.turns import engine_turns, session_keep_of
-from snapcompile.prompts import FILLER, encode, encode_text
+from snapcompile.prompts import encode, encode_text
 
 MODES = ("dense", "dense-resume", "reprefill", "resume", "resume-full", "resume-quantized")
 DEFAULT_MODES = MODES[:5]
@@ -64,19 +64,37 @@ class TurnsBenchConfig:
 
 
 def user_texts(tokenizer, config: TurnsBenchConfig, conversation: int) -> list[str]:
-    """One message per turn of about turn_tokens tokens: filler sentences and a question, headed by
-    the conversation's number (so no conversation begins with another's tokens)."""
-    per_sentence = max(1, len(encode_text(tokenizer, FILLER * 8)) // 8)
-    repeats = max(1, config.turn_tokens // per_sentence)
-    return [f"Conversation {conversation}, part {k + 1}. " + FILLER * repeats + f"What did part {k + 1} say?"
-            for k in range(config.turns)]
+    """One message per turn of natural prose (eval-turns' conversations draw theirs from the same
+    text) and a question, headed by the conversation's number (so no conversation begins with
+    another's tokens). The messages' lengths differ (drawn between about half and one and a half
+    turn_tokens) but add up to at most turns x turn_tokens, so the conversation fits its bound."""
+    import random
+
+    from snapcompile.evaluation.conversations import prose
+    rng = random.Random(f"bench-turns/{conversation}")
+    sentences = prose(rng)
+    weights = [rng.uniform(0.5, 1.5) for _ in range(config.turns)]
+    words = " ".join(sentences[i % len(sentences)] for i in range(config.turns * config.turn_tokens // 8)).split()
+    texts, at, total = [], 0, config.turn_tokens * config.turns
+    for k, weight in enumerate(weights):
+        head, tail = f"Conversation {conversation}, part {k + 1}. ", f" What did part {k + 1} say?"
+        budget = int(total * weight / sum(weights)) - len(encode_text(tokenizer, head + tail))
+        low, high = 0, len(words) - at          # the most words whose tokens fit the budget
+        while low < high:
+            middle = (low + high + 1) // 2
+            low, high = (middle, high) if len(encode_text(tokenizer, " ".join(words[at:at + middle]))) <= budget \
+                else (low, middle - 1)
+        texts.append(head + " ".join(words[at:at + low]) + tail)
+        at += low
+    return texts
 
 
 def run_conversation(engine, chat: bool, texts: list[str], answer_tokens: int) -> list[dict]:
     """One conversation on `engine` (idle): per turn its prompt tokens, the tokens resumed, TTFT."""
     rows = []
     first = encode(engine.tokenizer, texts[0], chat)
-    for turn, (ids, result) in enumerate(engine_turns(engine, chat, first, texts[1:], answer_tokens, True)):
+    turns = engine_turns(engine, chat, first, texts[1:], [answer_tokens] * len(texts), True)
+    for turn, (ids, result) in enumerate(turns):
         if result.error is not None:
             raise RuntimeError(f"turn {turn + 1}: {result.error}")
         rows.append({"turn": turn + 1, "prompt_tokens": len(ids), "cached_tokens": result.cached_tokens,

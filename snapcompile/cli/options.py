@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from snapcompile.config import SESSION_KEEP, PolicyConfig
+from snapcompile.config import DEFAULT_SESSION_KEEP, SESSION_KEEP, PolicyConfig
 from snapcompile.serve.scopes import SESSION_SCOPES
 
 
@@ -79,12 +79,14 @@ def parse_session_cache(ctx, param, value):
     return int(number) * BYTE_UNITS[unit]
 
 
-SESSION_KEEP_HELP = ("What the store keeps of a compressed artifact's sequence: 'compressed', its B rows per layer "
-                     "(fixed memory; a resumed turn prefills its new tokens against them); 'full', every prompt row "
-                     "and the answer, as a dense prefix cache does (memory grows with the conversation; each turn "
-                     "re-selects from the whole of it, as accurate as prefilling it whole); 'quantized', the B rows "
-                     "in 8 bits and every row the selections dropped in 4, which a resumed turn's new tokens "
-                     "attend over (at most the bytes of B float32 rows: the oldest dropped rows go first).")
+SESSION_KEEP_HELP = ("What the store keeps of a compressed artifact's conversation. 'full' (the default, exact): "
+                     "every prompt row, as a dense prefix cache does (memory grows with the conversation, which must "
+                     "fit --max-context); a resumed turn prefills the last answer and its own tokens against them and "
+                     "re-selects, getting the answer prefilling the whole turn gets. 'compressed': the B rows per "
+                     "layer (fixed memory, conversations may pass --max-context), at a loss: it kept 23 of the 39 "
+                     "later answers that prefilling every turn whole got on held-out conversations. 'quantized': the "
+                     "B rows in 8 bits and the dropped rows in 4, which a resumed turn's last tokens attend over (at "
+                     "most the bytes of B float32 rows): also 23 of 39. Figures: docs/results/conversations.md.")
 
 
 SESSION_SCOPE_HELP = ("Who shares kept caches when a request carries neither a cache_salt nor the API key: "
@@ -99,7 +101,7 @@ def session_cache_option(scope: bool = False):
     --session-scope of a server."""
     options = [click.option("--session-cache-bytes", "session_cache_bytes", default="auto", show_default=True,
                             callback=parse_session_cache, help=SESSION_CACHE_HELP),
-               click.option("--session-keep", type=click.Choice(SESSION_KEEP), default=SESSION_KEEP[0],
+               click.option("--session-keep", type=click.Choice(SESSION_KEEP), default=DEFAULT_SESSION_KEEP,
                             show_default=True, help=SESSION_KEEP_HELP)]
     if scope:
         options.append(click.option("--session-scope", type=click.Choice(SESSION_SCOPES), default=SESSION_SCOPES[0],

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import click
 
-from snapcompile.cli.options import FiniteRange, config_default, session_cache_option
+from snapcompile.cli.options import FiniteRange, config_default, csv_option, session_cache_option
 from snapcompile.config import MAX_WAITING, ServerLimits
 from snapcompile.runtime import BACKENDS
 
@@ -173,6 +173,9 @@ def _loopback(host: str) -> bool:
               help="Each of --requests is a conversation of this many requests, one after another: each the "
                    "previous prompt, its answer and a new part of --prompt-tokens (reports TTFT and resumed "
                    "tokens per turn).")
+@click.option("--follow-up-tokens", callback=csv_option(int), default=None,
+              help="MIN,MAX: with --turns, each later part's tokens drawn between them (eval-turns' follow-ups "
+                   "run 5,200); default: --prompt-tokens, as the first part.")
 @click.option("--save-prompts", type=click.Path(path_type=Path), default=None,
               help="Also write the prompts as a JSONL prompts file (for `snapcompile run --prompts` on the same; "
                    'with --turns, one {"turns": [...]} line per conversation).')
@@ -181,7 +184,7 @@ def _loopback(host: str) -> bool:
 @click.option("--force", is_flag=True, help="Replace the --output file if it exists.")
 @click.option("--json", "as_json", is_flag=True, help="Print the results as one JSON object.")
 def bench_serve(url, model, num_requests, concurrency, prompt_tokens, output_tokens, request_rate, tokenizer_dir,
-                api_key, api, seed, turns, save_prompts, output, force, as_json):
+                api_key, api, seed, turns, follow_up_tokens, save_prompts, output, force, as_json):
     """Benchmark a running server at URL through real HTTP streaming.
 
     Sends --requests completions of --prompt-tokens prompt tokens and exactly --output-tokens
@@ -198,16 +201,19 @@ def bench_serve(url, model, num_requests, concurrency, prompt_tokens, output_tok
         markdown,
         run_serve_bench,
     )
+    if follow_up_tokens is not None and len(follow_up_tokens) != 2:
+        raise click.BadParameter("expected MIN,MAX", param_hint="--follow-up-tokens")
     if seed is None:
         seed = secrets.randbelow(2**31)
     config = ServeBenchConfig(url.rstrip("/"), model, num_requests, concurrency, prompt_tokens, output_tokens,
-                              request_rate, seed, api_key, api=api, turns=turns)
+                              request_rate, seed, api_key, api=api, turns=turns,
+                              follow_up_tokens=follow_up_tokens and tuple(follow_up_tokens))
     output = check_output_file(output, force, read_folders=(tokenizer_dir,))
     tokenizer = None
     if tokenizer_dir is not None:
         from snapcompile.models.tokenizer import load_tokenizer
         tokenizer = load_tokenizer(tokenizer_dir)
-    prompts = make_prompts(num_requests * turns, prompt_tokens, seed, tokenizer)
+    prompts = make_prompts(config.part_lengths(), seed, tokenizer)
     if save_prompts is not None:
         lines = ([{"prompt": p} for p in prompts] if turns == 1 else
                  [{"turns": parts} for parts in conversation_parts(prompts, turns)])

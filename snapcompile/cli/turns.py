@@ -15,6 +15,7 @@ from snapcompile.bench.turns import TurnsBenchConfig
 from snapcompile.cli.options import config_default, csv_option, kernel_option, report_options
 from snapcompile.cli.reports import write_report
 from snapcompile.config import SCOPES, WEIGHT_FORMATS
+from snapcompile.evaluation.conversations import KINDS, PARTS
 from snapcompile.evaluation.turns import DEFAULT_MODES, MODES, TurnsConfig
 
 
@@ -23,8 +24,14 @@ from snapcompile.evaluation.turns import DEFAULT_MODES, MODES, TurnsConfig
 @click.option("--lengths", default="3000", show_default=True, callback=csv_option(int),
               help="Tokens of turn 1 (the document and its question).")
 @click.option("--samples", default=config_default(TurnsConfig, "samples"), show_default=True,
-              type=click.IntRange(min=1), help="Conversations per length.")
-@click.option("--seed", default=0, show_default=True, type=int)
+              type=click.IntRange(min=1), help="Conversations per length, the kinds taking turns.")
+@click.option("--part", type=click.Choice(PARTS), default=config_default(TurnsConfig, "part"), show_default=True,
+              help="Which conversations: 'tune' to choose a policy or mode on, 'held-out' to report (with a "
+                   "--seed chosen after the tuning).")
+@click.option("--seed", default=0, show_default=True, type=int, help="Draws the part's conversations.")
+@click.option("--kinds", default=",".join(KINDS), show_default=True, callback=csv_option(str),
+              help="Kinds of document (numbers, names, dates, codes: facts of that kind; two-documents: two "
+                   "memos of two kinds).")
 @click.option("--ratio", default=config_default(TurnsConfig, "ratio"), show_default=True, type=click.IntRange(min=2),
               help="Budget B = the final conversation's length // RATIO.")
 @click.option("--policy", type=click.Choice(("snapstream", "streamingllm")), default="snapstream", show_default=True)
@@ -46,30 +53,31 @@ from snapcompile.evaluation.turns import DEFAULT_MODES, MODES, TurnsConfig
                    "reference here (to measure a policy variant with --modes resume without rerunning dense).")
 @report_options("turns.json", "eval", "Results JSON; the Markdown table is written beside it. An interrupted run "
                 "of the same configuration resumes from OUTPUT.partial.jsonl.")
-def eval_turns(model_or_dir, lengths, samples, seed, ratio, policy, weights, chunk, modes, kernel, scope,
+def eval_turns(model_or_dir, lengths, samples, part, seed, kinds, ratio, policy, weights, chunk, modes, kernel, scope,
                prompt_share, summaries, summary_segment, reference, cache_dir, output, as_json):
-    """Multi-turn accuracy: 5 facts in a document, one asked per turn, five ways.
+    """Multi-turn accuracy on generated conversations, each turn reaching the cache several ways.
 
-    Turn 1 is the document (about LENGTH tokens) and a question about one fact; turns 2..5 each
-    ask about another, every turn sending the conversation so far. Modes: dense (every turn
-    prefilled whole, the reference), reprefill (the compressed artifact, every turn prefilled
-    whole), resume (each turn resumed from the kept cache and re-selected with its own window:
-    what serve does), ring (each turn's tokens fed through decode steps, no re-selection) and
-    resume-full (resumed from a store that keeps every prompt row: serve --session-keep full;
-    resume-quantized, not run by default: serve --session-keep quantized).
-    Reports accuracy per mode and turn, its share of dense's, and of the answers dense got right
-    the share each mode kept.
+    A conversation is a document of facts (numbers, names, dates, door codes, or two memos) of
+    about LENGTH tokens with a question, then four follow-ups of 5 to 200 tokens, each asking
+    about another fact or about the previous answer, the answers asked for in different lengths;
+    every turn sends the conversation so far. Modes: dense (every turn prefilled whole, the
+    reference), reprefill (the compressed artifact, every turn prefilled whole), resume-full
+    (serve's default --session-keep full: every prompt row kept, each turn re-selected as if
+    prefilled whole), resume (--session-keep compressed: the kept B rows), ring (each turn's
+    tokens fed through decode steps, no re-selection) and resume-quantized (not run by default:
+    --session-keep quantized). Reports accuracy per mode and turn, and of the later answers dense
+    and reprefill got right the share each mode kept, with dense's margins on the lost ones.
     """
     from tqdm import tqdm
 
     from snapcompile.atomic import check_output_file
     from snapcompile.evaluation.store import partial_path
-    from snapcompile.evaluation.turns import check_config, reference_records, retention
+    from snapcompile.evaluation.turns import check_config, later_turns, reference_records, retention
     from snapcompile.evaluation.turns_run import run_turns
     from snapcompile.models.loader import cache_root
     output = check_output_file(output, force=True, read_folders=(Path(model_or_dir),))
-    config = TurnsConfig(model_or_dir, tuple(lengths), samples, seed, ratio, policy, weights, chunk,
-                         modes=tuple(modes), kernel=kernel, scope=scope, prompt_share=prompt_share,
+    config = TurnsConfig(model_or_dir, tuple(lengths), samples, seed, part, tuple(kinds), ratio, policy, weights,
+                         chunk, modes=tuple(modes), kernel=kernel, scope=scope, prompt_share=prompt_share,
                          summaries=summaries, summary_segment=summary_segment)
     check_config(config)
     dense = reference_records(reference, config) if reference is not None and "dense" not in modes else []
@@ -79,15 +87,16 @@ def eval_turns(model_or_dir, lengths, samples, seed, ratio, policy, weights, chu
         records = run_turns(config, output, cache_dir or cache_root() / "eval", progress=bar.update,
                             log=lambda msg: tqdm.write(msg, file=sys.stderr))
     seconds = time.perf_counter() - started
-    rows = retention(dense + records)
-    payload = {"config": json.loads(json.dumps(config.__dict__)), "retention": rows, "records": records,
-               "reference": None if reference is None else str(reference), "seconds_this_run": seconds}
-    write_report(output, payload, _markdown(rows, config), lambda stem: [], {"retention": rows}, as_json,
-                 f"{seconds:.0f} s this run")
+    rows, later = retention(dense + records), later_turns(dense + records)
+    payload = {"config": json.loads(json.dumps(config.__dict__)), "retention": rows, "later_turns": later,
+               "records": records, "reference": None if reference is None else str(reference),
+               "seconds_this_run": seconds}
+    write_report(output, payload, _markdown(rows, later, config), lambda stem: [],
+                 {"retention": rows, "later_turns": later}, as_json, f"{seconds:.0f} s this run")
     partial_path(output).unlink(missing_ok=True)
 
 
-def _markdown(rows: list[dict], config: TurnsConfig) -> str:
+def _markdown(rows: list[dict], later: list[dict], config: TurnsConfig) -> str:
     turns = sorted({r["turn"] for r in rows})
     head = "| mode | " + " | ".join(f"turn {t}" for t in turns) + " |\n|---|" + "---|" * len(turns) + "\n"
 
@@ -106,10 +115,24 @@ def _markdown(rows: list[dict], config: TurnsConfig) -> str:
     summaries = (f", {config.summaries} summary rows of {config.summary_segment} positions"
                  if config.summaries else "")
     intro = (f"{config.policy} at B = final length // {config.ratio} (K = {config.kernel}, {config.scope} scope, "
-             f"P = {share}{summaries}), {config.weight_format} weights, {cases} conversations per mode.\n\n")
-    return (intro + table("Accuracy per turn (answer found in the reply):", lambda r: fmt(r and r["accuracy"]))
+             f"P = {share}{summaries}), {config.weight_format} weights, {cases} conversations per mode of the "
+             f"{config.part} part (seed {config.seed}; {', '.join(config.kinds)}).\n\n")
+    return (intro + _later_table(later)
+            + table("Accuracy per turn (answer found in the reply):", lambda r: fmt(r and r["accuracy"]))
             + table("Share of dense's accuracy:", lambda r: fmt(r and r["share_of_dense"]))
-            + table("Of the answers dense got right, the share kept:", lambda r: fmt(r and r["dense_sure_kept"])))
+            + table("Of the answers dense got right, the share kept:", lambda r: fmt(r and r["dense_sure_kept"]))
+            + table("Of the answers reprefill got right, the share kept:", lambda r: fmt(r and r["reprefill_kept"])))
+
+
+def _later_table(later: list[dict]) -> str:
+    """Turns 2..5 together: the answers each mode kept of dense's and of reprefill's."""
+    lines = ["Later turns (2..5) together:\n", "| mode | right | of dense's right kept | of reprefill's right kept | "
+             "dense's margins on the lost |", "|---|---|---|---|---|"]
+    for r in later:
+        lines.append(f"| {r['mode']} | {r['right']} of {r['answers']} | {r['of_dense_kept']} of {r['dense_right']} | "
+                     f"{r['of_reprefill_kept']} of {r['reprefill_right']} | "
+                     f"{', '.join(f'{m:.2f}' for m in r['lost_dense_margins']) or '-'} |")
+    return "\n".join(lines) + "\n\n"
 
 
 @click.command(name="bench-turns")

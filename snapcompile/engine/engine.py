@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from snapcompile.config import DEFAULT_SESSION_KEEP
 from snapcompile.engine.request import Request, Sequence, Status
 from snapcompile.engine.sampling import sample, token_logprob, top_logprobs
 from snapcompile.engine.scheduler import Scheduler
@@ -92,7 +93,7 @@ class Engine:
 
     def __init__(self, backend, tokenizer, eos_ids: Iterable[int], prefill_tokens_per_step: int | None = None,
                  clock=time.perf_counter, max_slots: int | None = None, session_cache_bytes: int | None = None,
-                 session_keep: str = "compressed"):
+                 session_keep: str = DEFAULT_SESSION_KEEP):
         """max_slots: use at most this many of the backend's static slots (the others stay idle).
         session_cache_bytes: keep finished sequences' caches up to this many bytes, so a request
         that begins with one resumes from it (0: off; None, the default as in `run` and `serve`: an eighth
@@ -128,7 +129,7 @@ class Engine:
     def from_artifact(cls, folder, provider: str = "cpu", threads: int | None = None,
                       prefill_tokens_per_step: int | None = None, backend: str = "ort",
                       max_slots: int | None = None, session_cache_bytes: int | None = None,
-                      session_keep: str = "compressed") -> Engine:
+                      session_keep: str = DEFAULT_SESSION_KEEP) -> Engine:
         """An engine on an artifact folder (backend "ort") or a TensorRT engine folder ("trt")."""
         from snapcompile.artifact.files import artifact_tokenizer
         from snapcompile.runtime import open_backend
@@ -157,6 +158,11 @@ class Engine:
         prompt may be as long as the model's positions allow: past max_context it must resume from a
         kept conversation (checked at admission)."""
         if self.prompt_limit == self.backend.max_prompt_len():
+            if self.keeper is not None and self.backend.manifest.policy.compressed \
+                    and len(prompt_ids) > self.prompt_limit:
+                raise PromptError("too_long", len(prompt_ids), self.prompt_limit,
+                                  "the artifact's --max-context (a conversation kept whole, --session-keep full, "
+                                  "must fit it; --session-keep compressed resumes one past it, at a loss)")
             self.backend.check_prompt(prompt_ids)
         elif not prompt_ids or len(prompt_ids) > self.prompt_limit:
             raise PromptError("empty" if not prompt_ids else "too_long", len(prompt_ids), self.prompt_limit,
@@ -263,11 +269,13 @@ class Engine:
         return self.backend.resume_chunks(seq.slot, plan, ids, self.keeper.resume_rows(plan))
 
     def _keep(self, seq: Sequence) -> None:
-        """Put a finished sequence's cache into the session store: it stands for the prompt and
-        every output token but the last (never fed)."""
+        """Put a finished sequence's cache into the session store (when its keeper keeps one at
+        the end): it stands for the prompt and every output token but the last (never fed)."""
         fed = seq.output_ids[:-1]
-        self.sessions.put(self.keeper.keep(seq.slot, seq.layout, seq.kept_positions, len(fed),
-                                           list(seq.request.prompt_ids) + fed, self.backend), seq.request.cache_scope)
+        kept = self.keeper.keep(seq.slot, seq.layout, seq.kept_positions, len(fed), list(seq.request.prompt_ids) + fed,
+                                self.backend)
+        if kept is not None:
+            self.sessions.put(kept, seq.request.cache_scope)
 
     def _advance_prefill(self, events: list[TokenEvent]) -> None:
         tokens_left = self.scheduler.prefill_tokens_per_step
@@ -277,7 +285,9 @@ class Engine:
             except StopIteration as done:
                 seq.prefill, seq.layout, seq.kept_positions = None, done.value.layout, done.value.kept_positions
                 if self.keeper is not None and done.value.rows is not None and seq.request.cache_scope is not None:
-                    self.keeper.selected(done.value.rows)
+                    early = self.keeper.selected(done.value.rows)
+                    if early is not None:
+                        self.sessions.put(early, seq.request.cache_scope)
                 followers = self._start_followers(seq)
                 events.extend(self._emit(member, done.value.logits) for member in (seq, *followers))
             except Exception as err:   # this request cannot be served; the others go on

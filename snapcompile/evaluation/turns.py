@@ -1,6 +1,6 @@
-"""Multi-turn accuracy through the artifacts (`snapcompile eval-turns`): a document with FACTS
-"special number" lines at several depths and a question about one of them in turn 1; each later
-turn asks about another (docs/results/conversations.md).
+"""Multi-turn accuracy through the artifacts (`snapcompile eval-turns`) on generated conversations
+(`conversations.py`: documents of facts of several kinds, five turns, follow-ups of 5 to 200
+tokens, answers of different lengths; a tune part and a held-out part; docs/results/conversations.md).
 
 Each conversation is built at the token level, the way a chat client's resent history reaches the
 engine when its answers re-tokenize to themselves: turn k+1 is turn k's tokens, its answer's tokens
@@ -8,19 +8,19 @@ and the chat template's tokens of the next user message. How each turn reaches t
 
   dense      the dense artifact, every turn prefilled whole: the reference
   reprefill  the compressed artifact, every turn prefilled whole (selected with its own window)
-  resume     the compressed artifact, each turn resumed from the kept cache of the one before,
-             re-selected with the new turn's window (what `serve` and `run` do)
+  resume-full  the compressed artifact resumed from a store that keeps every prompt row
+             (`--session-keep full`, the default of `serve` and `run`): each turn prefills the
+             last answer and its own tokens against them and re-selects, as reprefill does
+  resume     each turn resumed from the kept B rows of the one before and re-selected with the
+             new turn's window (`--session-keep compressed`)
   ring       the compressed artifact, each turn's new tokens fed through decode steps after the
              kept cache, as generated tokens are (the ring; no re-selection)
-  resume-full  the compressed artifact resumed from a store that keeps every prompt row and the
-             answer (`--session-keep full`): each turn re-selected from the whole conversation
   resume-quantized  resumed from a store that keeps the B rows in 8 bits and the dropped rows in
              4, attended by the new tokens (`--session-keep quantized`; not run by default)
 """
 from __future__ import annotations
 
 import json
-import random
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -29,53 +29,13 @@ import numpy as np
 from snapcompile.config import ExportConfig, PolicyConfig
 from snapcompile.errors import SnapcompileError
 from snapcompile.evaluation.config import policy_for
+from snapcompile.evaluation.conversations import KINDS, PARTS, Conversation, make_conversation, max_tokens
 from snapcompile.evaluation.store import append_partial, partial_path, read_partial
-from snapcompile.evaluation.tasks import WORDS, facts_text, fit_text
 from snapcompile.prompts import encode, encode_text
 
-MODES = ("dense", "reprefill", "resume", "ring", "resume-full", "resume-quantized")
+MODES = ("dense", "reprefill", "resume-full", "resume", "ring", "resume-quantized")
 DEFAULT_MODES = MODES[:5]
-FACTS = 5
 MARK = "\u2063"           # stands for an answer while the template renders the turn after it
-
-
-@dataclass(frozen=True)
-class TurnsCase:
-    """One conversation: `document` holds the facts (word -> number, at `depths`); turn k asks
-    about fact `asked[k]`."""
-
-    sample: int
-    length: int
-    words: tuple[str, ...]
-    numbers: tuple[int, ...]
-    depths: tuple[float, ...]
-    asked: tuple[int, ...]
-    document: str
-
-    @property
-    def key(self) -> str:
-        return f"L{self.length}/s{self.sample}"
-
-    def question(self, turn: int) -> str:
-        return f"What is the special number for {self.words[self.asked[turn]]}? Answer with the number only."
-
-    def answer(self, turn: int) -> str:
-        return str(self.numbers[self.asked[turn]])
-
-
-def make_case(tokenizer, length: int, sample: int, seed: int, chat: bool) -> TurnsCase:
-    """A document of about `length` tokens (the first question included) with FACTS facts spread
-    over its depths; the turns ask about them in a random order."""
-    rng = random.Random(f"turns/{seed}/{length}/{sample}")
-    words = tuple(rng.sample(WORDS, FACTS))
-    numbers = tuple(rng.randint(100000, 999999) for _ in words)
-    depths = tuple(round((i + rng.random()) / FACTS, 3) for i in range(FACTS))
-    asked = tuple(rng.sample(range(FACTS), FACTS))
-
-    probe = TurnsCase(sample, length, words, numbers, depths, asked, "")
-    document = fit_text(tokenizer, lambda repeats: facts_text(words, numbers, depths, repeats) + "\n\n"
-                        + probe.question(0), length, chat)
-    return TurnsCase(sample, length, words, numbers, depths, asked, document[: -len(probe.question(0)) - 2])
 
 
 def session_keep_of(mode: str) -> str:
@@ -83,19 +43,21 @@ def session_keep_of(mode: str) -> str:
     return {"resume-full": "full", "resume-quantized": "quantized"}.get(mode, "compressed")
 
 
-def first_turn(tokenizer, case: TurnsCase, chat: bool) -> list[int]:
-    return encode(tokenizer, case.document + "\n\n" + case.question(0), chat)
+def first_turn(tokenizer, case: Conversation, chat: bool) -> list[int]:
+    return encode(tokenizer, case.first_message(), chat)
 
 
-def engine_turns(engine, chat: bool, first_ids: list[int], later_texts: list[str], max_new_tokens: int,
-                 ignore_eos: bool = False):
+def engine_turns(engine, chat: bool, first_ids: list[int], later_texts: list[str], answer_tokens: list[int],
+                 ignore_eos: bool = False, top_logprobs: int = 0):
     """Yield (prompt ids, Result) for each turn of a conversation on `engine`, one request at a
     time: turn 1 is first_ids, each later one the turn before, its answer's tokens and the template's
-    tokens of the next user text (`next_turn_tokens`). Stops after a failed turn."""
+    tokens of the next user text (`next_turn_tokens`); answer_tokens[k]: turn k + 1's
+    max_new_tokens. Stops after a failed turn."""
     from snapcompile.engine.request import Request
     ids = first_ids
     for turn in range(len(later_texts) + 1):
-        result, = engine.generate([Request(ids, max_new_tokens=max_new_tokens, ignore_eos=ignore_eos)])
+        result, = engine.generate([Request(ids, max_new_tokens=answer_tokens[turn], ignore_eos=ignore_eos,
+                                           top_logprobs=top_logprobs)])
         yield ids, result
         if result.error is not None or turn == len(later_texts):
             return
@@ -135,13 +97,14 @@ def next_turn_tokens(tokenizer, question: str, chat: bool, answer_ended: bool) -
 class TurnsConfig:
     source: str
     lengths: tuple[int, ...] = (3000,)
-    samples: int = 8
+    samples: int = 10                 # conversations per length, the kinds taking turns
     seed: int = 0
+    part: str = "tune"                # conversations.PARTS
+    kinds: tuple[str, ...] = KINDS
     ratio: int = 4                    # budget = final conversation length // ratio
     policy: str = "snapstream"
     weight_format: str = "fp32"
     chunk: int = ExportConfig.chunk          # the product's own shapes (convert's default)
-    answer_tokens: int = 24           # "The special number for WORD is NNNNNN." with room to spare
     modes: tuple[str, ...] = DEFAULT_MODES
     kernel: int = PolicyConfig.kernel  # the policy's pooling kernel K
     scope: str = "head"               # SnapStream selection scope
@@ -155,31 +118,63 @@ class TurnsConfig:
 
     def final_length(self, length: int) -> int:
         """An upper bound on a conversation's tokens after its last turn."""
-        return length + FACTS * (self.answer_tokens + 48)
+        return max_tokens(length)
 
     def budget(self, length: int) -> int:
         return self.final_length(length) // self.ratio
 
+    def conversations(self, tokenizer, length: int, chat: bool) -> list[Conversation]:
+        return [make_conversation(tokenizer, self.kinds[s % len(self.kinds)], self.part, self.seed, length, s, chat)
+                for s in range(self.samples)]
+
 
 def retention(records: list[dict]) -> list[dict]:
-    """Per mode and turn: accuracy, its share of dense's, and of the conversations dense answered
-    at that turn the share this mode answered too (the dense-sure retention)."""
-    dense = {(r["case"], t["turn"]): t["correct"] for r in records if r["mode"] == "dense" for t in r["turns"]}
+    """Per mode and turn: accuracy, its share of dense's, and of the conversations dense (and
+    reprefill) answered at that turn the share this mode answered too."""
+    right = {(r["mode"], r["case"], t["turn"]): t["correct"] for r in records for t in r["turns"]}
     rows = []
     for mode in MODES:
         per_turn: dict[int, list] = {}
         for record in (r for r in records if r["mode"] == mode):
             for t in record["turns"]:
-                per_turn.setdefault(t["turn"], []).append((t["correct"], dense.get((record["case"], t["turn"]))))
-        for turn, pairs in sorted(per_turn.items()):
-            accuracy = sum(c for c, _ in pairs) / len(pairs)
-            reference = [d for _, d in pairs if d is not None]
+                case_turn = (record["case"], t["turn"])
+                per_turn.setdefault(t["turn"], []).append((t["correct"], right.get(("dense", *case_turn)),
+                                                           right.get(("reprefill", *case_turn))))
+        for turn, triples in sorted(per_turn.items()):
+            accuracy = sum(c for c, _, _ in triples) / len(triples)
+            reference = [d for _, d, _ in triples if d is not None]
             dense_acc = sum(reference) / len(reference) if reference else None
-            sure = [c for c, d in pairs if d]
-            rows.append({"mode": mode, "turn": turn, "cases": len(pairs), "accuracy": accuracy,
+            rows.append({"mode": mode, "turn": turn, "cases": len(triples), "accuracy": accuracy,
                          "share_of_dense": accuracy / dense_acc if dense_acc else None,
-                         "dense_sure_kept": sum(sure) / len(sure) if sure else None})
+                         "dense_sure_kept": _kept_share([c for c, d, _ in triples if d]),
+                         "reprefill_kept": _kept_share([c for c, _, p in triples if p])})
     return rows
+
+
+def later_turns(records: list[dict]) -> list[dict]:
+    """Per mode, over turns 2..5 of every conversation: the answers dense and reprefill got right,
+    how many of each this mode kept, and dense's answer margin on each one this mode lost."""
+    turns = {(r["mode"], r["case"], t["turn"]): t for r in records for t in r["turns"] if t["turn"] > 1}
+    rows = []
+    for mode in MODES:
+        mine = {(case, turn): t for (m, case, turn), t in turns.items() if m == mode}
+        if not mine:
+            continue
+        dense = {k: turns.get(("dense", *k)) for k in mine}
+        reprefill = {k: turns.get(("reprefill", *k)) for k in mine}
+        dense_right = [k for k, t in dense.items() if t and t["correct"]]
+        reprefill_right = [k for k, t in reprefill.items() if t and t["correct"]]
+        lost = [k for k in dense_right if not mine[k]["correct"]]
+        rows.append({"mode": mode, "answers": len(mine), "right": sum(t["correct"] for t in mine.values()),
+                     "dense_right": len(dense_right), "of_dense_kept": sum(mine[k]["correct"] for k in dense_right),
+                     "reprefill_right": len(reprefill_right),
+                     "of_reprefill_kept": sum(mine[k]["correct"] for k in reprefill_right),
+                     "lost_dense_margins": sorted(round(dense[k].get("margin") or 0.0, 3) for k in lost)})
+    return rows
+
+
+def _kept_share(outcomes: list[bool]) -> float | None:
+    return sum(outcomes) / len(outcomes) if outcomes else None
 
 
 class TurnsStore:
@@ -194,7 +189,7 @@ class TurnsStore:
         append_partial(self.path, self.config_json, record)
 
 
-SAME_CONVERSATIONS = ("source", "lengths", "samples", "seed", "weight_format", "chunk", "answer_tokens")
+SAME_CONVERSATIONS = ("source", "lengths", "samples", "seed", "part", "kinds", "weight_format", "chunk")
 
 
 def reference_records(path: Path, config: TurnsConfig) -> list[dict]:
@@ -216,6 +211,8 @@ def reference_records(path: Path, config: TurnsConfig) -> list[dict]:
 def check_config(config: TurnsConfig) -> None:
     if config.samples < 1 or config.ratio < 2 or not config.lengths or min(config.lengths) < 256:
         raise SnapcompileError("--samples must be >= 1, --ratio >= 2 and --lengths >= 256 tokens")
+    if config.part not in PARTS or not config.kinds or set(config.kinds) - set(KINDS):
+        raise SnapcompileError(f"--part must be one of {', '.join(PARTS)} and --kinds among {', '.join(KINDS)}")
     if config.policy not in ("snapstream", "streamingllm"):
         raise SnapcompileError("--policy must be snapstream or streamingllm")
     unknown = set(config.modes) - set(MODES)

@@ -191,11 +191,6 @@ class SlotBackend:
         return KeptCache(np.array(token_ids, np.int64), tuple(keys), tuple(values), tuple(positions),
                          layout.prompt_len if layout.compressed else 0)
 
-    def read_slot(self, slot: int, layer: int, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Keys and values [Hkv, len(rows), D] float32 of the slot's cache rows `rows` in `layer`."""
-        return (self.device.download(self.keys[layer][slot])[:, rows],
-                self.device.download(self.values[layer][slot])[:, rows])
-
     def move_slot(self, source: int, target: int, rows: int) -> None:
         """Copy the first `rows` cache rows of slot `source` into slot `target` (the engine moves a
         sequence to a lower slot so that its steps run on a smaller decode graph)."""

@@ -244,7 +244,8 @@ class PrefillRunner:
             self._copy_rows(targets, self._bucket_cache(rows), filled)
         kept_rows = self._compress_into_slot(slot, layout, filled, rows)
         spec, download = self.manifest.spec, self.device.download
-        prompt_rows = PromptRows(slot, plan, len(token_ids), filled, kept_rows, spec.num_kv_heads, self.num_layers,
+        prompt_rows = PromptRows(slot, plan, np.asarray(token_ids, np.int64), filled, kept_rows, spec.num_kv_heads,
+                                 self.num_layers,
                                  lambda i: (download(targets[0][i][0, :, :filled]),
                                             download(targets[1][i][0, :, :filled])))
         kept = positions_of_rows(plan, len(token_ids), kept_rows, layout.kept) if plan else kept_rows

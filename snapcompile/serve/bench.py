@@ -44,6 +44,7 @@ class ServeBenchConfig:
     timeout_s: float = 3600.0
     api: str = "openai"
     turns: int = 1                  # requests per conversation (each resends the conversation so far)
+    follow_up_tokens: tuple[int, int] | None = None   # a later part's tokens, MIN..MAX (None: prompt_tokens)
 
     def __post_init__(self):
         if self.api not in APIS:
@@ -56,6 +57,15 @@ class ServeBenchConfig:
             raise SnapcompileError("--request-rate must be > 0")
         if not 1 <= self.turns <= 64:
             raise SnapcompileError("--turns must be in 1..64")
+        if self.follow_up_tokens is not None and not 1 <= self.follow_up_tokens[0] <= self.follow_up_tokens[1]:
+            raise SnapcompileError("--follow-up-tokens must be MIN,MAX with 1 <= MIN <= MAX")
+
+    def part_lengths(self) -> list[int]:
+        """Tokens of each conversation's parts, conversation after conversation: the first part
+        prompt_tokens, each later one drawn from follow_up_tokens (None: prompt_tokens too)."""
+        rng = random.Random(f"follow-ups/{self.seed}")
+        return [self.prompt_tokens if turn == 0 or self.follow_up_tokens is None else
+                rng.randint(*self.follow_up_tokens) for _ in range(self.requests) for turn in range(self.turns)]
 
 
 @dataclass
@@ -72,13 +82,13 @@ class RequestRecord:
     text: str = ""
 
 
-def make_prompts(count: int, tokens: int, seed: int, tokenizer=None) -> list[str]:
-    """`count` distinct prompts of `tokens` tokens (exactly, with `tokenizer`; about, without:
-    one filler word is about one token)."""
+def make_prompts(lengths: list[int], seed: int, tokenizer=None) -> list[str]:
+    """One distinct prompt per entry of `lengths`, of that many tokens (exactly, with `tokenizer`;
+    about, without: one filler word is about one token)."""
     rng = random.Random(seed)
     words = ("grass", "green", "sky", "blue", "sun", "yellow", "river", "stone", "cloud", "field")
     prompts = []
-    for index in range(count):
+    for index, tokens in enumerate(lengths):
         text = f"Request {index}, key {rng.randint(10000, 99999)}. " + " ".join(
             rng.choice(words) for _ in range(tokens + 16))
         if tokenizer is not None:

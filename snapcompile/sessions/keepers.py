@@ -7,7 +7,7 @@ keeper the prompt's rows after each selection (`PromptRows`) and the slot's rows
 | mode | entry | a resumed turn's new tokens also see |
 |---|---|---|
 | `compressed` | the slot's rows (B) in float32 | the summaries, on an artifact converted with them |
-| `full` | every position of the conversation in float32 | (nothing: every row is kept) |
+| `full` (default) | every prompt position in float32 (the answer is prefilled again) | (nothing: every row is kept) |
 | `quantized` | the slot's rows in 8 bits, every dropped row in 4 | the dropped rows (the last tail tokens) |
 """
 from __future__ import annotations
@@ -28,12 +28,13 @@ from snapcompile.sessions.summaries import RowSummaries
 @dataclass(frozen=True)
 class PromptRows:
     """A compressed prompt's prefilled rows right after their selection, readable until the next
-    prefill starts. read(layer): keys, values [Hkv, filled, D] float32 on the host. kept_rows: per
-    layer [Hkv, kept] the rows the selection kept (None: it kept rows [0, filled), every one)."""
+    prefill starts. token_ids: [T] int64, the prompt. read(layer): keys, values [Hkv, filled, D]
+    float32 on the host. kept_rows: per layer [Hkv, kept] the rows the selection kept (None: it
+    kept rows [0, filled), every one)."""
 
     slot: int
     plan: ResumePlan | None
-    prompt_len: int
+    token_ids: np.ndarray
     filled: int
     kept_rows: list[np.ndarray] | None
     kv_heads: int
@@ -48,12 +49,15 @@ class PromptRows:
             np.put_along_axis(dropped, self.kept_rows[i], False, axis=1)
             yield i, tables[i], dropped
 
+    @property
+    def prompt_len(self) -> int:
+        return len(self.token_ids)
+
 
 class SlotRows(Protocol):
     """The backend's side of `keep`: a finished slot's rows on the host."""
 
     def slot_cache(self, slot: int, layout, kept_positions, fed: int, token_ids: list[int]) -> KeptCache: ...
-    def read_slot(self, slot: int, layer: int, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]: ...
 
 
 @dataclass(frozen=True)
@@ -80,11 +84,15 @@ class Keeper:
         self.manifest = manifest
         self._held: dict[int, object] = {}     # slot -> what this mode holds for the sequence until `keep`
 
-    def selected(self, rows: PromptRows) -> None:
-        """A compressed prompt's rows were just selected into its slot."""
+    def selected(self, rows: PromptRows) -> KeptCache | None:
+        """A compressed prompt's rows were just selected into its slot; returns an entry to keep
+        now (the engine stores it in the request's scope), or None."""
+        return None
 
-    def keep(self, slot: int, layout, kept_positions, fed: int, token_ids: list[int], slots: SlotRows) -> KeptCache:
-        """The entry of the finished sequence in `slot` (see `SlotRows.slot_cache` for the arguments)."""
+    def keep(self, slot: int, layout, kept_positions, fed: int, token_ids: list[int],
+             slots: SlotRows) -> KeptCache | None:
+        """The entry of the finished sequence in `slot` (see `SlotRows.slot_cache` for the
+        arguments), or None: nothing to keep at its end."""
         return slots.slot_cache(slot, layout, kept_positions, fed, token_ids)
 
     def resume_rows(self, plan: ResumePlan) -> ResumeRows | None:
@@ -123,32 +131,26 @@ class SummaryKeeper(Keeper):
 
 
 class FullKeeper(Keeper):
-    """`full`: the whole prompt cache is copied to the host at its selection, and an entry is it
-    plus the fed decode tokens after it while the ring still holds every one of them (else the
-    prompt alone): every position, in order. A resume from rows that are not every position before
-    it (a compressed entry) keeps nothing."""
+    """`full` (the default): an entry is the whole prompt cache, copied to the host at its
+    selection and kept at once (so it counts against the store's bytes from then on and no running
+    sequence holds a copy of its own): every position of the prompt, in order, each row computed
+    while attending over every row before it. Nothing is kept at the end: the answer's rows were
+    computed by decode against the B selected rows, not the whole conversation, so the next turn
+    prefills the answer again with its new tokens, and a resumed turn's rows and selection are
+    those of prefilling it whole. A resume from rows that are not every position before it keeps
+    nothing (no store of this mode holds such an entry)."""
 
-    def selected(self, rows: PromptRows) -> None:
-        self._held.pop(rows.slot, None)
-        if rows.plan is None or rows.plan.rows == rows.plan.resume_at:
-            self._held[rows.slot] = [tuple(a.copy() for a in rows.read(i)) for i in range(rows.layers)]
-
-    def keep(self, slot, layout, kept_positions, fed, token_ids, slots):
-        prompt = self._held.pop(slot, None)
-        if prompt is None:
-            return super().keep(slot, layout, kept_positions, fed, token_ids, slots)
-        decoded = layout.fed_rows(fed)
-        if len(decoded) != fed:
-            decoded, token_ids = [], token_ids[:layout.prompt_len]
-        rows = np.array([r for r, _ in decoded], np.int64)
-        keys, values = [], []
-        for i, (k, v) in enumerate(prompt):
-            new = slots.read_slot(slot, i, rows) if len(rows) else None
-            keys.append(k if new is None else np.concatenate([k, new[0]], axis=1))
-            values.append(v if new is None else np.concatenate([v, new[1]], axis=1))
+    def selected(self, rows: PromptRows) -> KeptCache | None:
+        if rows.plan is not None and rows.plan.rows != rows.plan.resume_at:
+            return None
+        layers = [rows.read(i) for i in range(rows.layers)]
+        keys, values = tuple(k.copy() for k, _ in layers), tuple(v.copy() for _, v in layers)
         hkv, n = keys[0].shape[:2]
         positions = tuple(np.broadcast_to(np.arange(n, dtype=np.int64), (hkv, n)).copy() for _ in keys)
-        return KeptCache(np.array(token_ids, np.int64), tuple(keys), tuple(values), positions, 0)
+        return KeptCache(np.array(rows.token_ids, np.int64), keys, values, positions, 0)
+
+    def keep(self, slot, layout, kept_positions, fed, token_ids, slots):
+        return None
 
 
 class QuantizedKeeper(Keeper):

@@ -28,6 +28,7 @@ import triton_python_backend_utils as pb_utils  # noqa: E402  (after the site-pa
 
 class TritonPythonModel:
     def initialize(self, args):
+        from snapcompile.config import DEFAULT_SESSION_KEEP
         from snapcompile.tritonserver.worker import TritonWorker
         config = json.loads(args["model_config"])
         params = {key: value["string_value"] for key, value in config.get("parameters", {}).items()}
@@ -37,7 +38,8 @@ class TritonPythonModel:
         cache = params.get("session_cache_bytes", "auto")
         self.worker = TritonWorker(pb_utils, folder, params["fingerprint"], slots, params.get("backend", "ort"),
                                    threads, None if cache == "auto" else int(cache),
-                                   params.get("session_keep", "compressed"), params.get("session_scope", "private"))
+                                   params.get("session_keep", DEFAULT_SESSION_KEEP),
+                                   params.get("session_scope", "private"))
 
     def execute(self, requests):
         for request in requests:

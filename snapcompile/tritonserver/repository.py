@@ -18,6 +18,7 @@ from snapcompile.artifact.files import check_files
 from snapcompile.artifact.footprint import memory_needed
 from snapcompile.artifact.manifest import MANIFEST, read_manifest
 from snapcompile.atomic import atomic_directory
+from snapcompile.config import DEFAULT_SESSION_KEEP
 from snapcompile.errors import SnapcompileError
 from snapcompile.memory import check_fits, gib
 from snapcompile.serve.scopes import SESSION_SCOPES
@@ -57,7 +58,7 @@ def config_pbtxt(name: str, instances: int, parameters: dict[str, str]) -> str:
 def write_repository(artifact: Path, output: Path, name: str, instances: int = 1, backend: str = "ort",
                      slots: int | None = None, link: bool = False, force: bool = False,
                      threads: int | None = None, session_cache_bytes: int | None = None,
-                     session_keep: str = "compressed", session_scope: str = "private") -> dict:
+                     session_keep: str = DEFAULT_SESSION_KEEP, session_scope: str = "private") -> dict:
     """Write the repository atomically; returns what was written (for the CLI and tests).
     session_cache_bytes: each instance's store of kept conversations (None: sized at load; 0: off);
     session_keep: what it keeps of a compressed sequence (Engine); session_scope: who shares kept

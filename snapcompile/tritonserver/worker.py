@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from snapcompile.config import DEFAULT_SESSION_KEEP
 from snapcompile.engine.request import Request, SamplingParams, logit_bias_pairs
 from snapcompile.errors import JsonTooDeep, PromptError, SnapcompileError, check_text, first_line, parse_json
 from snapcompile.prompts import max_prompt_chars
@@ -47,7 +48,7 @@ class _Pending:
 class TritonWorker:
     def __init__(self, pb_utils, artifact: Path, fingerprint: str, slots: int | None, backend: str = "ort",
                  threads: int | None = None, session_cache_bytes: int | None = None,
-                 session_keep: str = "compressed", session_scope: str = "private"):
+                 session_keep: str = DEFAULT_SESSION_KEEP, session_scope: str = "private"):
         """pb_utils: the Python backend's `triton_python_backend_utils` module. threads: ONNX Runtime
         intra-op threads of this instance (default: all cores; size K instances x threads to the cores).
         session_cache_bytes: this instance's store of kept conversations (None: sized at load; 0: off);

@@ -64,6 +64,10 @@ def test_resume_study_takes_dense_only_from_a_run_of_the_same_conversations(tmp_
     payload = json.loads((tmp_path / "s.json").read_text())
     assert {r["variant"] for r in payload["records"]} == {"dense", "summary-decode"}
     assert payload["summary"]["dense"] == json.loads(dense.read_text())["summary"]["dense"]
+    margins = subprocess.run([sys.executable, "studies/turn_margins.py", str(tmp_path / "s.json")],
+                             capture_output=True, text=True, timeout=300)
+    assert margins.returncode == 0, margins.stderr
+    assert "summary-decode  kept" in margins.stdout and "tune/numbers/L700/s0:" in margins.stderr
     other = subprocess.run([*common, "--samples", "2", "--variants", "summary", "--reference", str(dense)],
                            capture_output=True, text=True, timeout=300)
     assert other.returncode == 2 and "samples differ" in other.stderr and "Traceback" not in other.stderr
