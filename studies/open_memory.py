@@ -5,7 +5,8 @@ the artifact's own estimate (`inspect`'s memory to run).
 
 Prints one JSON line: rss_before_open (the process with its libraries imported), rss_open (every
 graph open), peak_rss (after a prompt of N random tokens, default 0: none, and 4 decode steps),
-estimate (footprint.memory_needed). To compare two code versions, run it from each checkout in
+after (RssAnon and RssFile once it ended), estimate and estimate_parts
+(footprint.memory_needed). To compare two code versions, run it from each checkout in
 turn, alternating (docs/results/memory.md).
 """
 from __future__ import annotations
@@ -26,6 +27,7 @@ def main() -> None:
     from snapcompile.bench.machine import peak_rss_bytes, rss_bytes
     from snapcompile.engine.engine import Engine
     from snapcompile.engine.request import Request
+    from snapcompile.memory import process_status_kib
     from snapcompile.runtime import open_backend
     before = rss_bytes()
     backend = open_backend(args.artifact)
@@ -36,8 +38,10 @@ def main() -> None:
         ids = np.random.default_rng(0).integers(100, m.spec.vocab_size - 100, args.prompt_tokens)
         engine.generate([Request([int(t) for t in ids], max_new_tokens=4, ignore_eos=True)])
     peak = peak_rss_bytes()
-    print(json.dumps({"rss_before_open": before, "rss_open": opened, "peak_rss": peak,
-                      "estimate": sum(memory_needed(backend.manifest).values())}))
+    now = {field: process_status_kib(field) * 1024 for field in ("RssAnon", "RssFile")}
+    print(json.dumps({"rss_before_open": before, "rss_open": opened, "peak_rss": peak, "after": now,
+                      "estimate": sum(memory_needed(backend.manifest).values()),
+                      "estimate_parts": memory_needed(backend.manifest)}))
 
 
 if __name__ == "__main__":

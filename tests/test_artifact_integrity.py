@@ -90,13 +90,13 @@ def test_damaged_artifacts_are_one_error_line(artifact, damage, fragment):
 
 def test_artifact_too_large_for_this_machine_is_refused_before_allocating(tmp_path, monkeypatch):
     out, args = tmp_path / "huge", ("--slots", 10_000_000, "--max-context", 256, "--chunk", 64)
-    assert_one_line_error(invoke("export", "tiny-llama", "-o", out, *args), "needs about 1220.7 GiB")
+    assert_one_line_error(invoke("export", "tiny-llama", "-o", out, *args), "needs about 1220.8 GiB")
     assert not out.exists()
     with monkeypatch.context() as patched:        # written where memory seems plenty, run here
         patched.setattr("snapcompile.memory.available_host_memory", lambda: 2**50)
         assert invoke("export", "tiny-llama", "-o", out, *args).exit_code == 0
     result = invoke("run", out, "--prompt", "hi")
-    assert_one_line_error(result, "needs about 1220.7 GiB")
+    assert_one_line_error(result, "needs about 1220.8 GiB")
     assert "10000000 slots x 256 rows" in result.output and "available here" in result.output
 
 

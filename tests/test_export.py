@@ -1,7 +1,9 @@
 import json
+import time
 
 import numpy as np
 import onnx
+import onnx.external_data_helper
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -240,23 +242,25 @@ def _bigger_hf_folder(tmp_path, hidden: int, intermediate: int, layers: int = 2,
     return folder, 4 * sum(t.numel() for t in tensors.values())
 
 
-def test_opening_many_graphs_costs_one_copy_of_the_weights(tmp_path):
-    """An int4 artifact with 29 graphs (decode slot buckets, prefill and select buckets, tail): all
-    its sessions share one pre-packed copy of the weights, so opening it costs about the weights
-    twice (weights.bin's view and the packed copy) plus a few MiB a session, not a copy a graph
-    (before: 0.56 GiB growth for 18 MiB of weights, ~19 MiB a graph)."""
+@pytest.mark.parametrize("weights, copies", [("int4", 2), ("fp16", 3)])
+def test_opening_many_graphs_costs_one_copy_of_the_weights(tmp_path, weights, copies):
+    """An artifact with 29 graphs (decode slot buckets, prefill and select buckets, tail): all its
+    sessions share one pre-packed copy of the weights, so opening it costs about the weights
+    twice (weights.bin's view and the packed copy; fp16: the packed copy is float32, twice the
+    file) plus a few MiB a session, not a copy a graph (before: int4 0.56 GiB growth for 18 MiB of
+    weights, ~19 MiB a graph; fp16 folded a float32 copy into every session, ~2x the file each)."""
     import subprocess
     import sys
     folder, _ = _bigger_hf_folder(tmp_path, 1024, 4096)
-    out = tmp_path / "int4"
-    _convert_peak_rss(folder, out, "--weights", "int4", "--slots", "8", "--max-context", "4096")
+    out = tmp_path / weights
+    _convert_peak_rss(folder, out, "--weights", weights, "--slots", "8", "--max-context", "4096")
     done = subprocess.run([sys.executable, "-c", OPEN_RSS_SCRIPT, str(out)], capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     growth, graphs = map(int, done.stdout.split("GROWTH")[-1].split())
     weight_bytes = (out / "weights.bin").stat().st_size
     assert graphs >= 25
-    assert growth < 2 * weight_bytes + graphs * 6 * 2**20, (growth, weight_bytes, graphs)
+    assert growth < copies * weight_bytes + graphs * 6 * 2**20, (growth, weight_bytes, graphs)
 
 
 @pytest.mark.parametrize("filled", [0, 5, 40])
@@ -301,3 +305,25 @@ def test_converted_weights_stay_in_memory_when_the_spill_folder_cannot_be_writte
     assert isinstance(spilled, np.memmap) and not isinstance(kept, np.memmap)
     np.testing.assert_array_equal(spilled, values)
     np.testing.assert_array_equal(kept, values)
+
+
+def test_weight_pages_read_while_a_session_is_made_leave_memory_during_it(tmp_path):
+    """A session pre-packs every weight it is given, reading all of them: the pages it has read are
+    dropped while it is still being made, not only after (the 8B shape's opening peak)."""
+    from snapcompile.memory import process_status_kib
+    from snapcompile.runtime.ort_form import WeightArrays
+    size = 96 * 2**20
+    (tmp_path / "weights.bin").write_bytes(np.random.default_rng(0).integers(0, 255, size, np.uint8).tobytes())
+    weights = WeightArrays(tmp_path)
+    tensor = onnx.TensorProto(name="w", data_type=onnx.TensorProto.UINT8, dims=[size], raw_data=b"")
+    onnx.external_data_helper.set_external_data(tensor, "weights.bin", 0, size)
+    tensor.data_location = onnx.TensorProto.EXTERNAL
+    blob = weights.raw(tensor)
+    before = process_status_kib("RssFile")
+    with weights.pages_released_while(interval_s=0.01):
+        total = int(blob.sum(dtype=np.uint64))          # every page read, as a pre-pack reads them
+        time.sleep(0.1)
+        during = process_status_kib("RssFile")
+    assert total == int(np.fromfile(tmp_path / "weights.bin", np.uint8).sum(dtype=np.uint64))
+    assert during - before < size // 1024 // 4, (before, during)
+    assert process_status_kib("RssFile") - before < size // 1024 // 4

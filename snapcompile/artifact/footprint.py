@@ -1,32 +1,90 @@
-"""What an artifact costs in memory to run, from its manifest alone (before anything is allocated)."""
+"""What an artifact costs in memory to run, from its manifest alone (before anything is allocated).
+
+The figure is the resident memory (RSS) of a process running the artifact on ONNX Runtime's CPU
+provider at its worst: every slot full, a prompt of max_context tokens. Its parts, in bytes:
+
+- slot_caches, prefill_caches: the backend's float32 cache arrays (runtime/backend.py, prefill.py);
+- packed_weights: the linear layers and the LM head in the layout ONNX Runtime's kernels pre-pack
+  them to, once per process whatever the number of graphs (runtime/ort_capi.py). Measured on
+  MatMulNBits at accuracy level 4 (`studies/open_memory.py`, docs/results/memory.md): bits/8 bytes
+  a weight plus 12 bytes a block (the block's scale, its sum for the int8 path and the int8
+  scale); a float32 MatMul packs a copy of the same size, float16 weights too (they are multiplied
+  in float32, one copy per process: runtime/ort_form.py);
+- resident_weights: pages of weights.bin a running process keeps (weights.bin and the converted
+  weights are released as each session is made): the embedding rows a prompt touches;
+- sessions: each weight-bearing graph's session (kernels, execution plan), per layer;
+- work_space: the shared arena at its high-water mark, set by the largest prefill bucket's
+  attention (the joined key / value rows and the scores of a chunk, about twice over);
+- runtime: the interpreter and the libraries a `run` process has loaded before opening anything.
+"""
 from __future__ import annotations
 
 from snapcompile.artifact.manifest import Manifest
 from snapcompile.memory import check_fits, gib
 
-
-def memory_needed(manifest: Manifest, weight_bytes: int | None = None) -> dict[str, int]:
-    """Bytes the backend allocates for an artifact, by purpose (an estimate that leaves out the
-    runtime's own work space): the slot caches, the one-prompt prefill caches, the weights
-    (weight_bytes, or the artifact's weights.bin) and one pre-packed copy of them, which every
-    ONNX Runtime session of the process shares whatever the number of graphs (runtime/ort_capi.py;
-    weights.bin's own pages are released as each session is made)."""
-    m, per_token = manifest, manifest.spec.kv_bytes_per_token
-    prefill_rows = m.export.max_context if m.policy.compressed else 0
-    prefill_rows += max(m.export.prefill_buckets(), default=0)
-    weights = m.files.get("weights.bin", {}).get("bytes", 0) if weight_bytes is None else weight_bytes
-    return {"slot_caches": m.export.slots * m.rows_per_slot * per_token,
-            "prefill_caches": prefill_rows * per_token, "weights": weights,
-            "packed_weights": weights}
+RUNTIME_BYTES = 96 * 2**20              # `snapcompile run` before the artifact opens (~75-90 MB measured)
+SESSION_BYTES_PER_LAYER = 2**19         # a weight-bearing session: ~13-16 MiB at 30-32 layers
+PACKED_BLOCK_BYTES = 12                 # MatMulNBits' pre-packed extra per block of weights
+PAGE = 4096
 
 
-def check_memory(manifest: Manifest, available: int | None = None, weight_bytes: int | None = None) -> None:
+def memory_needed(manifest: Manifest) -> dict[str, int]:
+    """Bytes of RSS a process running the artifact reaches at most, by purpose (module docstring).
+    `convert`'s check uses the same figure from the manifest it is about to write."""
+    m, spec, export = manifest, manifest.spec, manifest.export
+    per_token = spec.kv_bytes_per_token
+    buckets = export.prefill_buckets()
+    prefill_rows = (export.max_context if m.policy.compressed else 0) + max(buckets, default=0)
+    graphs = len(buckets) + 1 + len(export.decode_sizes()) + (1 if export.tail else 0)
+    graphs += (len(buckets) + 1) / 5 if m.policy.compressed else 0    # select graphs: no weights, ~1/5 a session
+    return {"slot_caches": export.slots * m.rows_per_slot * per_token,
+            "prefill_caches": prefill_rows * per_token,
+            "packed_weights": _packed_weight_bytes(m),
+            "resident_weights": _resident_weight_bytes(m),
+            "sessions": int(graphs * spec.num_layers * SESSION_BYTES_PER_LAYER),
+            "work_space": _work_space_bytes(m),
+            "runtime": RUNTIME_BYTES}
+
+
+def _linear_and_head_weights(manifest: Manifest) -> tuple[int, int]:
+    """Weights (elements) of every layer's linear maps, and of the LM head."""
+    spec = manifest.spec
+    h, q, kv = spec.hidden_size, spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    return spec.num_layers * (2 * h * q + 2 * h * kv + 3 * h * spec.intermediate_size), spec.vocab_size * h
+
+
+def _packed_weight_bytes(manifest: Manifest) -> int:
+    from snapcompile.export.quantize import HEAD_BITS, QUANT_BITS  # numpy and onnx only
+    export = manifest.export
+    linear, head = _linear_and_head_weights(manifest)
+    if not export.quantized:            # float16 weights are multiplied as float32 (runtime/ort_form.py)
+        return 4 * (linear + head)
+    per_block = PACKED_BLOCK_BYTES / export.block_size
+    return int(linear * (QUANT_BITS[export.weight_format] / 8 + per_block) + head * (HEAD_BITS / 8 + per_block))
+
+
+def _resident_weight_bytes(manifest: Manifest) -> int:
+    spec, export = manifest.spec, manifest.export
+    embedding_row = spec.hidden_size * (4 if export.weight_format == "fp32" else 2)
+    return min(spec.vocab_size * embedding_row, export.max_context * -(-embedding_row // PAGE) * PAGE)
+
+
+def _work_space_bytes(manifest: Manifest) -> int:
+    spec, export = manifest.spec, manifest.export
+    rows = max(export.prefill_buckets(), default=0) + export.chunk
+    joined = 2 * spec.num_kv_heads * rows * spec.head_dim
+    scores = 2 * spec.num_heads * export.chunk * rows
+    return 2 * 4 * (joined + scores)
+
+
+def check_memory(manifest: Manifest, available: int | None = None) -> None:
     """Refuse, before allocating anything, an artifact that needs more memory than is available
     (run and serve check the artifact they open; export checks the shapes it is asked for)."""
-    needed = memory_needed(manifest, weight_bytes)
+    needed = memory_needed(manifest)
     what = (f"the artifact ({gib(needed['slot_caches'])} of KV cache for {manifest.export.slots} slots x "
             f"{manifest.rows_per_slot} rows, {gib(needed['prefill_caches'])} of one prompt's prefill caches for "
-            f"{manifest.export.max_context} positions, {gib(needed['weights'] + needed['packed_weights'])} of "
-            "weights with their pre-packed copy)")
+            f"{manifest.export.max_context} positions, {gib(needed['packed_weights'] + needed['resident_weights'])} "
+            f"of weights as the runtime holds them, {gib(needed['sessions'] + needed['work_space'])} of sessions "
+            "and work space)")
     check_fits(sum(needed.values()), what, "convert with fewer --slots (or --no-slot-buckets) or a smaller "
                "--budget / --max-context", available)

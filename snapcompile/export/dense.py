@@ -14,7 +14,7 @@ from snapcompile.atomic import atomic_directory
 from snapcompile.config import ExportConfig, PolicyConfig
 from snapcompile.errors import SnapcompileError
 from snapcompile.export.llama_graph import DecodeWriter, PrefillWriter
-from snapcompile.export.weights import Quantizer, Weights, artifact_weight_bytes
+from snapcompile.export.weights import Quantizer, Weights
 from snapcompile.graphs.checks import check_graph
 from snapcompile.models.loader import LoadedModel
 
@@ -96,7 +96,7 @@ def export_model(loaded: LoadedModel, export: ExportConfig, out_dir: Path, force
     """
     policy = policy or PolicyConfig(policy="dense")
     policy.check_against(export)
-    check_memory(new_manifest(loaded, export, policy), weight_bytes=artifact_weight_bytes(loaded.spec, export))
+    check_memory(new_manifest(loaded, export, policy))
     with atomic_directory(Path(out_dir), force=force) as staging:
         with WeightsFile(staging / WEIGHTS) as store:
             graphs, weights_report = build_dense_graphs(loaded, export, store, progress, on_tensor)

@@ -25,6 +25,7 @@ from snapcompile.errors import SnapcompileError
 from snapcompile.nibbles import pack_nibbles, unpack_nibbles
 
 QUANT_BITS = {"int8": 8, "int4": 4}
+HEAD_BITS = 8   # the LM head stays 8-bit under int4, as llama.cpp's 4-bit files keep it
 ONNX_TYPE = {8: TensorProto.INT8, 4: TensorProto.INT4}
 
 

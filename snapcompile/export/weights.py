@@ -15,13 +15,12 @@ import torch
 from onnx import TensorProto, numpy_helper
 
 from snapcompile.config import ExportConfig
-from snapcompile.export.quantize import QUANT_BITS, BlockQuantized, QuantizedLayout, quantize
+from snapcompile.export.quantize import HEAD_BITS, QUANT_BITS, BlockQuantized, QuantizedLayout, quantize
 from snapcompile.models.spec import ModelSpec
 from snapcompile.models.tensors import TensorSource, rope_frequencies
 
 LINEARS = (("q", "self_attn.q_proj"), ("k", "self_attn.k_proj"), ("v", "self_attn.v_proj"),
            ("o", "self_attn.o_proj"), ("gate", "mlp.gate_proj"), ("up", "mlp.up_proj"), ("down", "mlp.down_proj"))
-HEAD_BITS = 8   # the LM head stays 8-bit under int4, as llama.cpp's 4-bit files keep it
 
 
 class Quantizer:
@@ -154,24 +153,6 @@ class Weights:
         """Bytes a decode step reads: all but the embedding table when the head is stored apart
         (a step gathers one row of it)."""
         return self.written_bytes - (self.embed_bytes if self.lm_head != self.embed else 0)
-
-
-def artifact_weight_bytes(spec: ModelSpec, export: ExportConfig) -> int:
-    """The bytes of weights.bin an export of `spec` in `export.weight_format` writes, from the sizes
-    alone (before anything is read): float32 or float16 linears, or quantized ones (values at `bits`,
-    a float32 scale per block, the head at HEAD_BITS) with a float16 embedding. GGUF blocks kept with
-    their offsets add 4 bytes per block, not counted."""
-    h, q, kv = spec.hidden_size, spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
-    linear = spec.num_layers * (2 * h * q + 2 * h * kv + 3 * h * spec.intermediate_size)
-    small = 4 * (h + spec.num_layers * (2 * h + ((q + 2 * kv) if spec.qkv_bias else 0)))
-    embed, head = spec.vocab_size * h, 0 if spec.tie_word_embeddings else spec.vocab_size * h
-    if export.weight_format in ("fp32", "fp16"):
-        size = 4 if export.weight_format == "fp32" else 2
-        return small + size * (embed + linear + head)
-    per_block = 4 / export.block_size
-    head = spec.vocab_size * h     # quantized apart even when tied
-    return int(small + 2 * embed + linear * (QUANT_BITS[export.weight_format] / 8 + per_block)
-               + head * (HEAD_BITS / 8 + per_block))
 
 
 def graph_weights(model, spec: ModelSpec) -> dict[str, np.ndarray]:

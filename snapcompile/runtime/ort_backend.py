@@ -95,9 +95,8 @@ class OrtDevice:
                             custom_ops=custom_ops, quantized_matmul=matmul)
         model, arrays = ort_form(self.models[name], self.weights, accuracy_level=1 if self.exact_matmul else 4)
         config = {"session.model_external_initializers_file_folder_path": str(self.folder)}
-        session = self.sessions.session(model.SerializeToString(), arrays, config, self.threads, name)
-        self.weights.drop_resident_pages()   # each session reads every weight it pre-packs: release them now
-        return session
+        with self.weights.pages_released_while():
+            return self.sessions.session(model.SerializeToString(), arrays, config, self.threads, name)
 
     def kernels(self, manifest: Manifest) -> str:
         """What multiplies the linear layers, for run summaries (MLAS picks its AVX2 / AVX-512 /

@@ -16,6 +16,8 @@ Y = A @ dequant(B).T. Our values are signed two's complement, so u = q + 2^(bits
 """
 from __future__ import annotations
 
+import threading
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -103,6 +105,16 @@ class WeightArrays:
         k, n = tensor.dims
         return values[:k * n].reshape(k, n)
 
+    def float32_weight(self, tensor: TensorProto) -> np.ndarray:
+        """A float16 initializer of weights.bin in float32 (its values exactly), file-backed like
+        the converted quantized weights."""
+        key = ("float32", tensor.name)
+        if key not in self._arrays:
+            self._arrays[key] = self._file_backed(self.float_array(tensor).astype(np.float32))
+            info = external_data_helper.ExternalDataInfo(tensor)
+            self._drop(self._blob, info.offset or 0, info.length)
+        return self._arrays[key]
+
     def transposed_scales(self, tensor: TensorProto) -> np.ndarray:
         """qscale [K/bs, N] -> MatMulNBits scales [N, K/bs] (float32)."""
         key = ("scales", tensor.name)
@@ -116,6 +128,28 @@ class WeightArrays:
         pre-packs)."""
         for mapped in ([self._blob] if self._blob is not None else []) + self._spilled:
             self._drop(mapped, 0, None)
+
+    @contextmanager
+    def pages_released_while(self, interval_s: float = 0.05):
+        """Drop the weight files' resident pages every `interval_s` seconds for the duration of the
+        block, and once at its end. A session pre-packs every weight it is given, and ONNX Runtime's
+        container recognises a weight only by its pre-packed bytes, so every session reads all of
+        them again: without this, each session's reading of the files (GBs at 8B) sits in RSS beside
+        the packed copy until the session is made. The pages are clean file pages: a page dropped
+        while it is being read is read again from the page cache."""
+        stop = threading.Event()
+
+        def release():
+            while not stop.wait(interval_s):
+                self.drop_resident_pages()
+        releaser = threading.Thread(target=release, name="weight-page-release", daemon=True)
+        releaser.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            releaser.join()
+            self.drop_resident_pages()
 
     @staticmethod
     def _drop(mapped: np.memmap, start: int, length: int | None) -> None:
@@ -154,6 +188,10 @@ def ort_form(model: onnx.ModelProto, weights: WeightArrays, accuracy_level: int)
     fused, nodes, replaced = set(), [], {}
     for node in graph.node:
         source = dequantized.get(node.input[1]) if node.op_type == "MatMul" and len(node.input) == 2 else None
+        half = initializers.get(node.input[1]) if node.op_type in ("MatMul", "Gemm") else None
+        if half is not None and half.data_type == TensorProto.FLOAT16 and half.data_location == TensorProto.EXTERNAL:
+            nodes.extend(_float32_product(node, half, weights, arrays, replaced))
+            continue
         if source is None or consumers[node.input[1]] != 1:
             nodes.append(node)
             continue
@@ -183,6 +221,30 @@ def ort_form(model: onnx.ModelProto, weights: WeightArrays, accuracy_level: int)
     if fused and not any(o.domain == "com.microsoft" for o in model.opset_import):
         model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
     return model, arrays
+
+
+def _float32_product(node: onnx.NodeProto, half: TensorProto, weights: WeightArrays, arrays: dict,
+                     replaced: dict) -> list[onnx.NodeProto]:
+    """A MatMul / Gemm of float16 activations by a float16 weight, as ONNX Runtime's CPU provider
+    computes it (it has no float16 kernel for them and inserts casts to float32), but with the
+    float32 weight made once per process and shared: left to the provider, each session folds the
+    cast into a float32 copy of its own (a copy of every weight per graph, ~0.6 GiB a session at
+    SmolLM2 in fp16). The product is float32, rounded to float16 after, as the graph defines it."""
+    b_name = f"{half.name}.float32"
+    arrays[b_name] = weights.float32_weight(half)
+    replaced[b_name] = half.name
+    activations, product = f"{node.name}.a32", f"{node.name}.y32"
+    inputs = [activations, b_name] + [f"{node.name}.c32" for _ in node.input[2:3]]
+    casts = [helper.make_node("Cast", [node.input[0]], [activations], name=f"{node.name}.cast_a", to=TensorProto.FLOAT)]
+    casts += [helper.make_node("Cast", [c], [f"{node.name}.c32"], name=f"{node.name}.cast_c", to=TensorProto.FLOAT)
+              for c in node.input[2:3]]
+    product_node = onnx.NodeProto()
+    product_node.CopyFrom(node)
+    del product_node.input[:], product_node.output[:]
+    product_node.input.extend(inputs)
+    product_node.output.append(product)
+    back = helper.make_node("Cast", [product], [node.output[0]], name=f"{node.name}.cast_y", to=TensorProto.FLOAT16)
+    return [*casts, product_node, back]
 
 
 _ONNX_TYPES = {np.dtype(np.uint8): TensorProto.UINT8, np.dtype(np.float32): TensorProto.FLOAT}
