@@ -117,6 +117,10 @@ class ExportConfig:
         return cls(**{"tail": 0, **d})
 
 
+QUANT_BITS = {"int8": 8, "int4": 4}   # bits a weight of each quantized --weights format
+HEAD_BITS = 8   # the LM head stays 8-bit under int4, as llama.cpp's 4-bit files keep it
+
+
 # What a session store keeps of a compressed sequence (Engine); the first is the default: `full` is the
 # exact one (a resumed turn is selected as if prefilled whole), the others trade answers for memory
 # (docs/serving.md, "Conversations").

@@ -20,6 +20,7 @@ provider at its worst: every slot full, a prompt of max_context tokens. Its part
 from __future__ import annotations
 
 from snapcompile.artifact.manifest import Manifest
+from snapcompile.config import HEAD_BITS, QUANT_BITS
 from snapcompile.memory import check_fits, gib
 
 RUNTIME_BYTES = 96 * 2**20              # `snapcompile run` before the artifact opens (~75-90 MB measured)
@@ -54,7 +55,6 @@ def _linear_and_head_weights(manifest: Manifest) -> tuple[int, int]:
 
 
 def _packed_weight_bytes(manifest: Manifest) -> int:
-    from snapcompile.export.quantize import HEAD_BITS, QUANT_BITS  # numpy and onnx only
     export = manifest.export
     linear, head = _linear_and_head_weights(manifest)
     if not export.quantized:            # float16 weights are multiplied as float32 (runtime/ort_form.py)

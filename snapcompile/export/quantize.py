@@ -21,11 +21,10 @@ from functools import partial
 import numpy as np
 from onnx import TensorProto, helper, numpy_helper
 
+from snapcompile.config import HEAD_BITS, QUANT_BITS  # noqa: F401  (re-exported for export's modules)
 from snapcompile.errors import SnapcompileError
 from snapcompile.nibbles import pack_nibbles, unpack_nibbles
 
-QUANT_BITS = {"int8": 8, "int4": 4}
-HEAD_BITS = 8   # the LM head stays 8-bit under int4, as llama.cpp's 4-bit files keep it
 ONNX_TYPE = {8: TensorProto.INT8, 4: TensorProto.INT4}
 
 
