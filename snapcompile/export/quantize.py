@@ -21,7 +21,6 @@ from functools import partial
 import numpy as np
 from onnx import TensorProto, helper, numpy_helper
 
-from snapcompile.config import HEAD_BITS, QUANT_BITS  # noqa: F401  (re-exported for export's modules)
 from snapcompile.errors import SnapcompileError
 from snapcompile.nibbles import pack_nibbles, unpack_nibbles
 

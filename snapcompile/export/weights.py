@@ -14,8 +14,8 @@ import numpy as np
 import torch
 from onnx import TensorProto, numpy_helper
 
-from snapcompile.config import ExportConfig
-from snapcompile.export.quantize import HEAD_BITS, QUANT_BITS, BlockQuantized, QuantizedLayout, quantize
+from snapcompile.config import HEAD_BITS, QUANT_BITS, ExportConfig
+from snapcompile.export.quantize import BlockQuantized, QuantizedLayout, quantize
 from snapcompile.models.spec import ModelSpec
 from snapcompile.models.tensors import TensorSource, rope_frequencies
 

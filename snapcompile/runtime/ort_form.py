@@ -66,11 +66,15 @@ class WeightArrays:
 
     def nbits_weight(self, tensor: TensorProto, block_size: int) -> np.ndarray:
         """qweight INT4/INT8 [K, N] -> MatMulNBits B uint8 [N, K/bs, bs*bits/8]."""
-        key = ("nbits", tensor.name, block_size)
+        return self._converted(("nbits", tensor.name, block_size), tensor, lambda: nbits_layout(
+            self._signed_values(tensor), _QUANT_TYPES[tensor.data_type], block_size))
+
+    def _converted(self, key: tuple, tensor: TensorProto, convert) -> np.ndarray:
+        """convert()'s array for `tensor`, made once and file-backed; the source's pages of
+        weights.bin, read once, may then go."""
         if key not in self._arrays:
-            converted = nbits_layout(self._signed_values(tensor), _QUANT_TYPES[tensor.data_type], block_size)
-            self._arrays[key] = self._file_backed(converted)
-            if tensor.data_location == TensorProto.EXTERNAL:    # read once: its source pages may go
+            self._arrays[key] = self._file_backed(convert())
+            if tensor.data_location == TensorProto.EXTERNAL:
                 info = external_data_helper.ExternalDataInfo(tensor)
                 self._drop(self._blob, info.offset or 0, info.length)
         return self._arrays[key]
@@ -108,12 +112,7 @@ class WeightArrays:
     def float32_weight(self, tensor: TensorProto) -> np.ndarray:
         """A float16 initializer of weights.bin in float32 (its values exactly), file-backed like
         the converted quantized weights."""
-        key = ("float32", tensor.name)
-        if key not in self._arrays:
-            self._arrays[key] = self._file_backed(self.float_array(tensor).astype(np.float32))
-            info = external_data_helper.ExternalDataInfo(tensor)
-            self._drop(self._blob, info.offset or 0, info.length)
-        return self._arrays[key]
+        return self._converted(("float32", tensor.name), tensor, lambda: self.float_array(tensor).astype(np.float32))
 
     def transposed_scales(self, tensor: TensorProto) -> np.ndarray:
         """qscale [K/bs, N] -> MatMulNBits scales [N, K/bs] (float32)."""
@@ -251,10 +250,10 @@ _ONNX_TYPES = {np.dtype(np.uint8): TensorProto.UINT8, np.dtype(np.float32): Tens
 
 
 def _standing_in(name: str, array: np.ndarray, source: TensorProto) -> TensorProto:
-    """The declaration of a shared initializer made here (`array`, of the same byte size as the
-    weights.bin tensor `source` it was converted from). Its external data names `source`'s bytes
-    because a model may not point at memory; the session never reads them, every session being
-    given `array` itself (AddInitializer)."""
+    """The declaration of a shared initializer made here (`array`, converted from the weights.bin
+    tensor `source`: the same byte size, or twice it for a float16 weight made float32). Its
+    external data names `source`'s bytes because a model may not point at memory; the session
+    never reads them, every session being given `array` itself (AddInitializer)."""
     if source.data_location != TensorProto.EXTERNAL:         # a small tensor the graph holds itself
         return numpy_helper.from_array(array, name)
     proto = TensorProto(name=name, data_type=_ONNX_TYPES[array.dtype], dims=list(array.shape))
