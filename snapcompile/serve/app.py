@@ -42,7 +42,7 @@ class ServerSettings:
     limits: ServerLimits = field(default_factory=ServerLimits)
     prefill_tokens_per_step: int | None = None   # prompt tokens between two decode steps (None: one chunk)
     session_cache_bytes: int | None = None       # kept conversations' caches (None: sized at load; 0: off)
-    session_keep: str = DEFAULT_SESSION_KEEP             # what the store keeps of a compressed sequence (Engine)
+    session_keep: str = DEFAULT_SESSION_KEEP     # what the store keeps of a compressed sequence (Engine)
     session_scope: str = "private"               # who shares kept caches without a key or salt (scope_of)
 
 
