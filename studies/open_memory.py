@@ -1,10 +1,13 @@
 """RSS of a process that opens an artifact on ONNX Runtime, then runs one prompt through it, beside
 the artifact's own estimate (`inspect`'s memory to run).
 
-    .venv/bin/python studies/open_memory.py ARTIFACT [--prompt-tokens N]
+    .venv/bin/python studies/open_memory.py ARTIFACT [--prompt-tokens N] [--requests R --short-tokens S]
+        [--decode-tokens D]
 
 Prints one JSON line: rss_before_open (the process with its libraries imported), rss_open (every
-graph open), peak_rss (after a prompt of N random tokens, default 0: none, and 4 decode steps),
+graph open), peak_rss (after a prompt of N random tokens, default 0: none, and R - 1 prompts of S
+tokens beside it, each decoding D tokens: with R = slots and D past the ring's rows every slot's
+cache is written, the worst case the estimate is for),
 after (RssAnon and RssFile once it ended), estimate and estimate_parts
 (footprint.memory_needed). To compare two code versions, run it from each checkout in
 turn, alternating (docs/results/memory.md).
@@ -21,6 +24,9 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("artifact")
     parser.add_argument("--prompt-tokens", type=int, default=0)
+    parser.add_argument("--requests", type=int, default=1)
+    parser.add_argument("--short-tokens", type=int, default=1024)
+    parser.add_argument("--decode-tokens", type=int, default=4)
     args = parser.parse_args()
     from snapcompile.artifact.files import artifact_tokenizer
     from snapcompile.artifact.footprint import memory_needed
@@ -35,8 +41,10 @@ def main() -> None:
     if args.prompt_tokens:
         m = backend.manifest
         engine = Engine(backend, artifact_tokenizer(backend.folder, m), m.eos_token_ids, session_cache_bytes=0)
-        ids = np.random.default_rng(0).integers(100, m.spec.vocab_size - 100, args.prompt_tokens)
-        engine.generate([Request([int(t) for t in ids], max_new_tokens=4, ignore_eos=True)])
+        rng = np.random.default_rng(0)
+        lengths = [args.prompt_tokens] + [args.short_tokens] * (args.requests - 1)
+        engine.generate([Request([int(t) for t in rng.integers(100, m.spec.vocab_size - 100, length)],
+                                 max_new_tokens=args.decode_tokens, ignore_eos=True) for length in lengths])
     peak = peak_rss_bytes()
     now = {field: process_status_kib(field) * 1024 for field in ("RssAnon", "RssFile")}
     print(json.dumps({"rss_before_open": before, "rss_open": opened, "peak_rss": peak, "after": now,

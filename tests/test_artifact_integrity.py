@@ -100,6 +100,13 @@ def test_artifact_too_large_for_this_machine_is_refused_before_allocating(tmp_pa
     assert "10000000 slots x 256 rows" in result.output and "available here" in result.output
 
 
+def test_a_convert_refused_for_memory_draws_no_progress_bar(tmp_path):
+    result = invoke("convert", "tiny-llama", "-o", tmp_path / "huge", "--slots", 10_000_000, "--max-context", 256,
+                    "--chunk", 64, "--budget", 128)
+    assert_one_line_error(result, "needs about")
+    assert [line for line in result.output.splitlines() if line.strip()] == [result.output.strip()]
+
+
 @pytest.mark.parametrize("text, fragment", [("[" * 100000 + "]" * 100000, "nests too deeply"),
                                             ('{"format_version": ' + "9" * 5000 + "}", "is not valid JSON")])
 def test_a_hostile_manifest_is_one_error_line(artifact, text, fragment):

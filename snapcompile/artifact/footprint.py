@@ -3,7 +3,8 @@
 The figure is the resident memory (RSS) of a process running the artifact on ONNX Runtime's CPU
 provider at its worst: every slot full, a prompt of max_context tokens. Its parts, in bytes:
 
-- slot_caches, prefill_caches: the backend's float32 cache arrays (runtime/backend.py, prefill.py);
+- slot_caches, prefill_caches: the backend's float32 cache arrays (runtime/backend.py, prefill.py,
+  prompt_cache.py);
 - packed_weights: the linear layers and the LM head in the layout ONNX Runtime's kernels pre-pack
   them to, once per process whatever the number of graphs (runtime/ort_capi.py). Measured on
   MatMulNBits at accuracy level 4 (`studies/open_memory.py`, docs/results/memory.md): bits/8 bytes
@@ -35,7 +36,9 @@ def memory_needed(manifest: Manifest) -> dict[str, int]:
     m, spec, export = manifest, manifest.spec, manifest.export
     per_token = spec.kv_bytes_per_token
     buckets = export.prefill_buckets()
-    prefill_rows = (export.max_context if m.policy.compressed else 0) + max(buckets, default=0)
+    # a compressed prompt's rows, once for every graph (runtime/prompt_cache.py); a dense prompt is
+    # prefilled into its slot, and a bucket graph reads a copy of the slot's first rows
+    prefill_rows = export.max_context if m.policy.compressed else max(buckets, default=0)
     graphs = len(buckets) + 1 + len(export.decode_sizes()) + (1 if export.tail else 0)
     graphs += (len(buckets) + 1) / 5 if m.policy.compressed else 0    # select graphs: no weights, ~1/5 a session
     return {"slot_caches": export.slots * m.rows_per_slot * per_token,

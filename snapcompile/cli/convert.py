@@ -3,7 +3,7 @@ default is the configuration dataclass's own (snapcompile.config)."""
 from __future__ import annotations
 
 import sys
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import click
@@ -137,19 +137,28 @@ def compress(dense_dir, output, force, lowering, **policy_args):
 def export_progress(export: ExportConfig):
     """Progress bars on stderr over the model's tensors (read, converted and written one at a time) and
     then the dense graphs an export builds (the passes and the save follow); yields the two callbacks
-    `compile_artifact` takes."""
+    `compile_artifact` takes. Each bar is drawn at its first update, so a refusal before the work
+    (memory, bad arguments) prints its error alone."""
     from tqdm import tqdm
 
     from snapcompile.artifact.naming import expected_graphs
     total = len(expected_graphs(export, PolicyConfig(policy="dense")))
-    with tqdm(desc="writing weights", unit="tensor", file=sys.stderr, leave=False) as tensors, \
-            tqdm(total=total, desc="building graphs", unit="graph", file=sys.stderr, leave=False) as graphs:
+    with ExitStack() as stack:
+        bars = {}
+
+        def bar(desc: str, unit: str, total: int | None = None):
+            if desc not in bars:
+                bars[desc] = stack.enter_context(tqdm(total=total, desc=desc, unit=unit, file=sys.stderr,
+                                                      leave=False))
+            return bars[desc]
+
         def on_tensor(name: str, done: int, count: int) -> None:
-            tensors.total = count
+            tensors = bar("writing weights", "tensor", count)
             tensors.set_postfix_str(name, refresh=False)
             tensors.update(done - tensors.n)
 
         def progress(name: str) -> None:
+            graphs = bar("building graphs", "graph", total)
             graphs.set_postfix_str(name, refresh=False)
             graphs.update(1)
         yield progress, on_tensor

@@ -93,7 +93,9 @@ class OrtDevice:
             matmul = None if not quantized else "fp32" if self.exact_matmul else "int8"
             return OrtGraph(self.folder / manifest.graphs[name]["file"], self.providers, self.threads,
                             custom_ops=custom_ops, quantized_matmul=matmul)
-        model, arrays = ort_form(self.models[name], self.weights, accuracy_level=1 if self.exact_matmul else 4)
+        # the checked graph is dropped once its session is made (~1.5 MB a graph as Python objects)
+        source = self.models.pop(name, None) or load_graph(self.folder, manifest, name)
+        model, arrays = ort_form(source, self.weights, accuracy_level=1 if self.exact_matmul else 4)
         config = {"session.model_external_initializers_file_folder_path": str(self.folder)}
         with self.weights.pages_released_while():
             return self.sessions.session(model.SerializeToString(), arrays, config, self.threads, name)

@@ -3,8 +3,10 @@ compressed prompt's rows selected into its slot.
 
 Each chunk runs on the smallest bucket graph that holds the rows filled before it (or the full
 graph), so no chunk pays attention over more rows than it needs. A dense prompt is prefilled
-straight into its slot; a compressed one into a scratch cache of max_context rows, from which the
-select graph (or the StreamingLLM rule) moves the kept rows into the slot once per request.
+straight into its slot (a bucket graph reads a copy of the slot's first rows); a compressed one into
+a PromptCache of max_context rows whose buffers every prefill and select graph reads in its own
+layout (runtime/prompt_cache.py), from which the select graph (or the StreamingLLM rule) moves the
+kept rows into the slot once per request.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from snapcompile.artifact.naming import TAIL_GRAPH, bucket_rows
 from snapcompile.errors import SnapcompileError
 from snapcompile.layout import SlotLayout
 from snapcompile.runtime.device import Device, Graph, PrefillResult, chunk_spans
+from snapcompile.runtime.prompt_cache import PromptCache
 from snapcompile.sessions.keepers import PromptRows, ResumeRows
 from snapcompile.sessions.kept import ResumePlan, positions_of_rows
 
@@ -52,9 +55,14 @@ class PrefillRunner:
         self.p_logits = zeros((1, m.spec.vocab_size), "float32")
         self.p_new_k = [self._kv(1, self.chunk) for _ in self._layers]
         self.p_new_v = [self._kv(1, self.chunk) for _ in self._layers]
+        self.prompt: PromptCache | None = None
         if m.policy.compressed:    # the full prompt lives here until it is compressed into a slot
-            self.scratch_k = [self._kv(1, m.export.max_context) for _ in self._layers]
-            self.scratch_v = [self._kv(1, m.export.max_context) for _ in self._layers]
+            self.prompt = PromptCache(self.device, self.num_layers, m.spec.num_kv_heads, m.spec.head_dim,
+                                      m.export.max_context)
+            self.scratch_k, self.scratch_v = self.prompt.view(m.export.max_context)
+            for i in self._layers:     # the full graph reads the prompt's rows laid out as max_context rows
+                self.prefill_graph.bind(f"past_key.{i}", self.scratch_k[i])
+                self.prefill_graph.bind(f"past_value.{i}", self.scratch_v[i])
         for g in self._all_prefill_graphs():
             for name, array in (("input_ids", self.p_ids), ("start", self.p_start), ("position", self.p_pos),
                                 ("chunk_len", self.p_len)):
@@ -86,19 +94,17 @@ class PrefillRunner:
         return [self.prefill_graph, *self.bucket_graphs.values()]
 
     def _init_buckets(self) -> None:
-        """One K and one V buffer per layer, as large as the largest bucket; each bucket graph
-        sees its prefix as [1, Hkv, rows, D] (one prefill runs at a time)."""
+        """Each bucket graph sees its past rows as [1, Hkv, rows, D]: views of the PromptCache for
+        a compressed policy, else of a cache as large as the largest bucket that holds a copy of
+        the slot's first rows (one prefill runs at a time)."""
         self.bucket_k, self.bucket_v = {}, {}
         if not self.bucket_graphs:
             return
-        hkv, d = self.manifest.spec.num_kv_heads, self.manifest.spec.head_dim
-        size = hkv * max(self.bucket_graphs) * d
-        flat_k = [self.device.zeros((size,), "float32") for _ in self._layers]
-        flat_v = [self.device.zeros((size,), "float32") for _ in self._layers]
+        spec = self.manifest.spec
+        views = self.prompt or PromptCache(self.device, self.num_layers, spec.num_kv_heads, spec.head_dim,
+                                           max(self.bucket_graphs))
         for rows, g in self.bucket_graphs.items():
-            shape = (1, hkv, rows, d)
-            self.bucket_k[rows] = [flat[: hkv * rows * d].reshape(shape) for flat in flat_k]
-            self.bucket_v[rows] = [flat[: hkv * rows * d].reshape(shape) for flat in flat_v]
+            self.bucket_k[rows], self.bucket_v[rows] = views.view(rows)
             for i in self._layers:
                 g.bind(f"past_key.{i}", self.bucket_k[rows][i])
                 g.bind(f"past_value.{i}", self.bucket_v[rows][i])
@@ -172,14 +178,17 @@ class PrefillRunner:
         """Prefill `token_ids` for `slot` (resumed from `plan` with the keeper's `extra` rows, or whole):
         a generator that yields each chunk's token count and returns the PrefillResult.
 
-        Every chunk's K/V goes to the targets (the slot, or the scratch cache of a compressed
-        prompt); a bucket's own cache is a copy of their first rows, filled when a chunk moves
-        to that bucket (the buckets share one buffer, so one holds this prompt at a time).
+        Every chunk's K/V goes to the targets: the slot (a bucket's own cache is a copy of its
+        first rows, filled when a chunk moves to that bucket; the buckets share one buffer, so one
+        holds this prompt at a time), or for a compressed prompt the PromptCache, laid out for the
+        graph each chunk runs on.
         A resumed prefill's `extra` rows sit right after the kept rows, seen by every new token, or
         (tail_only) after the earlier new tokens, seen only by the last T new tokens (export.tail,
         which hold the window), run on the tail graph. The rows after them move down over them
         before the selection."""
         targets = self._prefill_targets(slot)
+        if self.prompt is not None:
+            self.prompt.reset()
         if self._bias_set:               # a resumed prefill abandoned mid-way (its request cancelled)
             self._clear_cache_bias()
         base, first_position = (plan.rows, plan.resume_at) if plan else (0, 0)
@@ -190,12 +199,11 @@ class PrefillRunner:
         if plan:
             self._load_kept(targets, plan, extra, base + early)
         began = time.perf_counter()
-        synced = yield from self._run_chunks(targets, new, base, first_position, early, tail, extra_rows)
+        yield from self._run_chunks(targets, new, base, first_position, early, tail, extra_rows)
         chunks_done = time.perf_counter()
         if extra_rows:
             self._drop_extra_rows(targets, base + early, extra_rows, len(new) - early)
-            synced = None
-        result = self._select(slot, targets, token_ids, base + len(new), plan, synced)
+        result = self._select(slot, targets, token_ids, base + len(new), plan)
         self.last_seconds = {"chunks": chunks_done - began, "select": time.perf_counter() - chunks_done}
         return result
 
@@ -203,51 +211,66 @@ class PrefillRunner:
                     extra_rows: int):
         """Prefill the `new` tokens from cache row `base` (RoPE position `first_position`): those
         before `early` in chunks on the bucket graphs, the rest on the tail graph when `tail`, past
-        the `extra_rows` loaded after the earlier ones. Yields each chunk's token count; returns the
-        bucket whose cache holds every row filled (None: none does)."""
-        synced = None                    # the bucket whose cache holds the rows filled so far
+        the `extra_rows` loaded after the earlier ones. Yields each chunk's token count."""
+        synced = None                    # a dense prompt: the bucket whose cache holds the rows filled so far
         for offset, count in chunk_spans(len(new), early, self.chunk, tail or self.chunk):
             start = base + offset + (extra_rows if offset >= early else 0)
             tokens = new[offset:offset + count]
             if tail and offset >= early:
+                self.prompt.lay_out(self.manifest.export.max_context)   # the tail graph reads every row
                 self._run_chunk(self.tail_graph, self.t_ids, tokens, start, first_position + offset)
-                self._write_chunk(targets, start, count, (self.t_new_k, self.t_new_v))
+                self._write_new_rows(targets, start, count, (self.t_new_k, self.t_new_v))
                 yield count
                 continue
-            rows = self.chunk_rows(start)
-            if rows != synced:
-                synced = self._prepare_chunk_graph(rows, targets, start)
-            self._run_chunk(self.bucket_graphs.get(rows) or self.prefill_graph, self.p_ids, tokens, start,
-                            first_position + offset)
-            self._write_chunk(targets, start, count)
+            if self.prompt is not None:
+                graph = self._prompt_chunk_graph(start)
+            else:
+                rows = self.chunk_rows(start)
+                if rows != synced:
+                    synced = self._prepare_chunk_graph(rows, targets, start)
+                graph = self.bucket_graphs.get(rows) or self.prefill_graph
+            self._run_chunk(graph, self.p_ids, tokens, start, first_position + offset)
+            self._write_new_rows(targets, start, count)
             if synced is not None:
                 if start + count <= synced:
                     self._write_chunk(self._bucket_cache(synced), start, count)
                 else:
                     synced = None        # the bucket has no room for these rows
             yield count
-        return synced
 
-    def _select(self, slot: int, targets, token_ids: list[int], filled: int, plan: ResumePlan | None,
-                synced: int | None) -> PrefillResult:
+    def _prompt_chunk_graph(self, start: int) -> Graph:
+        """The graph a compressed prompt's chunk from row `start` runs on, the PromptCache laid out
+        for it: the smallest that holds the rows filled so far (and a resumed turn's extra rows
+        past `start`, which a smaller layout would drop)."""
+        rows = self.chunk_rows(max(start, self.prompt.live))
+        self.prompt.lay_out(rows)
+        return self.bucket_graphs.get(rows) or self.prefill_graph
+
+    def _write_new_rows(self, targets, start: int, count: int, outputs=None) -> None:
+        """A chunk's new K/V into rows [start, start + count) of the targets (`_write_chunk`),
+        the PromptCache first laid out for the smallest graph that holds them."""
+        if self.prompt is not None:
+            if start + count > self.prompt.rows:
+                self.prompt.lay_out(self.prefill_rows(start + count))
+            self.prompt.filled_to(start + count)
+        self._write_chunk(targets, start, count, outputs)
+
+    def _select(self, slot: int, targets, token_ids: list[int], filled: int, plan: ResumePlan | None
+                ) -> PrefillResult:
         """The prefill's result once its `filled` rows are in the targets: a compressed prompt's
-        rows selected into the slot (a bucket's select graph reads the bucket's own cache, copied
-        here unless it is the `synced` one)."""
+        rows selected into the slot."""
         policy = self.manifest.policy
         layout = SlotLayout.for_rows(len(token_ids), filled, self.rows_per_slot,
                                      policy.resolved_prompt_share if policy.compressed else None)
         logits = self.device.download(self.p_logits)[0].copy()
         if not policy.compressed:
             return PrefillResult(logits, layout, None)
-        rows = self.prefill_rows(filled)
-        if rows in self.select_buckets and rows != synced:
-            self._copy_rows(targets, self._bucket_cache(rows), filled)
-        kept_rows = self._compress_into_slot(slot, layout, filled, rows)
+        kept_rows = self._compress_into_slot(slot, layout, filled, self.prefill_rows(filled))
         spec, download = self.manifest.spec, self.device.download
+        keys, values = list(self.prompt.keys), list(self.prompt.values)     # the final layout's views
         prompt_rows = PromptRows(slot, plan, np.asarray(token_ids, np.int64), filled, kept_rows, spec.num_kv_heads,
                                  self.num_layers,
-                                 lambda i: (download(targets[0][i][0, :, :filled]),
-                                            download(targets[1][i][0, :, :filled])))
+                                 lambda i: (download(keys[i][0, :, :filled]), download(values[i][0, :, :filled])))
         kept = positions_of_rows(plan, len(token_ids), kept_rows, layout.kept) if plan else kept_rows
         return PrefillResult(logits, layout, kept, prompt_rows)
 
@@ -259,6 +282,8 @@ class PrefillRunner:
             keys, values = plan.kept.layer_rows(i, plan.rows)
             self.device.upload(targets[0][i][0, :, :plan.rows], keys)
             self.device.upload(targets[1][i][0, :, :plan.rows], values)
+        if self.prompt is not None:
+            self.prompt.filled_to(plan.rows)
         if extra is None:
             return
         for i in self._layers:
@@ -270,6 +295,8 @@ class PrefillRunner:
                 if bias is not None:
                     self._set_cache_bias(i, rows, bias)
                 first = rows.stop
+            if self.prompt is not None:
+                self.prompt.filled_to(first)
 
     def _set_cache_bias(self, layer: int, rows: slice, bias: np.ndarray) -> None:
         if not self.p_bias:
@@ -285,6 +312,8 @@ class PrefillRunner:
         for cache in (*targets[0], *targets[1]):
             moved = self.device.download(cache[0, :, first + count:first + count + new]).copy()
             self.device.upload(cache[0, :, first:first + new], moved)
+        if self.prompt is not None:
+            self.prompt.truncate(first + new)
         self._clear_cache_bias()
 
     def _clear_cache_bias(self) -> None:
@@ -294,7 +323,7 @@ class PrefillRunner:
         self._bias_set = False
 
     def _prepare_chunk_graph(self, rows: int, targets, filled: int) -> int | None:
-        """Make the prefill graph over `rows` cache rows see the `filled` rows of the targets:
+        """A dense prompt: make the prefill graph over `rows` cache rows see the `filled` rows of the slot:
         copy them into the bucket's cache (returns rows, the bucket now in sync), or bind the
         full graph to the targets themselves (returns None)."""
         if rows in self.bucket_graphs:
@@ -334,25 +363,26 @@ class PrefillRunner:
             values[i][:, :, start:start + count] = new_values[i][:, :, :count]
 
     def _prefill_targets(self, slot: int):
-        if self.manifest.policy.compressed:
-            return self.scratch_k, self.scratch_v
+        if self.prompt is not None:
+            return self.prompt.keys, self.prompt.values
         return [k[slot:slot + 1] for k in self.keys], [v[slot:slot + 1] for v in self.values]
 
     def _compress_into_slot(self, slot: int, layout: SlotLayout, filled: int, rows: int) -> list[np.ndarray] | None:
-        """Move the kept prompt rows from the `filled` rows of the scratch cache into the slot (once
-        per request); returns per layer [Hkv, kept] the scratch rows kept, ascending (None: rows
+        """Move the kept prompt rows from the `filled` rows of the PromptCache into the slot (once
+        per request); returns per layer [Hkv, kept] the prompt rows kept, ascending (None: rows
         [0, kept), all of them). rows: the cache rows the prompt was prefilled on; a select graph of
-        that bucket, where the artifact has one, selects from the bucket's cache instead of
-        scoring max_context rows."""
-        kept = layout.kept
+        that bucket, where the artifact has one, selects from the cache laid out as those rows
+        instead of scoring max_context rows."""
+        kept, prompt = layout.kept, self.prompt
         if kept == filled:
             for i in self._layers:
-                self.keys[i][slot, :, :kept] = self.scratch_k[i][0, :, :kept]
-                self.values[i][slot, :, :kept] = self.scratch_v[i][0, :, :kept]
+                self.keys[i][slot, :, :kept] = prompt.keys[i][0, :, :kept]
+                self.values[i][slot, :, :kept] = prompt.values[i][0, :, :kept]
             return None
         if self.select_graph is None:
             return self._streaming_into_slot(slot, filled, kept)
         self.device.upload(self.sel_len, np.array([filled], np.int64))
+        prompt.lay_out(rows if rows in self.select_buckets else self.manifest.export.max_context)
         self.select_buckets.get(rows, self.select_graph).run()
         for i in self._layers:
             self.keys[i][slot, :, :kept] = self.sel_k[i][0]
@@ -363,7 +393,7 @@ class PrefillRunner:
         positions = np.array(self.manifest.policy.streaming_positions(filled), np.int64)
         rows = self.device.indices(positions)
         for i in self._layers:
-            self.keys[i][slot, :, :kept] = self.scratch_k[i][0][:, rows]
-            self.values[i][slot, :, :kept] = self.scratch_v[i][0][:, rows]
+            self.keys[i][slot, :, :kept] = self.prompt.keys[i][0][:, rows]
+            self.values[i][slot, :, :kept] = self.prompt.values[i][0][:, rows]
         hkv = self.manifest.spec.num_kv_heads
         return [np.broadcast_to(positions, (hkv, kept)).copy() for _ in self._layers]
