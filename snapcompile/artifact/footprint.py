@@ -9,7 +9,8 @@ provider at its worst: every slot full, a prompt of max_context tokens. Its part
   them to, once per process whatever the number of graphs (runtime/ort_capi.py). Measured on
   MatMulNBits at accuracy level 4 (`studies/open_memory.py`, docs/results/memory.md): bits/8 bytes
   a weight plus 12 bytes a block (the block's scale, its sum for the int8 path and the int8
-  scale); a float32 MatMul packs a copy of the same size, float16 weights too (they are multiplied
+  scale) and 0.027 bytes a weight (measured, not explained); a float32 MatMul packs a copy of the
+  same size, float16 weights too (they are multiplied
   in float32, one copy per process: runtime/ort_form.py);
 - resident_weights: pages of weights.bin a running process keeps (weights.bin and the converted
   weights are released as each session is made): the embedding rows a prompt touches;
@@ -27,6 +28,8 @@ from snapcompile.memory import check_fits, gib
 RUNTIME_BYTES = 96 * 2**20              # `snapcompile run` before the artifact opens (~75-90 MB measured)
 SESSION_BYTES_PER_LAYER = 2**19         # a weight-bearing session: ~13-16 MiB at 30-32 layers
 PACKED_BLOCK_BYTES = 12                 # MatMulNBits' pre-packed extra per block of weights
+PACKED_WEIGHT_EXTRA = 0.027             # and per weight: the fit of int4 0.90 / 0.71 / 0.62 and 8-bit
+                                        # 1.40 / 1.21 / 1.12 bytes a weight at blocks of 32 / 64 / 128
 PAGE = 4096
 
 
@@ -62,7 +65,7 @@ def _packed_weight_bytes(manifest: Manifest) -> int:
     linear, head = _linear_and_head_weights(manifest)
     if not export.quantized:            # float16 weights are multiplied as float32 (runtime/ort_form.py)
         return 4 * (linear + head)
-    per_block = PACKED_BLOCK_BYTES / export.block_size
+    per_block = PACKED_BLOCK_BYTES / export.block_size + PACKED_WEIGHT_EXTRA
     return int(linear * (QUANT_BITS[export.weight_format] / 8 + per_block) + head * (HEAD_BITS / 8 + per_block))
 
 
