@@ -10,8 +10,8 @@ provider at its worst: every slot full, a prompt of max_context tokens. Its part
   MatMulNBits at accuracy level 4 (`studies/open_memory.py`, docs/results/memory.md): bits/8 bytes
   a weight plus 12 bytes a block (the block's scale, its sum for the int8 path and the int8
   scale) and 0.027 bytes a weight (measured, not explained); a float32 MatMul packs a copy of the
-  same size, float16 weights too (they are multiplied
-  in float32, one copy per process: runtime/ort_form.py);
+  same size, float16 weights too (they are multiplied in float32, one copy per process:
+  runtime/ort_form.py);
 - resident_weights: pages of weights.bin a running process keeps (weights.bin and the converted
   weights are released as each session is made): the embedding rows a prompt touches;
 - sessions: each weight-bearing graph's session (kernels, execution plan), per layer;
