@@ -5,7 +5,8 @@ h's rows start at h * R * D. The full graph (R = max_context) and each bucket gr
 see the same flat buffer through views of their own shape, and the rows already filled are moved
 into the layout of the graph about to run (`lay_out`). So a prompt's rows are held once, not once in
 a max_context scratch cache and again in the largest bucket's cache (at 8B x 4096 that copy was
-0.9 GiB).
+0.9 GiB). A dense artifact's bucket graphs read their copy of a slot's first rows through the views
+of one too (`view` only: the slot is the prompt's cache there).
 """
 from __future__ import annotations
 
