@@ -15,8 +15,10 @@ provider at its worst: every slot full, a prompt of max_context tokens. Its part
 - resident_weights: pages of weights.bin a running process keeps (weights.bin and the converted
   weights are released as each session is made): the embedding rows a prompt touches;
 - sessions: each weight-bearing graph's session (kernels, execution plan), per layer;
-- work_space: the shared arena at its high-water mark, set by the largest prefill bucket's
-  attention (the joined key / value rows and the scores of a chunk, about twice over);
+- work_space: the shared arena, set by the attention of a chunk over max_context rows (the full
+  prefill graph runs a long prompt's last chunks): the joined key / value rows and the scores, about
+  twice over, and twice that again because the arena grows in doubling steps (ONNX Runtime's
+  kNextPowerOfTwo); measured 1.7x the tensors at 1B x 32768 (docs/results/memory.md);
 - runtime: the interpreter and the libraries a `run` process has loaded before opening anything.
 """
 from __future__ import annotations
@@ -30,6 +32,7 @@ SESSION_BYTES_PER_LAYER = 2**19         # a weight-bearing session: ~13-16 MiB a
 PACKED_BLOCK_BYTES = 12                 # MatMulNBits' pre-packed extra per block of weights
 PACKED_WEIGHT_EXTRA = 0.027             # and per weight: the fit of int4 0.90 / 0.71 / 0.62 and 8-bit
                                         # 1.40 / 1.21 / 1.12 bytes a weight at blocks of 32 / 64 / 128
+ARENA_GROWTH = 2                        # the arena extends by doubling: it may hold twice its high-water mark
 PAGE = 4096
 
 
@@ -77,10 +80,10 @@ def _resident_weight_bytes(manifest: Manifest) -> int:
 
 def _work_space_bytes(manifest: Manifest) -> int:
     spec, export = manifest.spec, manifest.export
-    rows = max(export.prefill_buckets(), default=0) + export.chunk
+    rows = export.max_context + export.chunk
     joined = 2 * spec.num_kv_heads * rows * spec.head_dim
     scores = 2 * spec.num_heads * export.chunk * rows
-    return 2 * 4 * (joined + scores)
+    return ARENA_GROWTH * 2 * 4 * (joined + scores)
 
 
 def check_memory(manifest: Manifest, available: int | None = None) -> None:
