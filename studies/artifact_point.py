@@ -32,6 +32,7 @@ def main() -> None:
     from snapcompile.runtime import open_backend
     start = time.perf_counter()
     backend = open_backend(args.artifact)
+    backend.make_graphs()
     load_s = time.perf_counter() - start
     prefill = [ort_prefill_seconds(backend, args.context, seed=r)[0] for r in range(args.repeats * args.prefill)]
     decode = {}

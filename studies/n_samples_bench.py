@@ -30,6 +30,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     engine = Engine.from_artifact(args.artifact, session_cache_bytes=0)
+    engine.backend.make_graphs()
     prompt = engine.encode(passkey_prompt(4711, args.prompt_tokens), chat=False)[:args.prompt_tokens]
 
     def run(shared: bool) -> tuple[float, list[str]]:

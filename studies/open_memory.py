@@ -37,6 +37,7 @@ def main() -> None:
     from snapcompile.runtime import open_backend
     before = rss_bytes()
     backend = open_backend(args.artifact)
+    backend.make_graphs()
     opened = rss_bytes()
     if args.prompt_tokens:
         m = backend.manifest

@@ -289,3 +289,24 @@ def test_an_output_name_too_long_for_the_file_system_is_one_error_line(tiny_dens
                           "File name too long")
     assert_one_line_error(invoke("convert", "tiny-llama", "-o", long_name, "--budget", 64, "--window", 8,
                                  "--max-context", 256, "--chunk", 64), "File name too long")
+
+
+def test_a_stop_signal_during_a_deferred_block_arrives_at_its_end():
+    """What the commands' progress bars are made under: a Ctrl-C inside tqdm's constructor would
+    leave a half-made bar whose finalizer prints a traceback (seen once in the signal test above)."""
+    import os
+
+    from snapcompile.cli import _Stop, stop_signals_deferred
+    stop = _Stop()
+    previous = signal.signal(signal.SIGINT, stop.on_signal)
+    reached_end = False
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with stop_signals_deferred():
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(0.05)
+                reached_end = True
+    finally:
+        stop.cancel()
+        signal.signal(signal.SIGINT, previous)
+    assert reached_end

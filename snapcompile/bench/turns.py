@@ -119,7 +119,10 @@ def medians(runs: list[dict]) -> list[dict]:
 def open_engines(dense: Path, compressed: Path, modes: tuple[str, ...] = DEFAULT_MODES) -> dict:
     """One engine per mode (a store only for the resume modes)."""
     from snapcompile.engine.engine import Engine
-    return {mode: Engine.from_artifact(dense if mode.startswith("dense") else compressed,
-                                       session_cache_bytes=STORE_BYTES if "resume" in mode else 0,
-                                       session_keep=session_keep_of(mode))
-            for mode in modes}
+    engines = {mode: Engine.from_artifact(dense if mode.startswith("dense") else compressed,
+                                          session_cache_bytes=STORE_BYTES if "resume" in mode else 0,
+                                          session_keep=session_keep_of(mode))
+               for mode in modes}
+    for engine in engines.values():               # no timed turn pays for making a graph
+        engine.backend.make_graphs()
+    return engines

@@ -5,6 +5,7 @@ import os
 import signal
 import sys
 import threading
+from contextlib import contextmanager
 
 import click
 
@@ -54,6 +55,38 @@ class _Group(click.Group):
             ctx.exit(EXIT_USER_ERROR)
 
 
+_deferred = {"depth": 0, "signal": None}     # stop_signals_deferred's blocks open, the signal held
+
+
+@contextmanager
+def stop_signals_deferred():
+    """A stop signal (SIGTERM, SIGINT) that arrives during the block is acted on at its end, by the
+    handler then installed: for code that must not be interrupted halfway (a progress bar
+    interrupted inside its constructor is half made, and its finalizer prints a traceback). Python
+    runs signal handlers on the main thread, so only its blocks defer."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    _deferred["depth"] += 1
+    try:
+        yield
+    finally:
+        _deferred["depth"] -= 1
+        held = _deferred["signal"]
+        if not _deferred["depth"] and held is not None:
+            _deferred["signal"] = None
+            handler = signal.getsignal(held)
+            if callable(handler):
+                handler(held, None)
+
+
+def progress_bar(**options):
+    """A tqdm bar on stderr (tqdm's options), made with the stop signals deferred."""
+    from tqdm import tqdm
+    with stop_signals_deferred():
+        return tqdm(file=sys.stderr, **options)
+
+
 class _Stop:
     """The handler of SIGTERM and SIGINT: the first raises KeyboardInterrupt (the command unwinds)
     and arms a timer that exits after STOP_GRACE_S; a second exits at once."""
@@ -62,6 +95,9 @@ class _Stop:
         self._timer: threading.Timer | None = None
 
     def on_signal(self, signum, frame):
+        if _deferred["depth"]:
+            _deferred["signal"] = signum
+            return
         if self._timer is not None:
             _exit_now("interrupted again")
         self._timer = threading.Timer(STOP_GRACE_S, _exit_now, (f"still running {STOP_GRACE_S:g} s after the signal",))

@@ -62,13 +62,14 @@ def bench(model, contexts, slots, budget, new_tokens, repeats, prefill_repeats, 
     from snapcompile.bench import report
     from snapcompile.bench.runner import BenchConfig, run_bench
     from snapcompile.bench.store import PointStore, partial_path
+    from snapcompile.cli import progress_bar
     from snapcompile.models.loader import cache_root
     config = BenchConfig(model, contexts, slots, budget, new_tokens, repeats, eager=not no_eager,
                          memory_limit_gib=memory_limit_gib, eager_kv_limit_gib=eager_kv_limit_gib,
                          prefill_repeats=prefill_repeats, weight_formats=tuple(weights), peers=tuple(peers))
     output = check_output_file(output, force, read_folders=(Path(model),))
     started = time.perf_counter()
-    with tqdm(total=len(contexts) * len(slots), desc="bench", unit="point", file=sys.stderr, disable=as_json) as bar:
+    with progress_bar(total=len(contexts) * len(slots), desc="bench", unit="point", disable=as_json) as bar:
         result = run_bench(config, cache_dir or cache_root() / "bench", progress=bar.update,
                            log=lambda msg: tqdm.write(msg, file=sys.stderr), store=PointStore(output, config))
     result["seconds"] = time.perf_counter() - started
@@ -90,6 +91,7 @@ def _graph_choice(measure: str, folder: Path, length: int, active: list[int], st
     if not (folder / MANIFEST).is_file():
         raise SnapcompileError(f"--measure {measure} runs on an artifact folder; {folder} has no {MANIFEST}")
     backend = OrtBackend(folder)
+    backend.make_graphs()                          # no timed run pays for making its graph
     if measure == "decode-slots":
         rows = graph_choice.decode_slots(backend, active, length, steps, repeats)
     else:

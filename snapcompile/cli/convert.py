@@ -2,7 +2,6 @@
 default is the configuration dataclass's own (snapcompile.config)."""
 from __future__ import annotations
 
-import sys
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
@@ -139,17 +138,15 @@ def export_progress(export: ExportConfig):
     then the dense graphs an export builds (the passes and the save follow); yields the two callbacks
     `compile_artifact` takes. Each bar is drawn at its first update, so a refusal before the work
     (memory, bad arguments) prints its error alone."""
-    from tqdm import tqdm
-
     from snapcompile.artifact.naming import expected_graphs
+    from snapcompile.cli import progress_bar
     total = len(expected_graphs(export, PolicyConfig(policy="dense")))
     with ExitStack() as stack:
         bars = {}
 
         def bar(desc: str, unit: str, total: int | None = None):
             if desc not in bars:
-                bars[desc] = stack.enter_context(tqdm(total=total, desc=desc, unit=unit, file=sys.stderr,
-                                                      leave=False))
+                bars[desc] = stack.enter_context(progress_bar(total=total, desc=desc, unit=unit, leave=False))
             return bars[desc]
 
         def on_tensor(name: str, done: int, count: int) -> None:

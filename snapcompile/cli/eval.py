@@ -60,6 +60,7 @@ def eval_command(model_or_dir, task, policies, budgets, ratios, lengths, depths,
     from tqdm import tqdm
 
     from snapcompile.atomic import check_output_file
+    from snapcompile.cli import progress_bar
     from snapcompile.evaluation import report
     from snapcompile.evaluation.runner import run_eval
     from snapcompile.evaluation.store import partial_path
@@ -74,7 +75,7 @@ def eval_command(model_or_dir, task, policies, budgets, ratios, lengths, depths,
     config = EvalConfig(model_or_dir, task, policies, budgets, lengths, depths, samples, seed, slots=slots,
                         scope=scope, kernel=kernel, ratios=ratios, weight_format=weights, generate=generate)
     started = time.perf_counter()
-    with tqdm(desc=f"eval {task}", unit="case", file=sys.stderr, disable=as_json) as bar:
+    with progress_bar(desc=f"eval {task}", unit="case", disable=as_json) as bar:
         def progress(advance, total=None):
             if total is not None:
                 bar.total = total

@@ -51,6 +51,7 @@ def eval_ruler(model_or_dir, tasks, lengths, cells, weights, limit, slots, chunk
     from tqdm import tqdm
 
     from snapcompile.atomic import check_output_file
+    from snapcompile.cli import progress_bar
     from snapcompile.evaluation import ruler_report
     from snapcompile.evaluation.ruler_run import run_ruler
     from snapcompile.evaluation.store import partial_path
@@ -60,7 +61,7 @@ def eval_ruler(model_or_dir, tasks, lengths, cells, weights, limit, slots, chunk
     config = RulerConfig(model_or_dir, tasks, lengths, cells, weights, limit, slots, chunk, scope, kernel)
     cache = cache_dir or cache_root() / "eval"
     started = time.perf_counter()
-    with tqdm(desc="eval-ruler", unit="run", total=len(config.units()), file=sys.stderr, disable=as_json) as bar:
+    with progress_bar(desc="eval-ruler", unit="run", total=len(config.units()), disable=as_json) as bar:
         units, margins = run_ruler(config, output, cache, cache / "ruler-work", progress=bar.update,
                                    log=lambda msg: tqdm.write(msg, file=sys.stderr))
     seconds = time.perf_counter() - started

@@ -138,8 +138,7 @@ def _run_rows(engine, conversations, fields: list[dict], chat: bool, top_logprob
     """Every conversation run to its end: one row and one Result per turn, in conversation order,
     and the run's seconds. Each row is also appended to `partial` (a PartialLines, or None) as
     its turn finishes."""
-    from tqdm import tqdm
-
+    from snapcompile.cli import progress_bar
     from snapcompile.engine.conversation import run_conversations
     rows: dict[tuple[int, int], dict] = {}
     fields_of = {id(conversation): record for conversation, record in zip(conversations, fields)}
@@ -152,8 +151,8 @@ def _run_rows(engine, conversations, fields: list[dict], chat: bool, top_logprob
             partial.append(json.dumps(row))
         bar.update(1)
     start = engine.clock()
-    with tqdm(total=sum(len(c.turns) for c in conversations), desc="requests", unit="req", file=sys.stderr,
-              disable=quiet) as bar:
+    with progress_bar(total=sum(len(c.turns) for c in conversations), desc="requests", unit="req",
+                      disable=quiet) as bar:
         run_conversations(engine, conversations, chat, on_result=finished)
     elapsed = engine.clock() - start
     turns = [(id(c), k, r) for c in conversations for k, r in enumerate(c.results)]
@@ -326,8 +325,8 @@ def validate(artifact, prompt, prompts_file, demo, steps, raw, tolerance, min_ag
                                f"steps within --max-context {manifest.export.max_context}")
     validator = Validator(artifact, oracle_model(artifact, manifest), tie_gap=tie_gap, backend=backend,
                           exact_matmul=matmul == "fp32")
-    from tqdm import tqdm
-    with tqdm(total=len(prompts), desc="validate", unit="prompt", file=sys.stderr, disable=as_json) as bar:
+    from snapcompile.cli import progress_bar
+    with progress_bar(total=len(prompts), desc="validate", unit="prompt", disable=as_json) as bar:
         reports = (validator.run_turns(prompts, steps, turns, follow_ids, progress=bar.update) if turns > 1
                    else validator.run(prompts, steps, progress=bar.update))
     summary = summarize(reports, steps)

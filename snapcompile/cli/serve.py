@@ -191,9 +191,8 @@ def bench_serve(url, model, num_requests, concurrency, prompt_tokens, output_tok
     generated tokens each, --concurrency at a time, and reports requests/s, output tokens/s,
     TTFT, inter-token and end-to-end latency (mean, p50, p95, p99) and failures.
     """
-    from tqdm import tqdm
-
     from snapcompile.atomic import check_output_file, write_json_atomic, write_text_atomic
+    from snapcompile.cli import progress_bar
     from snapcompile.serve.bench import (
         ServeBenchConfig,
         conversation_parts,
@@ -218,7 +217,7 @@ def bench_serve(url, model, num_requests, concurrency, prompt_tokens, output_tok
         lines = ([{"prompt": p} for p in prompts] if turns == 1 else
                  [{"turns": parts} for parts in conversation_parts(prompts, turns)])
         write_text_atomic(check_output_file(save_prompts, force), "".join(json.dumps(x) + "\n" for x in lines))
-    with tqdm(total=num_requests, desc="requests", unit="req", file=sys.stderr, disable=as_json) as bar:
+    with progress_bar(total=num_requests, desc="requests", unit="req", disable=as_json) as bar:
         result = run_serve_bench(config, prompts, progress=lambda: bar.update(1))
     table = markdown(result)
     write_json_atomic(output, result)

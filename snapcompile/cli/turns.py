@@ -71,6 +71,7 @@ def eval_turns(model_or_dir, lengths, samples, part, seed, kinds, ratio, policy,
     from tqdm import tqdm
 
     from snapcompile.atomic import check_output_file
+    from snapcompile.cli import progress_bar
     from snapcompile.evaluation.store import partial_path
     from snapcompile.evaluation.turns import check_config, later_turns, reference_records, retention
     from snapcompile.evaluation.turns_run import run_turns
@@ -82,8 +83,8 @@ def eval_turns(model_or_dir, lengths, samples, part, seed, kinds, ratio, policy,
     check_config(config)
     dense = reference_records(reference, config) if reference is not None and "dense" not in modes else []
     started = time.perf_counter()
-    with tqdm(desc="eval-turns", unit="conversation", total=len(modes) * samples * len(lengths), file=sys.stderr,
-              disable=as_json) as bar:
+    with progress_bar(desc="eval-turns", unit="conversation", total=len(modes) * samples * len(lengths),
+                      disable=as_json) as bar:
         records = run_turns(config, output, cache_dir or cache_root() / "eval", progress=bar.update,
                             log=lambda msg: tqdm.write(msg, file=sys.stderr))
     seconds = time.perf_counter() - started
@@ -171,6 +172,7 @@ def bench_turns(model_or_dir, turns, turn_tokens, answer_tokens, repeats, ratio,
     from snapcompile.atomic import check_output_file
     from snapcompile.bench import turns as bench
     from snapcompile.bench.machine import cpu_description
+    from snapcompile.cli import progress_bar
     from snapcompile.compiler.cache import ArtifactCache
     from snapcompile.config import ExportConfig
     from snapcompile.models.loader import cache_root
@@ -184,8 +186,8 @@ def bench_turns(model_or_dir, turns, turn_tokens, answer_tokens, repeats, ratio,
     engines = bench.open_engines(dense, compressed, config.modes)
     tokenizer, chat = engines[config.modes[0]].tokenizer, engines[config.modes[0]].backend.manifest.chat
     runs, started = [], time.perf_counter()
-    with tqdm(desc="bench-turns", unit="conversation", total=repeats * len(config.modes), file=sys.stderr,
-              disable=as_json) as bar:
+    with progress_bar(desc="bench-turns", unit="conversation", total=repeats * len(config.modes),
+                      disable=as_json) as bar:
         for repeat in range(repeats):
             texts = bench.user_texts(tokenizer, config, repeat)
             for mode in config.modes[repeat % 2:] + config.modes[:repeat % 2]:

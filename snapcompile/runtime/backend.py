@@ -20,7 +20,7 @@ from snapcompile.artifact.manifest import Manifest, read_manifest
 from snapcompile.artifact.naming import decode_graph_size, graph_name
 from snapcompile.errors import PromptError, SnapcompileError
 from snapcompile.layout import DecodeStep, SlotLayout
-from snapcompile.runtime.device import Device, PrefillResult, chunk_starts, drain
+from snapcompile.runtime.device import Device, LazyGraph, PrefillResult, chunk_starts, drain
 from snapcompile.runtime.prefill import PrefillRunner
 from snapcompile.sessions.keepers import ResumeRows
 from snapcompile.sessions.kept import KeptCache, ResumePlan
@@ -44,9 +44,15 @@ class SlotBackend:
         self.values = [self._kv(self.slots, self.rows_per_slot) for _ in self._layers]
         self.prefills = PrefillRunner(self.folder, m, device, self.keys, self.values)
         self.decode_sizes = m.export.decode_sizes()
-        self.decode_graphs = {k: device.graph(graph_name("decode", k, self.slots), m)       # slots -> graph
+        self.decode_graphs = {k: LazyGraph(device, graph_name("decode", k, self.slots), m)   # slots -> graph
                               for k in self.decode_sizes}
         self._init_decode()
+
+    def make_graphs(self) -> None:
+        """Make every graph now, as a server does before it says it is ready and a benchmark before
+        it times: otherwise each is made at its first run (runtime/device.LazyGraph)."""
+        for graph in [*self.decode_graphs.values(), *self.prefills.graphs()]:
+            graph.make()
 
     def _kv(self, batch: int, rows: int):
         return self.device.zeros((batch, self.manifest.spec.num_kv_heads, rows, self.manifest.spec.head_dim), "float32")

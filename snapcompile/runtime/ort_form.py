@@ -66,8 +66,12 @@ class WeightArrays:
 
     def nbits_weight(self, tensor: TensorProto, block_size: int) -> np.ndarray:
         """qweight INT4/INT8 [K, N] -> MatMulNBits B uint8 [N, K/bs, bs*bits/8]."""
-        return self._converted(("nbits", tensor.name, block_size), tensor, lambda: nbits_layout(
-            self._signed_values(tensor), _QUANT_TYPES[tensor.data_type], block_size))
+        bits, (k, n) = _QUANT_TYPES[tensor.data_type], tensor.dims
+        # by its stored bytes, unless the graph holds it (small) or rows share a byte (odd N)
+        stored = tensor.data_location == TensorProto.EXTERNAL and (bits == 8 or n % 2 == 0)
+        return self._converted(("nbits", tensor.name, block_size), tensor, lambda: (
+            stored_nbits_layout(self.raw(tensor), k, n, bits, block_size) if stored
+            else nbits_layout(self._signed_values(tensor), bits, block_size)))
 
     def _converted(self, key: tuple, tensor: TensorProto, convert) -> np.ndarray:
         """convert()'s array for `tensor`, made once and file-backed; the source's pages of
@@ -89,7 +93,7 @@ class WeightArrays:
                 self._spill_folder.mkdir(parents=True, exist_ok=True)
                 self._spill = tempfile.TemporaryFile(dir=self._spill_folder)
             offset = self._spill.seek(0, 2)
-            self._spill.write(array.tobytes())
+            self._spill.write(np.ascontiguousarray(array).data)
             self._spill.flush()
         except OSError:              # read-only or full disk: keep this one in memory (correct, larger)
             return array
@@ -157,6 +161,28 @@ class WeightArrays:
         begin = start // mmap.PAGESIZE * mmap.PAGESIZE
         size = len(mapped._mmap) - begin if length is None else start + length - begin
         mapped._mmap.madvise(mmap.MADV_DONTNEED, begin, size)
+
+
+def stored_nbits_layout(stored: np.ndarray, k: int, n: int, bits: int, block_size: int,
+                        columns: int = 128) -> np.ndarray:
+    """A weight's bytes as the artifact stores it -> MatMulNBits B uint8 [N, K/bs, bs*bits/8], the
+    same array as nbits_layout of its values. stored: uint8, INT8 [K, N] or INT4 [K, N] two a byte
+    along N (low nibble first; N even, so no byte spans two rows). Done `columns` of N at a time: the
+    transpose of a tile that stays in cache is ~15x faster than numpy's transpose of the whole
+    weight (an int4 [2048, 8192] weight: 0.02 s against 0.31 s), which set a 1B model's load time."""
+    flip = 0x88 if bits == 4 else 0x80       # two's complement -> + 2^(bits-1), per nibble / byte
+    rows = stored.reshape(k, n // 2 if bits == 4 else n)
+    out = np.empty((n, k * bits // 8), np.uint8)
+    for first in range(0, n, columns):
+        count = min(columns, n - first)
+        if bits == 4:
+            tile = rows[:, first // 2:(first + count) // 2] ^ flip
+            codes = np.empty((count, k), np.uint8)            # [columns, K] unsigned codes
+            codes[0::2], codes[1::2] = (tile & 0x0F).T, (tile >> 4).T
+            out[first:first + count] = codes[:, 0::2] | (codes[:, 1::2] << 4)
+        else:
+            out[first:first + count] = (rows[:, first:first + count] ^ flip).T
+    return out.reshape(n, k // block_size, -1)
 
 
 def nbits_layout(signed: np.ndarray, bits: int, block_size: int) -> np.ndarray:

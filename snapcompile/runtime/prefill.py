@@ -19,7 +19,7 @@ from snapcompile.artifact.manifest import Manifest
 from snapcompile.artifact.naming import TAIL_GRAPH, bucket_rows
 from snapcompile.errors import SnapcompileError
 from snapcompile.layout import SlotLayout
-from snapcompile.runtime.device import Device, Graph, PrefillResult, chunk_spans
+from snapcompile.runtime.device import Device, LazyGraph, PrefillResult, chunk_spans
 from snapcompile.runtime.prompt_cache import PromptCache
 from snapcompile.sessions.keepers import PromptRows, ResumeRows
 from snapcompile.sessions.kept import ResumePlan, positions_of_rows
@@ -35,13 +35,13 @@ class PrefillRunner:
         m = manifest
         self.num_layers, self.chunk, self.rows_per_slot = m.spec.num_layers, m.export.chunk, m.rows_per_slot
         self._layers = range(self.num_layers)
-        self.prefill_graph = device.graph("prefill", m)
-        self.bucket_graphs = {bucket_rows(name): device.graph(name, m)           # rows -> graph
+        self.prefill_graph = LazyGraph(device, "prefill", m)
+        self.bucket_graphs = {bucket_rows(name): LazyGraph(device, name, m)           # rows -> graph
                               for name in m.graphs if bucket_rows(name) is not None}
-        self.select_graph = device.graph("select", m) if "select" in m.graphs else None
-        self.select_buckets = {bucket_rows(name, "select"): device.graph(name, m)  # rows -> graph
+        self.select_graph = LazyGraph(device, "select", m) if "select" in m.graphs else None
+        self.select_buckets = {bucket_rows(name, "select"): LazyGraph(device, name, m)  # rows -> graph
                                for name in m.graphs if bucket_rows(name, "select") is not None}
-        self.tail_graph: Graph | None = None      # loaded by load_tail_graph
+        self.tail_graph: LazyGraph | None = None      # loaded by load_tail_graph
         self.last_seconds = {"chunks": 0.0, "select": 0.0}   # of the latest prefill, for benchmarks
         self._init_buffers()
 
@@ -90,8 +90,13 @@ class PrefillRunner:
             for i in self._layers:
                 g.bind(f"cache_bias.{i}", self.p_bias[rows][i])
 
-    def _all_prefill_graphs(self) -> list[Graph]:
+    def _all_prefill_graphs(self) -> list[LazyGraph]:
         return [self.prefill_graph, *self.bucket_graphs.values()]
+
+    def graphs(self) -> list[LazyGraph]:
+        """Every graph this runner may run (the tail once loaded)."""
+        selects = [self.select_graph, *self.select_buckets.values()] if self.select_graph is not None else []
+        return [*self._all_prefill_graphs(), *selects, *([self.tail_graph] if self.tail_graph is not None else [])]
 
     def _init_buckets(self) -> None:
         """Each bucket graph sees its past rows as [1, Hkv, rows, D]: views of the PromptCache for
@@ -152,7 +157,7 @@ class PrefillRunner:
             raise SnapcompileError(f"{self.folder}: --session-keep quantized runs a resumed turn's last tokens on the "
                                    f"graph {TAIL_GRAPH}, which this artifact lacks (converted before it, or with "
                                    "--tail 0); convert it again")
-        g = self.tail_graph = self.device.graph(TAIL_GRAPH, m)
+        g = self.tail_graph = LazyGraph(self.device, TAIL_GRAPH, m)
         self.t_ids = zeros((1, m.export.tail), "int64")
         self.t_new_k = [self._kv(1, m.export.tail) for _ in self._layers]
         self.t_new_v = [self._kv(1, m.export.tail) for _ in self._layers]
@@ -238,7 +243,7 @@ class PrefillRunner:
                     synced = None        # the bucket has no room for these rows
             yield count
 
-    def _prompt_chunk_graph(self, start: int) -> Graph:
+    def _prompt_chunk_graph(self, start: int) -> LazyGraph:
         """The graph a compressed prompt's chunk from row `start` runs on, the PromptCache laid out
         for it: the smallest that holds the rows filled so far (and a resumed turn's extra rows
         past `start`, which a smaller layout would drop)."""
@@ -343,7 +348,7 @@ class PrefillRunner:
             target[0][i][:, :, :count] = source[0][i][:, :, :count]
             target[1][i][:, :, :count] = source[1][i][:, :, :count]
 
-    def _run_chunk(self, graph: Graph, ids, tokens: list[int], start: int, position: int) -> None:
+    def _run_chunk(self, graph: LazyGraph, ids, tokens: list[int], start: int, position: int) -> None:
         """Run a prefill graph whose input_ids are `ids` ([1, chunk]) on `tokens` (at most a chunk),
         the first of them at cache row `start` and RoPE position `position`."""
         host = np.zeros(ids.shape, np.int64)

@@ -94,6 +94,7 @@ def load_engine(state: ServerState) -> None:
                                   prefill_tokens_per_step=settings.prefill_tokens_per_step,
                                   session_cache_bytes=settings.session_cache_bytes,
                                   session_keep=settings.session_keep)
+    engine.backend.make_graphs()                  # ready means no request waits for a graph to be made
     state.metrics.set_totals(engine.scheduler.pool.num_slots, engine.kv_bytes_allocated())
     engine_loop = EngineLoop(engine, state.metrics)
     engine_loop.start()

@@ -64,6 +64,7 @@ class TritonWorker:
                                    "(its manifest's configuration differs); write the repository again")
         self.engine = Engine.from_artifact(artifact, backend=backend, max_slots=slots, threads=threads,
                                            session_cache_bytes=session_cache_bytes, session_keep=session_keep)
+        self.engine.backend.make_graphs()            # before Triton marks the model ready
         self.max_prompt_chars = max_prompt_chars(self.engine.tokenizer, self.engine.prompt_limit)
         self.loop = EngineLoop(self.engine, Metrics())
         self._pending: dict[str, _Pending] = {}
