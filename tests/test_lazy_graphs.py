@@ -1,5 +1,8 @@
-"""Graphs made at their first run (runtime/device.LazyGraph): opening an artifact makes none, a
-request makes only the graphs it runs, and `make_graphs` makes the rest with the same bindings."""
+"""Graphs made at their first run (runtime/device.LazyGraph): opening an artifact makes only the
+smallest decode graph (every weight converted and pre-packed there), a request makes only the graphs
+it runs, `make_graphs` makes the rest with the same bindings, and `run` says what making them took."""
+import json
+
 import numpy as np
 
 from snapcompile.artifact.files import artifact_tokenizer
@@ -60,13 +63,15 @@ def _generate(backend, prompts):
     return [r.output_ids for r in done]
 
 
-def test_opening_makes_no_graph_and_a_short_prompt_makes_only_those_it_runs(tiny_snap_dir):
+def test_opening_makes_one_graph_and_a_short_prompt_makes_only_those_it_runs(tiny_snap_dir):
     """tiny_snap_dir: 3 slots, max_context 512, buckets of 128..384 rows, budget 64."""
     lazy = OrtBackend(tiny_snap_dir)
-    assert _made(lazy) == set()
+    assert _made(lazy) == {"decode_1"} and lazy.graphs_made_on_use() == (0, 0)
     prompt = random_prompts([20], seed=3)
     short = _generate(lazy, prompt)
     assert _made(lazy) == {"prefill_128", "decode_1"}
+    count, seconds = lazy.graphs_made_on_use()
+    assert count == 1 and seconds > 0
     eager = OrtBackend(tiny_snap_dir)
     eager.make_graphs()
     assert _made(eager) == set(eager.manifest.graphs) - {"prefill_tail"}
@@ -74,3 +79,14 @@ def test_opening_makes_no_graph_and_a_short_prompt_makes_only_those_it_runs(tiny
     long = random_prompts([300, 200], seed=4)     # compressed: chunks over up to 256 rows, selections over 384, 256
     assert _generate(lazy, long) == _generate(eager, long)
     assert _made(lazy) == {"prefill_128", "prefill_256", "select_256", "select_384", "decode_1", "decode_2"}
+
+
+def test_run_reports_the_graphs_made_at_first_use(tiny_snap_dir):
+    """Their making is part of the TTFT and step times `run` prints, so it says so."""
+    from click.testing import CliRunner
+
+    from snapcompile.cli import main
+    args = ["run", str(tiny_snap_dir), "--prompt", "hi", "--max-new-tokens", "3"]
+    summary = json.loads(CliRunner().invoke(main, [*args, "--json"]).output.strip().splitlines()[-1])["summary"]
+    assert summary["graphs_made_on_use"] == 1 and summary["graphs_made_on_use_s"] > 0
+    assert "| 1 graph made at first use in " in CliRunner().invoke(main, args).output

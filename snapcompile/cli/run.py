@@ -228,6 +228,7 @@ def _summary(engine, results, elapsed: float) -> dict:
     ttfts = [r.ttft_s for r in results if r.ttft_s is not None]
     steps = engine.decode_step_seconds
     prompt_tokens = sum(r.prompt_tokens for r in results if r.error is None)
+    graphs_made, graphs_made_s = engine.backend.graphs_made_on_use()
     return {"requests": len(results), "errors": sum(r.error is not None for r in results),
             "prompt_tokens": prompt_tokens, "cached_tokens": sum(r.cached_tokens for r in results),
             "output_tokens": tokens, "seconds": elapsed,
@@ -237,6 +238,7 @@ def _summary(engine, results, elapsed: float) -> dict:
             "step_p50_ms": _ms(_percentile(steps, 50)), "step_p95_ms": _ms(_percentile(steps, 95)),
             "decode_steps": engine.decode_steps, "kv_bytes": engine.kv_bytes_allocated(),
             "slots": engine.scheduler.pool.num_slots, "policy": engine.backend.manifest.policy.policy,
+            "graphs_made_on_use": graphs_made, "graphs_made_on_use_s": graphs_made_s,
             "kernels": engine.backend.device.kernels(engine.backend.manifest), "cpu": describe_cpu(cpu_description())}
 
 
@@ -252,13 +254,16 @@ def _format_summary(s: dict) -> str:
     fmt = _fmt      # a short name keeps the format below readable
     answers = f" | answers correct {s['correct']}/{s['requests']}" if "correct" in s else ""
     cached = f" ({s['cached_tokens']} resumed from kept caches)" if s["cached_tokens"] else ""
+    count = s["graphs_made_on_use"]
+    made = (f" | {count} graph{'s' if count > 1 else ''} made at first use in {s['graphs_made_on_use_s']:.2f} s, "
+            "part of the times above" if count else "")
     return (f"{s['requests']} requests ({s['errors']} errors), {s['prompt_tokens']} prompt{cached} + "
             f"{s['output_tokens']} generated tokens in {s['seconds']:.2f} s = "
             f"{fmt(s['prompt_tokens_per_s'])} prompt tok/s, "
             f"{fmt(s['tokens_per_s'])} generated tok/s"
             f" | TTFT p50 {fmt(s['ttft_p50_s'], ' s')} p95 {fmt(s['ttft_p95_s'], ' s')}"
             f" | step p50 {fmt(s['step_p50_ms'], ' ms')} p95 {fmt(s['step_p95_ms'], ' ms')}"
-            f" | KV {s['kv_bytes'] / 2**20:.1f} MiB ({s['slots']} slots, {s['policy']}){answers}"
+            f" | KV {s['kv_bytes'] / 2**20:.1f} MiB ({s['slots']} slots, {s['policy']}){made}{answers}"
             f"\n{s['kernels']} on {s['cpu']}")
 
 

@@ -47,12 +47,24 @@ class SlotBackend:
         self.decode_graphs = {k: LazyGraph(device, graph_name("decode", k, self.slots), m)   # slots -> graph
                               for k in self.decode_sizes}
         self._init_decode()
+        # made at open: its session converts and pre-packs every weight, which all graphs share
+        self._opened_with = self.decode_graphs[min(self.decode_sizes)]
+        self._opened_with.make()
 
     def make_graphs(self) -> None:
         """Make every graph now, as a server does before it says it is ready and a benchmark before
         it times: otherwise each is made at its first run (runtime/device.LazyGraph)."""
-        for graph in [*self.decode_graphs.values(), *self.prefills.graphs()]:
+        for graph in self._graphs():
             graph.make()
+
+    def graphs_made_on_use(self) -> tuple[int, float]:
+        """How many graphs were made at their first run since the backend opened, and the seconds
+        that took (part of the request times of whatever ran them)."""
+        made = [g.make_seconds for g in self._graphs() if g.make_seconds is not None and g is not self._opened_with]
+        return len(made), sum(made)
+
+    def _graphs(self) -> list[LazyGraph]:
+        return [*self.decode_graphs.values(), *self.prefills.graphs()]
 
     def _kv(self, batch: int, rows: int):
         return self.device.zeros((batch, self.manifest.spec.num_kv_heads, rows, self.manifest.spec.head_dim), "float32")

@@ -2,6 +2,7 @@
 the prefill's result and chunking rules that its parts share."""
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -41,6 +42,7 @@ class LazyGraph:
     def __init__(self, device: Device, name: str, manifest: Manifest):
         self.device, self.name, self.manifest = device, name, manifest
         self.graph: Graph | None = None
+        self.make_seconds: float | None = None       # how long making it took, once made
         self._binds: dict[str, tuple] = {}           # input / output name -> (array, output)
 
     def bind(self, name: str, array, output: bool = False) -> None:
@@ -56,10 +58,12 @@ class LazyGraph:
     def make(self) -> Graph:
         """The graph itself, made now if it was not."""
         if self.graph is None:
+            start = time.perf_counter()
             graph = self.device.graph(self.name, self.manifest)
             for name, (array, output) in self._binds.items():
                 graph.bind(name, array, output=output)
             self.graph, self._binds = graph, {}
+            self.make_seconds = time.perf_counter() - start
         return self.graph
 
 
