@@ -48,11 +48,12 @@ def rerecord_checksums(folder):
     (folder / MANIFEST).write_text(json.dumps(raw))
 
 
-# A chat template whose work the first message's content chooses: a loop, a 3 GB string, a
-# 30-million-character rendering, or ChatML.
+# A chat template whose work the first message's content chooses: a loop (writing nothing, so that
+# only the deadline stops it: output growing ~250 MB/s met the memory bound first on a fast core), a
+# 3 GB string, a 30-million-character rendering, or ChatML.
 HOSTILE_TEMPLATE = (
     "{% set c = messages[0]['content'] %}"
-    "{% if c == 'loop' %}{% for i in range(100000) %}{% for j in range(100000) %}x{% endfor %}{% endfor %}"
+    "{% if c == 'loop' %}{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
     "{% elif c == 'huge' %}{{ 'a' * 3000000000 }}"
     "{% elif c == 'long' %}{{ 'a' * 30000000 }}"
     "{% else %}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"

@@ -1,4 +1,5 @@
 """Benchmark plumbing on tiny-llama (figures are measured, so only their structure is asserted)."""
+import gc
 import json
 
 import numpy as np
@@ -14,6 +15,7 @@ from tests.cli_helpers import assert_one_line_error, invoke
 
 
 def test_rss_counts_touched_memory_and_the_peak_outlives_it():
+    gc.collect()              # else a collection inside the window may free an earlier test's arrays
     before = machine.rss_bytes()
     machine.reset_peak_rss()
     block = np.ones(256 * 2**20 // 8)                 # 256 MiB, every page touched

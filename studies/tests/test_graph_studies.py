@@ -71,3 +71,19 @@ def test_n_samples_bench_compares_a_shared_prefill_with_separate_requests(tiny_s
                   "--rounds", 1)
     assert done.returncode == 0, done.stderr
     assert "3 samples of" in done.stdout and "shared prefill" in done.stdout
+
+
+def test_prefill_kernels_times_each_kernel_and_a_chunk_by_op(tiny_snap_dir):
+    """studies/prefill_kernels.py: every kernel at every weight shape and M, the prompt's projected
+    linear-layer seconds, and one chunk's time by op type."""
+    done = _study("prefill_kernels.py", tiny_snap_dir, "--graph", "prefill", "--start", 64, "--rows", "8,16",
+                  "--blocks", "32", "--prompt-tokens", 64, "--repeats", 2)
+    assert done.returncode == 0, done.stderr
+    lines = [json.loads(line) for line in done.stdout.splitlines()]
+    products = [line for line in lines if "kernel" in line]
+    assert {line["kernel"] for line in products} == {"nbits4_b32", "qgemm_int8", "sgemm_fp32"}
+    assert len(products) == 3 * 4 * 2 and all(line["ms"] > 0 and line["gops"] >= 0 for line in products)
+    linear, = [line["linear_s"] for line in lines if "linear_s" in line]
+    assert set(linear) == {f"{k} M={m}" for k in ("nbits4_b32", "qgemm_int8", "sgemm_fp32") for m in (8, 16)}
+    ops, = [line["chunk_ops"] for line in lines if "chunk_ops" in line]
+    assert "Softmax" in ops and all(ms >= 0 for ms in ops.values())
