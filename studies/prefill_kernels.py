@@ -11,7 +11,8 @@ Prints JSON lines:
   int8 activations: accuracy level 4, what an int4 artifact runs), `qgemm_int8` (MLAS's u8 x s8
   GEMM through com.microsoft.DynamicQuantizeMatMul: one scale a column and one for the whole
   activation matrix, so a second, coarser quantization of both sides) and `sgemm_fp32` (MatMul);
-  the kernels alternate within each repeat;
+  each kernel's repeats run in a row (its weight may stay in the last-level cache: compare the
+  total with `chunk_ops`' MatMulNBits, which reads every layer's weights in turn);
 - `linear_s`: per kernel and M, the seconds a prompt of --prompt-tokens spends in its linear layers
   at M rows a product (the layer's seven products summed, times layers and chunks);
 - `chunk_ops` (with --graph): one chunk of that graph at --start filled rows, by op type, from ONNX
@@ -52,6 +53,8 @@ def _session(nodes, initializers, k: int):
     options = ort.SessionOptions()
     options.intra_op_num_threads = os.cpu_count()
     options.log_severity_level = 3
+    # an idle session's threads spin after its run and would take the cores from the next kernel's
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
 
 
@@ -77,16 +80,17 @@ def kernel_sessions(k: int, n: int, blocks: list[int], rng) -> dict:
 
 
 def time_kernels(sessions: dict, x: np.ndarray, repeats: int) -> dict[str, float]:
-    """name -> median seconds of one run, the sessions alternating within each repeat."""
-    times = collections.defaultdict(list)
-    for session in sessions.values():
-        session.run(None, {"x": x})                         # first run: allocation, not timed
-    for _ in range(repeats):
-        for name, session in sessions.items():
+    """name -> median seconds of one run: each kernel's runs in a row after a first, untimed one."""
+    medians = {}
+    for name, session in sessions.items():
+        session.run(None, {"x": x})
+        times = []
+        for _ in range(repeats):
             began = time.perf_counter()
             session.run(None, {"x": x})
-            times[name].append(time.perf_counter() - began)
-    return {name: statistics.median(values) for name, values in times.items()}
+            times.append(time.perf_counter() - began)
+        medians[name] = statistics.median(times)
+    return medians
 
 
 def chunk_ops(artifact: Path, graph: str, start: int) -> dict[str, float]:

@@ -12,7 +12,7 @@ ROUNDS=${ROUNDS:-2}
 STEPS=${STEPS:-32}
 OV_BENCH=${OV_BENCH:-../shared/peers/ov_bench.py}
 : "${OV_VENV:?the OpenVINO GenAI venv}" "${OV_MODEL:?the exported OpenVINO model folder}" \
-  "${ARTIFACT:?the snapcompile artifact}" "${SLOTS:?slot counts, e.g. \"1 4\"}" "${BUDGET:?the artifact's budget B}"
+  "${ARTIFACT:?the snapcompile artifact}" "${SLOTS:?slot counts, e.g. 1 4}" "${BUDGET:?the budget B of the artifact}"
 for round in $(seq "$ROUNDS"); do
     echo "round $round $(cut -d' ' -f1-3 /proc/loadavg)"
     .venv/bin/python studies/artifact_point.py "$ARTIFACT" --context "$CONTEXT" --slots "${SLOTS// /,}" \

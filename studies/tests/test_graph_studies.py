@@ -87,3 +87,17 @@ def test_prefill_kernels_times_each_kernel_and_a_chunk_by_op(tiny_snap_dir):
     assert set(linear) == {f"{k} M={m}" for k in ("nbits4_b32", "qgemm_int8", "sgemm_fp32") for m in (8, 16)}
     ops, = [line["chunk_ops"] for line in lines if "chunk_ops" in line]
     assert "Softmax" in ops and all(ms >= 0 for ms in ops.values())
+
+
+def test_session_cost_reports_every_graph_and_the_synthetic_chains(tiny_snap_dir):
+    """studies/session_cost.py: one line for opening, one per other graph with its node counts, and
+    the synthetic chains, where kept nodes cost more than nodes the optimizer removes."""
+    done = _study("session_cost.py", tiny_snap_dir, "--synthetic", "2000")
+    assert done.returncode == 0, done.stderr
+    lines = [json.loads(line) for line in done.stdout.splitlines()]
+    assert [line["graph"] for line in lines if "graph" in line][0] == "open"
+    graphs = [line for line in lines if "graph" in line and line["graph"] != "open"]
+    assert {"prefill", "decode"} <= {line["graph"] for line in graphs}
+    assert all(line["nodes"] >= line["nodes_optimized"] > 0 for line in graphs)
+    chains = {line["synthetic"]: line["added_mib"] for line in lines if "synthetic" in line}
+    assert chains["Add"] > chains["Identity"] >= 0
