@@ -14,7 +14,8 @@ provider at its worst: every slot full, a prompt of max_context tokens. Its part
   runtime/ort_form.py);
 - resident_weights: pages of weights.bin a running process keeps (weights.bin and the converted
   weights are released as each session is made): the embedding rows a prompt touches;
-- sessions: each weight-bearing graph's session (kernels, execution plan), per layer;
+- sessions: each weight-bearing session (kernels, execution plan), per layer: one for each family
+  of bucket graphs (the prefill graphs, the decode graphs: runtime/shape_family.py) and the tail;
 - work_space: the shared arena, set by the attention of a chunk over max_context rows (the full
   prefill graph runs a long prompt's last chunks): the joined key / value rows and the scores, about
   twice over, and twice that again because the arena grows in doubling steps (ONNX Runtime's
@@ -24,6 +25,7 @@ provider at its worst: every slot full, a prompt of max_context tokens. Its part
 from __future__ import annotations
 
 from snapcompile.artifact.manifest import Manifest
+from snapcompile.artifact.naming import expected_graphs, family_of
 from snapcompile.config import HEAD_BITS, QUANT_BITS
 from snapcompile.memory import check_fits, gib
 
@@ -45,13 +47,13 @@ def memory_needed(manifest: Manifest) -> dict[str, int]:
     # a compressed prompt's rows, once for every graph (runtime/prompt_cache.py); a dense prompt is
     # prefilled into its slot, and a bucket graph reads a copy of the slot's first rows
     prefill_rows = export.max_context if m.policy.compressed else max(buckets, default=0)
-    graphs = len(buckets) + 1 + len(export.decode_sizes()) + (1 if export.tail else 0)
-    graphs += (len(buckets) + 1) / 5 if m.policy.compressed else 0    # select graphs: no weights, ~1/5 a session
+    sessions = len({family_of(name) or name for name in expected_graphs(export, m.policy)})
+    sessions -= 4 / 5 if m.policy.compressed else 0      # the select graphs' session: no weights, ~1/5 of one
     return {"slot_caches": export.slots * m.rows_per_slot * per_token,
             "prefill_caches": prefill_rows * per_token,
             "packed_weights": _packed_weight_bytes(m),
             "resident_weights": _resident_weight_bytes(m),
-            "sessions": int(graphs * spec.num_layers * SESSION_BYTES_PER_LAYER),
+            "sessions": int(sessions * spec.num_layers * SESSION_BYTES_PER_LAYER),
             "work_space": _work_space_bytes(m),
             "runtime": RUNTIME_BYTES}
 

@@ -56,3 +56,25 @@ def bucket_rows(name: str, kind: str = "prefill") -> int | None:
     for any other graph."""
     prefix, _, rows = name.partition("_")
     return int(rows) if prefix == kind and rows.isdigit() else None
+
+
+FAMILIES = ("prefill", "select", "decode")    # graphs that differ in one size only: rows, or slots for decode
+
+
+def family_of(name: str) -> str | None:
+    """The family of an artifact graph ("prefill", "select" or "decode"), None for the tail graph
+    (its chunk differs too) and anything else."""
+    if name == TAIL_GRAPH:
+        return None
+    kind = name.partition("_")[0]
+    return kind if kind in FAMILIES and (name == kind or bucket_rows(name, kind) is not None) else None
+
+
+def family_members(family: str, names, full_size: int) -> dict[int, str]:
+    """size -> graph name of the family's members among `names` (full_size: the size of the graph
+    named `family` itself: max_context, or the artifact's slots for decode)."""
+    members = {}
+    for name in names:
+        if family_of(name) == family:
+            members[full_size if name == family else bucket_rows(name, family)] = name
+    return members

@@ -35,8 +35,8 @@ class Device(Protocol):
 class LazyGraph:
     """An artifact's graph made at its first run, so that opening an artifact costs only the graphs
     the process uses: on ONNX Runtime every weight-bearing session pre-packs all the weights once
-    more before its container recognises them (~1.3 s a graph at the 1B shape, 15 such graphs at
-    `--max-context 32768`), and a short prompt runs on one prefill bucket. Binds made before it
+    more before its container recognises them (~1.3 s a session at the 1B shape; on the CPU one
+    session serves a family of buckets), and TensorRT builds an engine a graph. Binds made before it
     exists are kept (the latest for each name) and made on it, in order, when it is made."""
 
     def __init__(self, device: Device, name: str, manifest: Manifest):

@@ -1,13 +1,14 @@
 """The ONNX Runtime device: host (numpy) arrays bound to sessions by pointer, no copies."""
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import numpy as np
 
 from snapcompile.artifact.files import check_files
 from snapcompile.artifact.manifest import Manifest
-from snapcompile.artifact.naming import is_prefill_graph
+from snapcompile.artifact.naming import family_members, family_of, is_prefill_graph
 from snapcompile.artifact.onnx_io import load_graph
 from snapcompile.config import cache_root
 from snapcompile.errors import SnapcompileError
@@ -16,6 +17,9 @@ from snapcompile.runtime import PROVIDERS
 from snapcompile.runtime.backend import SlotBackend
 from snapcompile.runtime.ort_capi import CSession, SharedSessions
 from snapcompile.runtime.ort_form import WeightArrays, ort_form
+from snapcompile.runtime.shape_family import FamilyError, symbolic_form
+
+log = logging.getLogger("snapcompile.runtime")
 
 
 class OrtGraph:
@@ -62,13 +66,18 @@ class OrtGraph:
 
 
 class OrtDevice:
-    def __init__(self, folder: Path, provider: str = "cpu", threads: int | None = None, exact_matmul: bool = False):
-        import onnxruntime as ort
+    def __init__(self, folder: Path, provider: str = "cpu", threads: int | None = None, exact_matmul: bool = False,
+                 family_sessions: bool = True):
+        """family_sessions: one session for each family of graphs that differ in one size only
+        (runtime/shape_family.py: the prefill buckets, the select buckets, the decode slot
+        buckets); False makes a session a graph (for measuring what it saves)."""
         self.folder, self.threads, self.exact_matmul = Path(folder), threads, exact_matmul
-        self.providers = _providers(provider, ort.get_available_providers())
+        self.providers = _providers(provider)
         self.weights = WeightArrays(self.folder, spill_folder()) if provider == "cpu" else None
         self.sessions = SharedSessions() if provider == "cpu" else None
         self.models = {}                      # graph name -> ModelProto without weights, from check()
+        self.family_sessions = family_sessions
+        self.families: dict[str, CSession | None] = {}   # family -> its one session (None: a session a graph)
 
     def check(self, folder: Path, manifest: Manifest) -> None:
         """Every file's size and sha256, then fingerprint and I/O checks of every graph
@@ -93,12 +102,38 @@ class OrtDevice:
             matmul = None if not quantized else "fp32" if self.exact_matmul else "int8"
             return OrtGraph(self.folder / manifest.graphs[name]["file"], self.providers, self.threads,
                             custom_ops=custom_ops, quantized_matmul=matmul)
+        family = family_of(name) if self.family_sessions else None
+        if family is not None and self._family_session(family, manifest) is not None:
+            return self.families[family].another_binding(name)
         # the checked graph is dropped once its session is made (~1.5 MB a graph as Python objects)
-        source = self.models.pop(name, None) or load_graph(self.folder, manifest, name)
+        return self._session(self.models.pop(name, None) or load_graph(self.folder, manifest, name), name)
+
+    def _session(self, source, name: str) -> CSession:
+        """A session of `source` (a graph loaded without its weights) sharing the process's weights."""
         model, arrays = ort_form(source, self.weights, accuracy_level=1 if self.exact_matmul else 4)
         config = {"session.model_external_initializers_file_folder_path": str(self.folder)}
         with self.weights.pages_released_while():
             return self.sessions.session(model.SerializeToString(), arrays, config, self.threads, name)
+
+    def _family_session(self, family: str, manifest: Manifest) -> CSession | None:
+        """The one session of `family`'s graphs, made at the first call; None where the family has
+        one member or its members cannot share a graph (then each gets a session of its own)."""
+        if family not in self.families:
+            full = manifest.export.slots if family == "decode" else manifest.export.max_context
+            members = family_members(family, manifest.graphs, full)
+            self.families[family] = None
+            if len(members) > 1:
+                models = {size: self.models.get(name) or load_graph(self.folder, manifest, name)
+                          for size, name in members.items()}
+                try:
+                    form = symbolic_form(models, "slots" if family == "decode" else "rows")
+                except FamilyError as err:
+                    log.warning("%s: the %s graphs get a session each: %s", self.folder, family, err)
+                    return None
+                for name in members.values():
+                    self.models.pop(name, None)
+                self.families[family] = self._session(form, family)
+        return self.families[family]
 
     def kernels(self, manifest: Manifest) -> str:
         """What multiplies the linear layers, for run summaries (MLAS picks its AVX2 / AVX-512 /
@@ -122,8 +157,9 @@ class OrtDevice:
 class OrtBackend(SlotBackend):
     """SlotBackend on ONNX Runtime (CPUExecutionProvider by default)."""
 
-    def __init__(self, folder: Path, provider: str = "cpu", threads: int | None = None, exact_matmul: bool = False):
-        super().__init__(folder, OrtDevice(folder, provider, threads, exact_matmul))
+    def __init__(self, folder: Path, provider: str = "cpu", threads: int | None = None, exact_matmul: bool = False,
+                 family_sessions: bool = True):
+        super().__init__(folder, OrtDevice(folder, provider, threads, exact_matmul, family_sessions))
 
 
 def spill_folder() -> Path:
@@ -132,11 +168,18 @@ def spill_folder() -> Path:
     return cache_root() / "ort"
 
 
-def _providers(provider: str, available: list[str]) -> list[str]:
+def _providers(provider: str) -> list[str]:
+    """ONNX Runtime's providers for our name of one. The CPU provider is in every build, and its
+    sessions are made through the C API (ort_capi.py): the onnxruntime Python module, ~23 MiB of
+    RSS beside the library, is imported only to ask for another."""
     if provider not in PROVIDERS:
         raise SnapcompileError(f"unknown provider {provider!r}; choose one of {', '.join(PROVIDERS)}")
     wanted = PROVIDERS[provider]
+    if wanted == "CPUExecutionProvider":
+        return [wanted]
+    import onnxruntime as ort
+    available = ort.get_available_providers()
     if wanted not in available:
-        extra = ' (pip install "snapcompile[gpu]")' if provider != "cpu" else ""
-        raise SnapcompileError(f"ONNX Runtime here has no {wanted}{extra}; available: {', '.join(available)}")
-    return [wanted, "CPUExecutionProvider"] if wanted != "CPUExecutionProvider" else [wanted]
+        raise SnapcompileError(f'ONNX Runtime here has no {wanted} (pip install "snapcompile[gpu]"); '
+                               f"available: {', '.join(available)}")
+    return [wanted, "CPUExecutionProvider"]

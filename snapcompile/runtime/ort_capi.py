@@ -14,6 +14,7 @@ thread.
 from __future__ import annotations
 
 import ctypes
+import importlib.util
 from ctypes import POINTER, c_char_p, c_int, c_int64, c_size_t, c_uint32, c_void_p
 from pathlib import Path
 
@@ -131,8 +132,11 @@ def c_api() -> OrtCApi:
     """The process's one OrtCApi over the library of the installed onnxruntime wheel."""
     global _API
     if _API is None:
-        import onnxruntime
-        folder = Path(onnxruntime.__file__).parent / "capi"
+        # found, not imported: the Python module is ~23 MiB of RSS this process does not use
+        spec = importlib.util.find_spec("onnxruntime")
+        if spec is None or not spec.submodule_search_locations:
+            raise SnapcompileError("onnxruntime is not installed (bash scripts/setup.sh installs it)")
+        folder = Path(spec.submodule_search_locations[0]) / "capi"
         found = sorted(folder.glob("libonnxruntime.so*"))
         if not found:
             raise SnapcompileError(f"the onnxruntime wheel at {folder} ships no libonnxruntime.so (its C API); "
@@ -228,18 +232,34 @@ class SharedSessions:
             api.ReleasePrepackedWeightsContainer(self.container)
 
 
-class CSession:
-    """One session and its IoBinding: inputs and outputs bound to numpy arrays by address."""
+class _Handle:
+    """An OrtSession, released when the last CSession bound to it goes."""
 
-    def __init__(self, owner: SharedSessions, handle: int, what: str):
-        self.owner, self.api, self.handle, self.values, self.what = owner, owner.api, handle, owner.values, what
+    def __init__(self, owner: SharedSessions, handle: int):
+        self.owner, self.handle = owner, handle
+
+    def __del__(self):
+        self.owner.api.ReleaseSession(self.handle)
+
+
+class CSession:
+    """A session and one IoBinding of it: inputs and outputs bound to numpy arrays by address.
+    `another_binding` gives the same session with a binding of its own (graphs of one family,
+    runtime/shape_family.py, bound to buffers of their own sizes)."""
+
+    def __init__(self, owner: SharedSessions, handle: int | _Handle, what: str):
+        self.session = handle if isinstance(handle, _Handle) else _Handle(owner, handle)
+        self.owner, self.api, self.values, self.what = owner, owner.api, owner.values, what
+        self.handle = self.session.handle
         self.binding = None
-        self.binding = self.api.new("CreateIoBinding", handle, what=what)
+        self.binding = self.api.new("CreateIoBinding", self.handle, what=what)
+
+    def another_binding(self, what: str) -> CSession:
+        return CSession(self.owner, self.session, what)
 
     def __del__(self):
         if self.binding:
             self.api.ReleaseIoBinding(self.binding)
-        self.api.ReleaseSession(self.handle)
 
     def bind(self, name: str, array: np.ndarray, output: bool = False) -> None:
         """Bind a C-contiguous array by address (no copy; it must outlive the binding)."""

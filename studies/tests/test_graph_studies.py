@@ -101,3 +101,18 @@ def test_session_cost_reports_every_graph_and_the_synthetic_chains(tiny_snap_dir
     assert all(line["nodes"] >= line["nodes_optimized"] > 0 for line in graphs)
     chains = {line["synthetic"]: line["added_mib"] for line in lines if "synthetic" in line}
     assert chains["Add"] > chains["Identity"] >= 0
+
+
+def test_family_sessions_times_both_modes_in_one_process(tiny_snap_dir):
+    """studies/family_sessions.py: both modes opened, prefilled and decoded, alternating."""
+    done = _study("family_sessions.py", tiny_snap_dir, "--context", 200, "--rounds", 2, "--slots", "1,2",
+                  "--steps", 3)
+    assert done.returncode == 0, done.stderr
+    row = json.loads(done.stdout)
+    assert set(row["prefill_s"]) == set(row["make_s"]) == {"session_a_graph", "family"}
+    assert all(len(seconds) == 2 and min(seconds) > 0 for seconds in row["prefill_s"].values())
+    assert row["decode"]["family"]["2"]["tok_s"] == pytest.approx(2 / row["decode"]["family"]["2"]["step_median_s"])
+    timed = _study("family_sessions.py", tiny_snap_dir, "--graph", "prefill_128", "--start", 64, "--runs", 3)
+    assert timed.returncode == 0, timed.stderr
+    medians = json.loads(timed.stdout)["median_ms"]
+    assert set(medians) == {"session_a_graph", "family"} and min(medians.values()) > 0
