@@ -110,3 +110,32 @@ def test_members_wired_differently_are_refused():
     other.graph.node[1].op_type = "Add"
     with pytest.raises(FamilyError, match="scale_it"):
         symbolic_form({1: reshape_model(1, [1, 4]), 2: other}, "rows")
+
+
+def weights_file_rss_kib(folder) -> int:
+    """KiB of this process's RSS in mappings of `folder`/weights.bin (/proc/self/smaps)."""
+    total, inside = 0, False
+    for line in open("/proc/self/smaps"):
+        if line[0] in "0123456789abcdef" and "-" in line.split()[0]:
+            inside = line.rstrip().endswith(f"{folder}/weights.bin")
+        elif inside and line.startswith("Rss:"):
+            total += int(line.split()[1])
+    return total
+
+
+def test_a_prefill_and_decode_leave_no_page_of_the_weights_file_in_memory(tiny_snap_dir):
+    """The embedding rows a Gather reads map the file pages around them; they are released after
+    every prefill chunk and every RELEASE_EVERY_STEPS decode steps (Device.release_pages)."""
+    from snapcompile.artifact.footprint import RELEASE_EVERY_STEPS
+    from snapcompile.layout import SlotLayout
+    from snapcompile.runtime.ort_backend import OrtBackend
+    backend = OrtBackend(tiny_snap_dir)
+    backend.make_graphs()
+    backend.prefill(0, [int(t) for t in np.random.default_rng(0).integers(0, 250, 300)])
+    assert weights_file_rss_kib(tiny_snap_dir) == 0
+    layout = SlotLayout.for_prompt(300, backend.rows_per_slot, backend.manifest.policy.resolved_prompt_share)
+    mapped = []
+    for generated in range(RELEASE_EVERY_STEPS):
+        backend.decode({0: 5 + generated}, {0: layout.step(generated)})
+        mapped.append(weights_file_rss_kib(tiny_snap_dir))
+    assert mapped[0] > 0 and mapped[-1] == 0            # mapped by the steps, released at the 32nd

@@ -12,8 +12,10 @@ provider at its worst: every slot full, a prompt of max_context tokens. Its part
   scale) and 0.027 bytes a weight (measured, not explained); a float32 MatMul packs a copy of the
   same size, float16 weights too (they are multiplied in float32, one copy per process:
   runtime/ort_form.py);
-- resident_weights: pages of weights.bin a running process keeps (weights.bin and the converted
-  weights are released as each session is made): the embedding rows a prompt touches;
+- resident_weights: pages of weights.bin a running process holds (weights.bin and the converted
+  weights are released as each session is made, and weights.bin's again after every prefill chunk
+  and every 32 decode steps): the embedding rows read since, each with the 64 KiB the kernel maps
+  around a faulting page;
 - sessions: each weight-bearing session (kernels, execution plan), per layer: one for each family
   of bucket graphs (the prefill graphs, the decode graphs: runtime/shape_family.py) and the tail;
 - work_space: the shared arena, set by the attention of a chunk over max_context rows (the full
@@ -35,7 +37,8 @@ PACKED_BLOCK_BYTES = 12                 # MatMulNBits' pre-packed extra per bloc
 PACKED_WEIGHT_EXTRA = 0.027             # and per weight: the fit of int4 0.90 / 0.71 / 0.62 and 8-bit
                                         # 1.40 / 1.21 / 1.12 bytes a weight at blocks of 32 / 64 / 128
 ARENA_GROWTH = 2                        # the arena extends by doubling: it may hold twice its high-water mark
-PAGE = 4096
+FAULT_AROUND = 64 * 2**10              # what Linux maps around a file page fault (fault_around_bytes)
+RELEASE_EVERY_STEPS = 32                # decode steps between releases of weights.bin's pages (SlotBackend.decode)
 
 
 def memory_needed(manifest: Manifest) -> dict[str, int]:
@@ -77,7 +80,8 @@ def _packed_weight_bytes(manifest: Manifest) -> int:
 def _resident_weight_bytes(manifest: Manifest) -> int:
     spec, export = manifest.spec, manifest.export
     embedding_row = spec.hidden_size * (4 if export.weight_format == "fp32" else 2)
-    return min(spec.vocab_size * embedding_row, export.max_context * -(-embedding_row // PAGE) * PAGE)
+    rows_between_releases = export.chunk + export.slots * RELEASE_EVERY_STEPS   # runtime/backend.py
+    return min(spec.vocab_size * embedding_row, rows_between_releases * max(FAULT_AROUND, embedding_row))
 
 
 def _work_space_bytes(manifest: Manifest) -> int:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from snapcompile.artifact.footprint import check_memory
+from snapcompile.artifact.footprint import RELEASE_EVERY_STEPS, check_memory
 from snapcompile.artifact.manifest import Manifest, read_manifest
 from snapcompile.artifact.naming import decode_graph_size, graph_name
 from snapcompile.errors import PromptError, SnapcompileError
@@ -46,6 +46,7 @@ class SlotBackend:
         self.decode_sizes = m.export.decode_sizes()
         self.decode_graphs = {k: LazyGraph(device, graph_name("decode", k, self.slots), m)   # slots -> graph
                               for k in self.decode_sizes}
+        self._steps_run = 0
         self._init_decode()
         # made at open: its session converts and pre-packs every weight, which all graphs share
         self._opened_with = self.decode_graphs[min(self.decode_sizes)]
@@ -178,6 +179,9 @@ class SlotBackend:
         for name, array in self.d_inputs.items():
             self.device.upload(array, host[name])
         self.decode_graphs[self.decode_size(tokens)].run()
+        self._steps_run += 1
+        if self._steps_run % RELEASE_EVERY_STEPS == 0:
+            self.device.release_pages()
         active = np.fromiter(tokens.keys(), np.int64, len(tokens))
         slots, writes = self.device.indices(active), self.device.indices(host["write_index"][active])
         for i in self._layers:

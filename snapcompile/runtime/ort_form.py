@@ -132,6 +132,12 @@ class WeightArrays:
         for mapped in ([self._blob] if self._blob is not None else []) + self._spilled:
             self._drop(mapped, 0, None)
 
+    def drop_file_pages(self) -> None:
+        """Let the kernel drop weights.bin's resident pages (the only file a run reads from: the
+        converted weights are read only while sessions pre-pack them). ~0.2 ms over 5.6 GiB."""
+        if self._blob is not None:
+            self._drop(self._blob, 0, None)
+
     @contextmanager
     def pages_released_while(self, interval_s: float = 0.05):
         """Drop the weight files' resident pages every `interval_s` seconds for the duration of the

@@ -357,6 +357,7 @@ class PrefillRunner:
         for array, value in ((self.p_start, start), (self.p_pos, position), (self.p_len, len(tokens))):
             self.device.upload(array, np.array([value], np.int64))
         graph.run()
+        self.device.release_pages()
 
     def _write_chunk(self, caches, start: int, count: int, outputs=None) -> None:
         """The chunk's new K/V (`outputs`, per layer [1, Hkv, chunk, D]: the prefill graphs' by

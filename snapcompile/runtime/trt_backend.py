@@ -162,6 +162,9 @@ class TrtDevice:
     def indices(self, host: np.ndarray):
         return self.torch.from_numpy(host).to("cuda")
 
+    def release_pages(self) -> None:
+        """Nothing to release: the engines hold their weights in GPU memory."""
+
 
 class TrtBackend(SlotBackend):
     """SlotBackend on TensorRT engines built by `snapcompile build`."""

@@ -116,3 +116,12 @@ def test_family_sessions_times_both_modes_in_one_process(tiny_snap_dir):
     assert timed.returncode == 0, timed.stderr
     medians = json.loads(timed.stdout)["median_ms"]
     assert set(medians) == {"session_a_graph", "family"} and min(medians.values()) > 0
+
+
+def test_page_release_compares_released_and_kept_pages(tiny_snap_dir):
+    """studies/page_release.py: with the release no page of weights.bin stays; without, some do."""
+    done = _study("page_release.py", tiny_snap_dir, "--context", 200, "--rounds", 2)
+    assert done.returncode == 0, done.stderr
+    row = json.loads(done.stdout)
+    assert row["weights_rss_kib"]["released"] == [0, 0] and min(row["weights_rss_kib"]["kept"]) > 0
+    assert all(len(v) == 2 and min(v) > 0 for v in row["prefill_s"].values())
