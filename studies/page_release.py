@@ -6,8 +6,8 @@
 One process, one opened artifact on ONNX Runtime: `rounds` prefills of `context` random tokens,
 alternating between the device's release and a no-op in its place (the order swapped every
 round). After each prefill it reads the RSS of weights.bin's mapping (/proc/self/smaps) and then
-releases it, so every prefill starts from none. Prints one JSON line: per mode the prefill seconds,
-their median, and the KiB of weights.bin resident after each.
+releases it (timed: release_ms, the median), so every prefill starts from none. Prints one JSON
+line: per mode the prefill seconds, their median, and the KiB of weights.bin resident after each.
 """
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import statistics
+import time
 from pathlib import Path
 
 
@@ -47,18 +48,21 @@ def main() -> None:
     modes = {"released": release, "kept": lambda: None}
     seconds = {mode: [] for mode in modes}
     resident = {mode: [] for mode in modes}
+    release_s = []
     loads = [os.getloadavg()[0]]
     for r in range(args.rounds):
         for mode, function in (list(modes.items()) if r % 2 else list(reversed(modes.items()))):
             device.release_pages = function
             seconds[mode].append(round(ort_prefill_seconds(backend, args.context, seed=r)[0], 3))
             resident[mode].append(weights_rss_kib(args.artifact))
+            begin = time.perf_counter()
             release()
+            release_s.append(time.perf_counter() - begin)
         loads.append(os.getloadavg()[0])
     print(json.dumps({"artifact": str(args.artifact), "context": args.context, "cpu": cpu_description(),
                       "load": [round(min(loads), 2), round(max(loads), 2)], "prefill_s": seconds,
                       "prefill_median_s": {m: statistics.median(v) for m, v in seconds.items()},
-                      "weights_rss_kib": resident}))
+                      "weights_rss_kib": resident, "release_ms": round(1e3 * statistics.median(release_s), 3)}))
 
 
 if __name__ == "__main__":

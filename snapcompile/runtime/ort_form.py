@@ -16,7 +16,9 @@ Y = A @ dequant(B).T. Our values are signed two's complement, so u = q + 2^(bits
 """
 from __future__ import annotations
 
+import os
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -44,6 +46,7 @@ class WeightArrays:
         self._spill_folder = spill_folder
         self._spill = None                      # the open unlinked file
         self._spilled: list[np.memmap] = []
+        self._lock = threading.Lock()           # the spill file and the arrays, for prefetch_nbits' threads
 
     def raw(self, tensor: TensorProto) -> np.ndarray:
         """The bytes of an external initializer, viewed in weights.bin (uint8)."""
@@ -73,14 +76,26 @@ class WeightArrays:
             stored_nbits_layout(self.raw(tensor), k, n, bits, block_size) if stored
             else nbits_layout(self._signed_values(tensor), bits, block_size)))
 
+    def prefetch_nbits(self, weights: list[tuple[TensorProto, int]]) -> None:
+        """nbits_weight of each (tensor, block_size) not converted yet, on every core at once
+        (up to 4 threads: numpy's copies and XORs release the GIL). One core's conversion set a
+        model's first session time (the 8B shape's weights: 23 s)."""
+        todo = {("nbits", tensor.name, block): (tensor, block) for tensor, block in weights}
+        todo = [pair for key, pair in todo.items() if key not in self._arrays]
+        with ThreadPoolExecutor(max(1, min(4, os.cpu_count() or 1))) as pool:
+            for _ in pool.map(lambda pair: self.nbits_weight(*pair), todo):
+                pass
+
     def _converted(self, key: tuple, tensor: TensorProto, convert) -> np.ndarray:
         """convert()'s array for `tensor`, made once and file-backed; the source's pages of
         weights.bin, read once, may then go."""
         if key not in self._arrays:
-            self._arrays[key] = self._file_backed(convert())
-            if tensor.data_location == TensorProto.EXTERNAL:
-                info = external_data_helper.ExternalDataInfo(tensor)
-                self._drop(self._blob, info.offset or 0, info.length)
+            array = convert()
+            with self._lock:
+                self._arrays[key] = self._file_backed(array)
+                if tensor.data_location == TensorProto.EXTERNAL:
+                    info = external_data_helper.ExternalDataInfo(tensor)
+                    self._drop(self._blob, info.offset or 0, info.length)
         return self._arrays[key]
 
     def _file_backed(self, array: np.ndarray) -> np.ndarray:
@@ -216,18 +231,21 @@ def ort_form(model: onnx.ModelProto, weights: WeightArrays, accuracy_level: int)
     for node in graph.node:
         for name in node.input:
             consumers[name] = consumers.get(name, 0) + 1
+    fusable = {index: dequantized[node.input[1]] for index, node in enumerate(graph.node) if node.op_type == "MatMul"
+               and len(node.input) == 2 and node.input[1] in dequantized and consumers[node.input[1]] == 1}
+    weights.prefetch_nbits([(initializers[source.input[0]], _block_size(source)) for source in fusable.values()])
     fused, nodes, replaced = set(), [], {}
-    for node in graph.node:
-        source = dequantized.get(node.input[1]) if node.op_type == "MatMul" and len(node.input) == 2 else None
+    for index, node in enumerate(graph.node):
+        source = fusable.get(index)
         half = initializers.get(node.input[1]) if node.op_type in ("MatMul", "Gemm") else None
         if half is not None and half.data_type == TensorProto.FLOAT16 and half.data_location == TensorProto.EXTERNAL:
             nodes.extend(_float32_product(node, half, weights, arrays, replaced))
             continue
-        if source is None or consumers[node.input[1]] != 1:
+        if source is None:
             nodes.append(node)
             continue
         qweight, qscale = initializers[source.input[0]], initializers[source.input[1]]
-        block = next(a.i for a in source.attribute if a.name == "block_size")
+        block = _block_size(source)
         k, n = qweight.dims
         b_name, s_name = f"{qweight.name}.nbits", f"{qscale.name}.nbits"
         arrays[b_name] = weights.nbits_weight(qweight, block)
@@ -252,6 +270,10 @@ def ort_form(model: onnx.ModelProto, weights: WeightArrays, accuracy_level: int)
     if fused and not any(o.domain == "com.microsoft" for o in model.opset_import):
         model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
     return model, arrays
+
+
+def _block_size(dequantize: onnx.NodeProto) -> int:
+    return next(a.i for a in dequantize.attribute if a.name == "block_size")
 
 
 def _float32_product(node: onnx.NodeProto, half: TensorProto, weights: WeightArrays, arrays: dict,

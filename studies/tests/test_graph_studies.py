@@ -124,4 +124,4 @@ def test_page_release_compares_released_and_kept_pages(tiny_snap_dir):
     assert done.returncode == 0, done.stderr
     row = json.loads(done.stdout)
     assert row["weights_rss_kib"]["released"] == [0, 0] and min(row["weights_rss_kib"]["kept"]) > 0
-    assert all(len(v) == 2 and min(v) > 0 for v in row["prefill_s"].values())
+    assert all(len(v) == 2 and min(v) > 0 for v in row["prefill_s"].values()) and row["release_ms"] >= 0
