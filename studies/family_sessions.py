@@ -4,6 +4,7 @@ graph, in one process: making every graph, whole prefills and decode steps, alte
     .venv/bin/python studies/family_sessions.py ARTIFACT [--context 4096] [--rounds 6] [--slots 1,4]
         [--steps 32]
     .venv/bin/python studies/family_sessions.py ARTIFACT --graph prefill_4096 --start 4000 [--runs 30]
+    .venv/bin/python studies/family_sessions.py ARTIFACT --phases
 
 Opens the artifact twice (`open_backend(..., family_sessions=False)`, then the default) and makes
 every graph of each (seconds printed as make_s); then `rounds` times a prefill of `context` random
@@ -12,7 +13,9 @@ tokens on each (the order swapped every round, so neither always runs first) and
 of each prefill and their median, the median decode step and tok/s, the CPU and load averages.
 With --graph, one graph alone instead: bound to random inputs (`start` and `position` set to
 --start, a full chunk), run `runs` times on each mode's session, one run each in turn, the median
-milliseconds printed. Memory is measured a process per mode: `studies/open_memory.py
+milliseconds printed. With --phases, where making every graph (the default mode) spends its time:
+seconds in `ort_form` (the weights' conversion, the first session's), in `symbolic_form` and in
+creating the sessions (ONNX Runtime's pre-packing). Memory is measured a process per mode: `studies/open_memory.py
 [--session-a-graph]`.
 """
 from __future__ import annotations
@@ -34,7 +37,11 @@ def main() -> None:
     parser.add_argument("--graph", help="time this graph of the artifact alone")
     parser.add_argument("--start", type=int, default=0)
     parser.add_argument("--runs", type=int, default=30)
+    parser.add_argument("--phases", action="store_true")
     args = parser.parse_args()
+    if args.phases:
+        print(json.dumps(making_phases(args.artifact)))
+        return
     if args.graph:
         print(json.dumps(time_graph(args.artifact, args.graph, args.start, args.runs)))
         return
@@ -62,6 +69,31 @@ def main() -> None:
                       "prefill_s": prefill, "prefill_median_s": {m: statistics.median(v) for m, v in prefill.items()},
                       "decode": {m: {s: {"step_median_s": statistics.median(v), "tok_s": s / statistics.median(v)}
                                      for s, v in by_slots.items()} for m, by_slots in decode.items()}}))
+
+
+def making_phases(artifact: str) -> dict:
+    """Seconds opening the artifact and making every graph spends in each phase."""
+    from snapcompile.runtime import open_backend, ort_backend
+    from snapcompile.runtime.ort_capi import SharedSessions
+    spent = {"ort_form": 0.0, "symbolic_form": 0.0, "sessions": 0.0}
+
+    def timed(key, function):
+        def wrapper(*args, **kwargs):
+            begin = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                spent[key] += time.perf_counter() - begin
+        return wrapper
+    ort_backend.ort_form = timed("ort_form", ort_backend.ort_form)
+    ort_backend.symbolic_form = timed("symbolic_form", ort_backend.symbolic_form)
+    SharedSessions.session = timed("sessions", SharedSessions.session)
+    begin = time.perf_counter()
+    backend = open_backend(artifact)
+    opened = time.perf_counter() - begin
+    backend.make_graphs()
+    return {"artifact": artifact, "open_s": round(opened, 2), "every_graph_s": round(time.perf_counter() - begin, 2),
+            **{f"{key}_s": round(value, 2) for key, value in spent.items()}, "load": os.getloadavg()[0]}
 
 
 def time_graph(artifact: str, name: str, start: int, runs: int) -> dict:

@@ -125,3 +125,10 @@ def test_page_release_compares_released_and_kept_pages(tiny_snap_dir):
     row = json.loads(done.stdout)
     assert row["weights_rss_kib"]["released"] == [0, 0] and min(row["weights_rss_kib"]["kept"]) > 0
     assert all(len(v) == 2 and min(v) > 0 for v in row["prefill_s"].values()) and row["release_ms"] >= 0
+
+
+def test_family_sessions_times_the_phases_of_making_every_graph(tiny_snap_dir):
+    done = _study("family_sessions.py", tiny_snap_dir, "--phases")
+    assert done.returncode == 0, done.stderr
+    row = json.loads(done.stdout)
+    assert 0 < row["ort_form_s"] + row["sessions_s"] <= row["every_graph_s"] and row["symbolic_form_s"] > 0
