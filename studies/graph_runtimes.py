@@ -23,7 +23,8 @@ from pathlib import Path
 
 
 def feeds_of(graph_path: Path, start: int) -> dict:
-    """Random inputs of the prefill graph: a full chunk at `start` filled rows."""
+    """Random inputs of a prefill graph (a full chunk at `start` filled rows) or of a decode graph
+    (every slot at `start` filled rows, writing row `start`: below the budget)."""
     import numpy as np
     import onnx
     model = onnx.load(str(graph_path), load_external_data=False)
@@ -36,8 +37,8 @@ def feeds_of(graph_path: Path, start: int) -> dict:
     for name, shape in shapes.items():
         if name == "input_ids":
             feeds[name] = rng.integers(0, vocab, shape).astype(np.int64)
-        elif name in ("start", "position"):
-            feeds[name] = np.array([start], np.int64)
+        elif name in ("start", "position", "cache_len", "write_index"):
+            feeds[name] = np.full(shape, start, np.int64)
         elif name == "chunk_len":
             feeds[name] = np.array([chunk], np.int64)
         else:

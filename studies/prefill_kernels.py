@@ -122,7 +122,7 @@ def chunk_ops(artifact: Path, graph: str, start: int) -> dict[str, float]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("artifact", type=Path)
-    parser.add_argument("--graph", help="a prefill graph of the artifact to profile by op type (e.g. prefill_4096)")
+    parser.add_argument("--graph", help="a graph of the artifact to profile by op type (e.g. prefill_4096, decode_4)")
     parser.add_argument("--start", type=int, default=0, help="cache rows filled before the profiled chunk")
     parser.add_argument("--rows", default="64,256", help="M: rows a product (the chunk), comma-separated")
     parser.add_argument("--blocks", default="32,128", help="block sizes of the 4-bit kernel")
