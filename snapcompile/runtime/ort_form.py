@@ -50,11 +50,14 @@ class WeightArrays:
 
     def raw(self, tensor: TensorProto) -> np.ndarray:
         """The bytes of an external initializer, viewed in weights.bin (uint8)."""
+        self._map_weights()
         info = external_data_helper.ExternalDataInfo(tensor)
-        if self._blob is None:
-            self._blob = np.memmap(self.path, dtype=np.uint8, mode="r")
         offset = info.offset or 0
         return self._blob[offset:offset + info.length]
+
+    def _map_weights(self) -> None:
+        if self._blob is None:
+            self._blob = np.memmap(self.path, dtype=np.uint8, mode="r")
 
     def float_array(self, tensor: TensorProto) -> np.ndarray:
         """A float initializer: a view of weights.bin, or its own array when the graph holds it."""
@@ -82,6 +85,8 @@ class WeightArrays:
         model's first session time (the 8B shape's weights: 23 s)."""
         todo = {("nbits", tensor.name, block): (tensor, block) for tensor, block in weights}
         todo = [pair for key, pair in todo.items() if key not in self._arrays]
+        if todo:
+            self._map_weights()                 # once, before the threads read it
         with ThreadPoolExecutor(max(1, min(4, os.cpu_count() or 1))) as pool:
             for _ in pool.map(lambda pair: self.nbits_weight(*pair), todo):
                 pass
