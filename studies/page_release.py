@@ -19,26 +19,14 @@ import time
 from pathlib import Path
 
 
-def weights_rss_kib(folder: Path) -> int:
-    """KiB of this process's RSS in mappings of folder/weights.bin."""
-    total, inside, suffix = 0, False, f"{folder.resolve()}/weights.bin"
-    with open("/proc/self/smaps") as smaps:
-        for line in smaps:
-            head = line.split(maxsplit=1)[0]
-            if "-" in head and not head.endswith(":"):
-                inside = line.rstrip().endswith(suffix)
-            elif inside and line.startswith("Rss:"):
-                total += int(line.split()[1])
-    return total
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("artifact", type=Path)
     parser.add_argument("--context", type=int, default=4096)
     parser.add_argument("--rounds", type=int, default=6)
     args = parser.parse_args()
-    from snapcompile.bench.machine import cpu_description
+    from snapcompile.artifact.manifest import WEIGHTS
+    from snapcompile.bench.machine import cpu_description, file_rss_kib
     from snapcompile.bench.measure import ort_prefill_seconds
     from snapcompile.runtime import open_backend
     backend = open_backend(args.artifact)
@@ -54,7 +42,7 @@ def main() -> None:
         for mode, function in (list(modes.items()) if r % 2 else list(reversed(modes.items()))):
             device.release_pages = function
             seconds[mode].append(round(ort_prefill_seconds(backend, args.context, seed=r)[0], 3))
-            resident[mode].append(weights_rss_kib(args.artifact))
+            resident[mode].append(file_rss_kib(args.artifact / WEIGHTS))
             begin = time.perf_counter()
             release()
             release_s.append(time.perf_counter() - begin)

@@ -8,6 +8,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from snapcompile.artifact.manifest import Manifest, read_manifest
 from snapcompile.artifact.naming import FAMILIES, family_members, family_of
+from snapcompile.config import ExportConfig
 from snapcompile.runtime.ort_backend import OrtDevice
 from snapcompile.runtime.shape_family import FamilyError, symbolic_form
 
@@ -43,8 +44,7 @@ def test_each_member_run_on_its_family_session_gives_the_members_own_outputs_bit
     shared, alone = OrtDevice(folder), OrtDevice(folder, family_sessions=False)
     checked = 0
     for family in FAMILIES:
-        full = manifest.export.slots if family == "decode" else manifest.export.max_context
-        for size, name in family_members(family, manifest.graphs, full).items():
+        for size, name in family_members(family, manifest.graphs, manifest.export).items():
             feeds = random_feeds(manifest.graphs[name], np.random.default_rng(size))
             ours, theirs = run_graph(shared, manifest, name, feeds), run_graph(alone, manifest, name, feeds)
             for key in theirs:
@@ -71,7 +71,7 @@ def test_an_opened_artifact_makes_one_session_a_family(tiny_snap_dir, monkeypatc
 def test_family_names():
     assert [family_of(n) for n in ("prefill", "prefill_128", "prefill_tail", "decode_2", "select_384", "other")] == \
         ["prefill", "prefill", None, "decode", "select", None]
-    assert family_members("decode", ["decode", "decode_1", "decode_2", "prefill"], 3) == \
+    assert family_members("decode", ["decode", "decode_1", "decode_2", "prefill"], ExportConfig(slots=3)) == \
         {3: "decode", 1: "decode_1", 2: "decode_2"}
 
 
@@ -112,30 +112,21 @@ def test_members_wired_differently_are_refused():
         symbolic_form({1: reshape_model(1, [1, 4]), 2: other}, "rows")
 
 
-def weights_file_rss_kib(folder) -> int:
-    """KiB of this process's RSS in mappings of `folder`/weights.bin (/proc/self/smaps)."""
-    total, inside = 0, False
-    for line in open("/proc/self/smaps"):
-        if line[0] in "0123456789abcdef" and "-" in line.split()[0]:
-            inside = line.rstrip().endswith(f"{folder}/weights.bin")
-        elif inside and line.startswith("Rss:"):
-            total += int(line.split()[1])
-    return total
-
-
 def test_a_prefill_and_decode_leave_no_page_of_the_weights_file_in_memory(tiny_snap_dir):
     """The embedding rows a Gather reads map the file pages around them; they are released after
     every prefill chunk and every RELEASE_EVERY_STEPS decode steps (Device.release_pages)."""
     from snapcompile.artifact.footprint import RELEASE_EVERY_STEPS
+    from snapcompile.artifact.manifest import WEIGHTS
+    from snapcompile.bench.machine import file_rss_kib
     from snapcompile.layout import SlotLayout
     from snapcompile.runtime.ort_backend import OrtBackend
     backend = OrtBackend(tiny_snap_dir)
     backend.make_graphs()
     backend.prefill(0, [int(t) for t in np.random.default_rng(0).integers(0, 250, 300)])
-    assert weights_file_rss_kib(tiny_snap_dir) == 0
+    assert file_rss_kib(tiny_snap_dir / WEIGHTS) == 0
     layout = SlotLayout.for_prompt(300, backend.rows_per_slot, backend.manifest.policy.resolved_prompt_share)
     mapped = []
     for generated in range(RELEASE_EVERY_STEPS):
         backend.decode({0: 5 + generated}, {0: layout.step(generated)})
-        mapped.append(weights_file_rss_kib(tiny_snap_dir))
+        mapped.append(file_rss_kib(tiny_snap_dir / WEIGHTS))
     assert mapped[0] > 0 and mapped[-1] == 0            # mapped by the steps, released at the 32nd

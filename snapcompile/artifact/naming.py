@@ -70,9 +70,10 @@ def family_of(name: str) -> str | None:
     return kind if kind in FAMILIES and (name == kind or bucket_rows(name, kind) is not None) else None
 
 
-def family_members(family: str, names, full_size: int) -> dict[int, str]:
-    """size -> graph name of the family's members among `names` (full_size: the size of the graph
-    named `family` itself: max_context, or the artifact's slots for decode)."""
+def family_members(family: str, names, export: ExportConfig) -> dict[int, str]:
+    """size -> graph name of the family's members among `names`: cache rows, slots for decode (the
+    graph named `family` itself has max_context rows, or the artifact's slots)."""
+    full_size = export.slots if family == "decode" else export.max_context
     members = {}
     for name in names:
         if family_of(name) == family:

@@ -20,6 +20,19 @@ def rss_bytes() -> int:
     return process_status_kib("VmRSS") * 1024
 
 
+def file_rss_kib(path: Path) -> int:
+    """KiB of this process's RSS in its mappings of the file `path` (/proc/self/smaps)."""
+    suffix, total, inside = str(Path(path).resolve()), 0, False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split(maxsplit=1)[0]
+            if "-" in head and not head.endswith(":"):        # a mapping's header: "start-end perms ..."
+                inside = line.rstrip().endswith(suffix)
+            elif inside and line.startswith("Rss:"):
+                total += int(line.split()[1])
+    return total
+
+
 def peak_rss_bytes() -> int:
     """Peak resident set size since the last reset_peak_rss()."""
     return process_status_kib("VmHWM") * 1024

@@ -119,8 +119,7 @@ class OrtDevice:
         """The one session of `family`'s graphs, made at the first call; None where the family has
         one member or its members cannot share a graph (then each gets a session of its own)."""
         if family not in self.families:
-            full = manifest.export.slots if family == "decode" else manifest.export.max_context
-            members = family_members(family, manifest.graphs, full)
+            members = family_members(family, manifest.graphs, manifest.export)
             self.families[family] = None
             if len(members) > 1:
                 models = {size: self.models.get(name) or load_graph(self.folder, manifest, name)
@@ -155,8 +154,9 @@ class OrtDevice:
 
     def release_pages(self) -> None:
         """Drop weights.bin's pages the runs mapped: the embedding rows a Gather read, each with
-        the ~64 KB around it that the kernel maps on a fault (an 8000-token random prompt mapped
-        ~0.5 GiB of the 1B shape's float16 embedding). A row read again comes from the page cache."""
+        the ~64 KiB around it that the kernel maps on a fault (a few thousand random tokens mapped
+        ~0.45 GiB of the 1B shape's float16 embedding: docs/results/memory.md). A row read again
+        comes from the page cache."""
         if self.weights is not None:
             self.weights.drop_file_pages()
 

@@ -85,8 +85,9 @@ class WeightArrays:
         model's first session time (the 8B shape's weights: 23 s)."""
         todo = {("nbits", tensor.name, block): (tensor, block) for tensor, block in weights}
         todo = [pair for key, pair in todo.items() if key not in self._arrays]
-        if todo:
-            self._map_weights()                 # once, before the threads read it
+        if not todo:
+            return
+        self._map_weights()                     # once, before the threads read it
         with ThreadPoolExecutor(max(1, min(4, os.cpu_count() or 1))) as pool:
             for _ in pool.map(lambda pair: self.nbits_weight(*pair), todo):
                 pass
@@ -149,12 +150,14 @@ class WeightArrays:
         """Let the kernel drop weights.bin's and the spill file's pages from this process's memory
         (they are read again from the file if touched: an embedding row, a weight a later session
         pre-packs)."""
-        for mapped in ([self._blob] if self._blob is not None else []) + self._spilled:
+        self.drop_file_pages()
+        for mapped in self._spilled:
             self._drop(mapped, 0, None)
 
     def drop_file_pages(self) -> None:
         """Let the kernel drop weights.bin's resident pages (the only file a run reads from: the
-        converted weights are read only while sessions pre-pack them). ~0.2 ms over 5.6 GiB."""
+        converted weights are read only while sessions pre-pack them): one madvise over the file
+        (its cost: studies/page_release.py)."""
         if self._blob is not None:
             self._drop(self._blob, 0, None)
 

@@ -166,7 +166,7 @@ class _Expressions:
         """values[s] == a * s + b element by element."""
         (s0, v0), (s1, v1) = sorted(values.items())[:2]
         slope = (v1.astype(np.float64) - v0) / (s1 - s0)
-        a, b = np.round(slope).astype(np.int64), None
+        a = np.round(slope).astype(np.int64)
         b = np.round(v0 - a * s0).astype(np.int64)
         self._check(values, lambda s: a * s + b, node)
         key = ("affine", a.tobytes(), b.tobytes(), a.shape, values[s0].dtype.str)
