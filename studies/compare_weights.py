@@ -2,11 +2,13 @@
 
     .venv/bin/python studies/compare_weights.py REFERENCE.json OTHER.json [OTHER.json ...]
 
-REFERENCE: an fp32 run; each OTHER: a run with another --weights and the same seed (a case is the
-same case in every run with that seed; only cases present in all the files are compared, so the
-reference may be a wider grid). Retrieval tasks: per (policy, budget, length) the answers each run got right, the
-paired retention (answers right in both / right in the reference) and the reference answers lost.
-Fidelity: agreement and KL of each run (all measured against the fp32 dense model). Markdown.
+REFERENCE: an fp32 run (or any run); each OTHER: a run with other --weights / --block-size and the
+same seed (a case is the same case in every run with that seed; only cases present in all the files
+are compared, so the reference may be a wider grid). Retrieval tasks: per (policy, budget, length)
+the answers each run got right, the paired retention (answers right in both / right in the
+reference) and the reference answers lost.
+Fidelity: agreement and KL of each run (all measured against the fp32 dense model). Markdown;
+quantized runs are labelled with their block size ("int4 b128").
 """
 from __future__ import annotations
 
@@ -22,12 +24,14 @@ def _cells(path: str) -> tuple[str, dict]:
         budget = record["budget"] or "-"
         cells[(record["policy"], budget, record["length"])][record["id"]] = record
     config = payload["config"]   # results written before the field was renamed say "weights"
-    return config.get("weight_format", config.get("weights", "fp32")), cells
+    weights = config.get("weight_format", config.get("weights", "fp32"))
+    return weights + (f" b{config.get('block_size', 32)}" if weights in ("int8", "int4") else ""), cells
 
 
-def retrieval_rows(reference: dict, others: list[tuple[str, dict]]) -> list[str]:
-    lines = ["| policy, budget, length | " + " | ".join(f"{w} right / retained of fp32 (lost)" for w, _ in others)
-             + " | fp32 right |", "|" + "---|" * (len(others) + 2)]
+def retrieval_rows(reference: tuple[str, dict], others: list[tuple[str, dict]]) -> list[str]:
+    label, reference = reference
+    lines = ["| policy, budget, length | " + " | ".join(f"{w} right / retained of {label} (lost)" for w, _ in others)
+             + f" | {label} right |", "|" + "---|" * (len(others) + 2)]
     for key in sorted(reference, key=lambda k: (k[2], k[0], str(k[1]))):
         shared = set(reference[key]).intersection(*(cellset.get(key, {}) for _, cellset in others))
         if not shared:
@@ -42,8 +46,9 @@ def retrieval_rows(reference: dict, others: list[tuple[str, dict]]) -> list[str]
     return lines
 
 
-def fidelity_rows(reference: dict, others: list[tuple[str, dict]]) -> list[str]:
-    runs = [("fp32", reference), *others]
+def fidelity_rows(reference: tuple[str, dict], others: list[tuple[str, dict]]) -> list[str]:
+    runs = [reference, *others]
+    reference = reference[1]
     lines = ["| policy, budget, length | " + " | ".join(f"{w} agreement / KL" for w, _ in runs) + " |",
              "|" + "---|" * (len(runs) + 1)]
     for key in sorted(reference, key=lambda k: (k[2], k[0], str(k[1]))):
@@ -63,9 +68,9 @@ def fidelity_rows(reference: dict, others: list[tuple[str, dict]]) -> list[str]:
 def main(paths: list[str]) -> None:
     if len(paths) < 2:
         sys.exit(__doc__)
-    _, reference = _cells(paths[0])
+    reference = _cells(paths[0])
     others = [_cells(p) for p in paths[1:]]
-    fidelity = "agreement" in next(iter(next(iter(reference.values())).values()))
+    fidelity = "agreement" in next(iter(next(iter(reference[1].values())).values()))
     print("\n".join((fidelity_rows if fidelity else retrieval_rows)(reference, others)))
 
 

@@ -5,6 +5,13 @@ tokenizer files of TOKENIZER_FOLDER (any tokenizer whose ids fit the vocabulary:
 prompts are token ids).
 
     .venv/bin/python studies/random_folder.py random:llama-3.2-1b OUT --tokenizer TOKENIZER_FOLDER
+
+Any other model snapcompile loads is written the same way; `--dtype float32` keeps its values exactly
+and, without --tokenizer, the model's own tokenizer is saved (SmolLM2's GGUF values as float
+weights, which `convert --weights int4` quantizes at every block size, 32 included:
+docs/results/weights.md, "Blocks coarser than 32"):
+
+    .venv/bin/python studies/random_folder.py smollm2-135m-instruct OUT --dtype float32
 """
 from __future__ import annotations
 
@@ -16,14 +23,14 @@ from pathlib import Path
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
 
-def write_folder(name: str, out: Path, tokenizer: Path) -> None:
+def write_folder(name: str, out: Path, tokenizer: Path | None, dtype: str = "bfloat16") -> None:
     import torch
     from safetensors.torch import save_file
 
     from snapcompile.models import load_model
     loaded = load_model(name)
     out.mkdir(parents=True)
-    config = loaded.config.to_dict() | {"architectures": [loaded.spec.architecture], "torch_dtype": "bfloat16"}
+    config = loaded.config.to_dict() | {"architectures": [loaded.spec.architecture], "torch_dtype": dtype}
     (out / "config.json").write_text(json.dumps(config, indent=2))
     shards: dict[str, list[str]] = {}
     for tensor in loaded.tensors.shapes:
@@ -32,9 +39,13 @@ def write_folder(name: str, out: Path, tokenizer: Path) -> None:
     weight_map = {}
     for index, names in enumerate(shards.values()):
         file = f"model-{index:05d}.safetensors"
-        save_file({n: torch.from_numpy(loaded.tensors.read(n)).to(torch.bfloat16) for n in names}, str(out / file))
+        save_file({n: torch.from_numpy(loaded.tensors.read(n)).to(getattr(torch, dtype)) for n in names},
+                  str(out / file))
         weight_map.update(dict.fromkeys(names, file))
     (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    if tokenizer is None:
+        loaded.tokenizer.save_pretrained(out)
+        return
     for file in TOKENIZER_FILES:
         if (tokenizer / file).is_file():
             shutil.copy(tokenizer / file, out / file)
@@ -44,9 +55,11 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("name")
     parser.add_argument("out", type=Path)
-    parser.add_argument("--tokenizer", type=Path, required=True)
+    parser.add_argument("--tokenizer", type=Path, help="a folder whose tokenizer files are copied (default: the "
+                        "model's own tokenizer, saved)")
+    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     args = parser.parse_args()
-    write_folder(args.name, args.out, args.tokenizer)
+    write_folder(args.name, args.out, args.tokenizer, args.dtype)
 
 
 if __name__ == "__main__":

@@ -1,10 +1,12 @@
 """Accuracy evaluation: generated tasks, resumable runs through artifacts, reports."""
 import json
+from dataclasses import replace
 
 import pytest
 from click.testing import CliRunner
 
 from snapcompile.cli import main
+from snapcompile.config import ExportConfig
 from snapcompile.errors import SnapcompileError
 from snapcompile.evaluation import report
 from snapcompile.evaluation.config import EvalConfig
@@ -251,3 +253,34 @@ def test_fidelity_text_is_shipped_data_not_this_interpreter_s_docstrings(tmp_pat
     monkeypatch.setattr(tasks, "FIDELITY_TEXT", changed)
     with pytest.raises(SnapcompileError, match="was modified"):
         tasks.fidelity_text()
+
+
+def test_block_size_shapes_the_evaluated_artifacts_not_the_fp32_reference(tmp_path):
+    from snapcompile.evaluation.store import ResultStore
+    config = EvalConfig("tiny-llama", "fidelity", ("snapstream",), (), (300,), (0.5,), 1, seed=0, ratios=(3,),
+                        weight_format="int4", block_size=64)
+    assert (config.export.weight_format, config.export.block_size) == ("int4", 64)
+    assert config.reference_export == replace(config.export, weight_format="fp32",
+                                              block_size=ExportConfig.block_size)
+    path = tmp_path / "r.json"
+    ResultStore(path, config).add({"id": "x", "policy": "dense"})
+    assert list(ResultStore(path, config).records) == ["x"]
+    with pytest.raises(SnapcompileError, match=r"\(block_size differ\)"):
+        ResultStore(path, replace(config, block_size=32))
+
+
+def test_a_dense_int4_source_of_other_blocks_is_refused(tiny_llama, tmp_path):
+    from snapcompile.compiler.cache import ArtifactCache
+    from tests.conftest import TINY_EXPORT, build_artifact
+    int4 = replace(TINY_EXPORT, weight_format="int4", block_size=32)
+    source = build_artifact(tiny_llama, tmp_path / "int4", export=int4)
+    cache = ArtifactCache(str(source), tmp_path / "cache", log=lambda _: None)
+    with pytest.raises(SnapcompileError, match="holds blocks of 32, not 64"):
+        cache.dense(replace(int4, block_size=64))
+
+
+def test_eval_refuses_a_block_size_the_export_refuses(tmp_path):
+    result = CliRunner().invoke(main, ["eval", "tiny-llama", "--weights", "int4", "--block-size", "48",
+                                       "-o", str(tmp_path / "x.json")])
+    assert result.exit_code == 2 and "--block-size must be a power of two" in result.output
+    assert "Traceback" not in result.output

@@ -42,6 +42,8 @@ DEFAULT_BUDGETS = (256, 512, 1024, 2048)
 @click.option("--weights", type=click.Choice(WEIGHT_FORMATS), default=config_default(ExportConfig, "weight_format"),
               show_default=True, help="Weights of every artifact evaluated: fp32, fp16, int8 or int4 (fidelity "
               "compares them with the fp32 dense model).")
+@click.option("--block-size", default=config_default(ExportConfig, "block_size"), show_default=True,
+              help="int8 / int4: inputs per quantization block (as convert's; GGUF blocks are kept only at 32).")
 @click.option("--generate", default=config_default(EvalConfig, "generate"), show_default=True,
               type=click.IntRange(min=48), help="fidelity: greedy tokens generated per case. Past the budget the "
               "ring wraps: the report adds the agreement after the first B tokens, where each policy's own "
@@ -49,7 +51,7 @@ DEFAULT_BUDGETS = (256, 512, 1024, 2048)
 @report_options("results.json", "eval", "Results JSON; the Markdown table and plots are written beside it. "
                 "An existing results file of the same model, task and seed is resumed and widened.")
 def eval_command(model_or_dir, task, policies, budgets, ratios, lengths, depths, samples, seed, scope, kernel, slots,
-                 weights, generate, cache_dir, output, as_json):
+                 weights, block_size, generate, cache_dir, output, as_json):
     """Accuracy of dense, StreamingLLM and SnapStream artifacts on generated tasks.
 
     Builds (or reuses) the artifacts, runs every case through the engine, and writes OUTPUT
@@ -73,7 +75,8 @@ def eval_command(model_or_dir, task, policies, budgets, ratios, lengths, depths,
     if budgets is None:
         budgets = () if ratios else DEFAULT_BUDGETS
     config = EvalConfig(model_or_dir, task, policies, budgets, lengths, depths, samples, seed, slots=slots,
-                        scope=scope, kernel=kernel, ratios=ratios, weight_format=weights, generate=generate)
+                        scope=scope, kernel=kernel, ratios=ratios, weight_format=weights, block_size=block_size,
+                        generate=generate)
     started = time.perf_counter()
     with progress_bar(desc=f"eval {task}", unit="case", disable=as_json) as bar:
         def progress(advance, total=None):

@@ -50,6 +50,9 @@ class ArtifactCache:
         if own.weight_format != export.weight_format:
             raise SnapcompileError(f"{source} holds {own.weight_format} weights, not {export.weight_format}: "
                                    "give the model itself to evaluate other --weights")
+        if own.quantized and own.block_size != export.block_size:
+            raise SnapcompileError(f"{source} holds blocks of {own.block_size}, not {export.block_size}: "
+                                   "give the model itself to evaluate another --block-size")
         return own
 
     def dense(self, export: ExportConfig) -> Path:

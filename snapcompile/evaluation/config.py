@@ -29,6 +29,7 @@ class EvalConfig:
     kernel: int = PolicyConfig.kernel  # SnapStream's pooling kernel K
     ratios: tuple[int, ...] = ()     # compression ratios: budget = length // ratio, per length
     weight_format: str = "fp32"      # --weights of every artifact (fidelity's reference stays fp32 dense)
+    block_size: int = ExportConfig.block_size  # inputs per int8/int4 quantization block
     generate: int = FIDELITY_TOKENS  # fidelity: greedy tokens generated and compared per case
 
     def __post_init__(self):
@@ -39,6 +40,7 @@ class EvalConfig:
         if any(not 0.0 <= d <= 1.0 for d in self.depths):
             raise SnapcompileError("--depths must lie in [0, 1]")
         PolicyConfig(kernel=self.kernel)      # raises on a kernel the policy refuses
+        ExportConfig(block_size=self.block_size)   # raises on a --block-size the export refuses
         if self.generate < RECALL_CUE + RECALL_TOKENS:
             raise SnapcompileError(f"--generate must be >= {RECALL_CUE + RECALL_TOKENS} tokens")
         if self.samples < 1:
@@ -57,12 +59,12 @@ class EvalConfig:
     def export(self) -> ExportConfig:
         """The shapes of every artifact this evaluation runs."""
         return ExportConfig(slots=self.slots, max_context=self.max_context, chunk=self.chunk,
-                            weight_format=self.weight_format)
+                            weight_format=self.weight_format, block_size=self.block_size)
 
     @property
     def reference_export(self) -> ExportConfig:
         """Fidelity's reference: the dense artifact with fp32 weights."""
-        return replace(self.export, weight_format="fp32")
+        return replace(self.export, weight_format="fp32", block_size=ExportConfig.block_size)
 
     def budgets_for(self, length: int) -> list[int]:
         """Budgets evaluated at `length`: the fixed budgets below it (a budget >= the prompt

@@ -95,9 +95,10 @@ class ResultStore:
 
     @staticmethod
     def _check_config(stored: dict, config: EvalConfig, path: Path) -> None:
-        if not _same_results(stored, config):
-            raise SnapcompileError(f"{path} holds results of another model, task, seed, scope, kernel or "
-                                   "artifact shape: delete it or change -o")
+        differing = _differing_fields(stored, config)
+        if differing:
+            raise SnapcompileError(f"{path} holds results of another model, task, seed, scope, kernel, weights or "
+                                   f"artifact shape ({', '.join(differing)} differ): delete it or change -o")
 
     @staticmethod
     def record_id(case: Case, policy: str, budget: int | None) -> str:
@@ -111,14 +112,15 @@ class ResultStore:
         append_partial(self.path, self.config_json, record)
 
 
-_SAME_RESULTS = ("source", "task", "seed", "slots", "chunk", "scope", "kernel", "weight_format", "generate")
+_SAME_RESULTS = ("source", "task", "seed", "slots", "chunk", "scope", "kernel", "weight_format", "block_size",
+                 "generate")
 
 
-def _same_results(stored: dict, config: EvalConfig) -> bool:
-    """Whether records stored under configuration `stored` are valid for `config`: same fields of
-    `_SAME_RESULTS` (those it predates count as their defaults) and the same artifact shape (its
-    longest length)."""
+def _differing_fields(stored: dict, config: EvalConfig) -> list[str]:
+    """The fields of `_SAME_RESULTS` in which records stored under configuration `stored` differ from
+    `config` (those it predates count as their defaults), and "lengths" where the artifact shape (its
+    longest length) differs: records are valid for `config` when there are none."""
     current = json.loads(json.dumps(asdict(config)))
     defaults = config_defaults(EvalConfig)
-    same = all(stored.get(k, defaults.get(k)) == current[k] for k in _SAME_RESULTS)
-    return same and max(stored.get("lengths") or [0]) == max(config.lengths)
+    differing = [k for k in _SAME_RESULTS if stored.get(k, defaults.get(k)) != current[k]]
+    return differing + (["lengths"] if max(stored.get("lengths") or [0]) != max(config.lengths) else [])

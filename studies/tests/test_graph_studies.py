@@ -65,6 +65,19 @@ def test_random_folder_writes_the_weights_snapcompile_reads(tmp_path, tiny_llama
         np.testing.assert_array_equal(written.tensors.read(name), bf16)
 
 
+def test_random_folder_in_float32_keeps_every_value_and_the_model_s_own_tokenizer(tmp_path, tiny_llama):
+    import numpy as np
+
+    from snapcompile.models import load_model
+    done = _study("random_folder.py", "tiny-llama", tmp_path / "hf", "--dtype", "float32")
+    assert done.returncode == 0, done.stderr
+    written = load_model(str(tmp_path / "hf"))
+    for name in written.tensors.shapes:
+        np.testing.assert_array_equal(written.tensors.read(name), tiny_llama.tensors.read(name))
+    text = "the pass key is 12345"
+    assert written.tokenizer(text)["input_ids"] == tiny_llama.tokenizer(text)["input_ids"]
+
+
 def test_n_samples_bench_compares_a_shared_prefill_with_separate_requests(tiny_snap_dir):
     """studies/n_samples_bench.py: both runs draw the same samples; the summary line has both times."""
     done = _study("n_samples_bench.py", tiny_snap_dir, "--n", 3, "--prompt-tokens", 200, "--new-tokens", 4,
