@@ -207,3 +207,22 @@ def test_cli_convert_inspect_run_validate_int4(tmp_path):
     assert_one_line_error(too_big_block, "does not divide the 64 inputs")
     assert_one_line_error(invoke("export", "tiny-llama", "-o", tmp_path / "x", "--block-size", 24), "power of two")
     assert_one_line_error(invoke("export", "tiny-llama", "-o", tmp_path / "x", "--weights", "int2"), "--weights")
+
+
+@pytest.mark.parametrize("block, kept", [(32, True), (64, False)])
+def test_a_gguf_tensor_quantized_again_is_counted_and_convert_warns_of_it(block, kept, capsys):
+    from types import SimpleNamespace
+
+    from snapcompile.cli.convert import warn_requantized_gguf
+    from snapcompile.export.weights import Quantizer
+    weight = np.random.default_rng(3).standard_normal((6, 128)).astype(np.float32)
+    raw = gguf_quantize(weight, gguf.GGMLQuantizationType.Q4_1)
+    name = "model.layers.0.mlp.up_proj.weight"
+    blocks = {name: (*_split_blocks(raw, "Q4_1"), 8)}
+    quantizer = Quantizer(ExportConfig(weight_format="int4", block_size=block), blocks)
+    matrix = quantizer(name, dequantize(raw, gguf.GGMLQuantizationType.Q4_1))
+    report = quantizer.report()
+    assert (matrix.exact_blocks > 0) == kept and report["gguf_tensors_requantized"] == (0 if kept else 1)
+    warn_requantized_gguf(SimpleNamespace(weights_report=report, export=ExportConfig(block_size=block)))
+    warning = capsys.readouterr().err
+    assert ("quantized blocks of 1 tensor were quantized again at blocks of 64" in warning) != kept

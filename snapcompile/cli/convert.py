@@ -25,7 +25,8 @@ _export_options = option_group(
                       "blocks the file's own values are kept where the format holds them exactly."),
     click.option("--block-size", default=default(ExportConfig, "block_size"), show_default=True,
                  help="Inputs per int8/int4 quantization block (a power of two >= 16 dividing every layer's "
-                      "input size; GGUF blocks are kept only at 32)."),
+                      "input size). A GGUF's own blocks are kept only at 32: other sizes round its values a "
+                      "second time, which costs accuracy."),
     click.option("--slot-buckets/--no-slot-buckets", default=default(ExportConfig, "slot_buckets"),
                  show_default=True,
                  help="Also write decode graphs for 1, 2, 4, ... slots below N, so that a step with few active "
@@ -94,6 +95,7 @@ def export(model, output, force, **export_args):
         manifest = compile_artifact(model, export_cfg, PolicyConfig(policy="dense"), output, force=force,
                                     progress=progress, on_tensor=on_tensor)
     click.echo(f"wrote {output} ({', '.join(manifest.graphs)} graphs); {peak_memory()}")
+    warn_requantized_gguf(manifest)
 
 
 @click.command()
@@ -117,6 +119,7 @@ def convert(model, output, force, lowering, slots, max_context, chunk, weight_fo
                                     on_tensor=on_tensor)
     click.echo(f"wrote {output}: policy {policy.policy}, {decode_blocks(manifest)} attention blocks rewritten; "
                f"{peak_memory()}")
+    warn_requantized_gguf(manifest)
 
 
 @click.command()
@@ -168,6 +171,17 @@ def peak_memory() -> str:
     from snapcompile.bench.machine import peak_rss_bytes
     from snapcompile.memory import gib
     return f"peak RSS {gib(peak_rss_bytes())}"
+
+
+def warn_requantized_gguf(manifest) -> None:
+    """On stderr: how many of a GGUF's own quantized tensors were rounded a second time (its blocks
+    are kept exactly only at --block-size 32, with at least the file's bits)."""
+    count = manifest.weights_report.get("gguf_tensors_requantized", 0)
+    if count:
+        click.echo(f"warning: the GGUF file's quantized blocks of {count} tensor{'s' * (count != 1)} were quantized "
+                   f"again at blocks of {manifest.export.block_size} (the file's blocks are kept exactly only at "
+                   "--block-size 32 with --weights of at least the file's bits): a second rounding, which costs "
+                   "accuracy (docs/results/weights.md, \"Blocks coarser than 32\")", err=True)
 
 
 def decode_blocks(manifest) -> int:

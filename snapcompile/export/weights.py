@@ -32,7 +32,7 @@ class Quantizer:
         self.bits = QUANT_BITS[export.weight_format]
         self.block_size = export.block_size
         self.gguf = gguf_blocks or {}
-        self.exact = self.requantized = self.tensors = 0
+        self.exact = self.requantized = self.tensors = self.gguf_requantized = 0
 
     def __call__(self, hf_name: str, weight: np.ndarray, head: bool = False) -> BlockQuantized:
         from snapcompile.export.gguf_blocks import GGUF_BLOCK, kept_blocks
@@ -42,6 +42,7 @@ class Quantizer:
             matrix = kept_blocks(self.gguf[hf_name], weight, bits)
         if matrix is None:
             matrix = quantize(weight, bits, self.block_size, hf_name)
+            self.gguf_requantized += hf_name in self.gguf
         self.tensors += 1
         self.exact += matrix.exact_blocks
         self.requantized += matrix.requantized_blocks
@@ -50,7 +51,7 @@ class Quantizer:
     def report(self) -> dict:
         return {"tensors": self.tensors, "block_size": self.block_size, "bits": self.bits, "head_bits": HEAD_BITS,
                 "exact_blocks": self.exact, "requantized_blocks": self.requantized,
-                "gguf_source": bool(self.gguf)}
+                "gguf_source": bool(self.gguf), "gguf_tensors_requantized": self.gguf_requantized}
 
 
 class Weights:
