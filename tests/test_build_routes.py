@@ -1,7 +1,8 @@
 """One build route: `convert`, the measuring tools' ArtifactCache, `export` + `compress`, and the test
 fixtures give byte-identical artifacts for the same inputs, the same as before the refactor that made
-them one (tests/data/golden_artifacts.json, written by this file run as a script at 0ece7a6), and the
-measuring tools default to the shapes `convert` writes."""
+them one (tests/data/golden_artifacts.json, written by `PYTHONPATH=. python tests/test_build_routes.py` at
+0ece7a6; its manifest hashes again at 4e3faa6, whose weights report added gguf_tensors_requantized and
+nothing else), and the measuring tools default to the shapes `convert` writes."""
 from __future__ import annotations
 
 import hashlib

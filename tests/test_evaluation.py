@@ -127,7 +127,8 @@ def test_eval_cli_writes_json_markdown_and_plots(tmp_path):
     snap = [r for r in payload["summary"] if r["policy"] == "snapstream"][0]
     assert 0.0 <= snap["agreement"] <= 1.0 and snap["kl"] >= 0.0
     assert (snap["budget"], snap["ratio"]) == (100, 3), "--ratios alone: budget = length // ratio"
-    assert (tmp_path / "fid.md").is_file() and (tmp_path / "fid-budget.png").stat().st_size > 1000
+    assert (tmp_path / "fid.md").read_text().startswith("fidelity on tiny-llama: fp32 weights, seed 0,")
+    assert (tmp_path / "fid-budget.png").stat().st_size > 1000
     assert (tmp_path / "fid-length.png").stat().st_size > 1000, "--ratios rows get an accuracy-vs-length plot"
     assert not (tmp_path / "fid.json.partial.jsonl").exists(), "a finished run leaves only its results"
     from snapcompile.evaluation.config import EvalConfig
@@ -265,6 +266,8 @@ def test_block_size_shapes_the_evaluated_artifacts_not_the_fp32_reference(tmp_pa
     path = tmp_path / "r.json"
     ResultStore(path, config).add({"id": "x", "policy": "dense"})
     assert list(ResultStore(path, config).records) == ["x"]
+    assert report.heading(config).startswith("fidelity on tiny-llama: int4 weights in blocks of 64, seed 0")
+    assert "blocks" not in report.heading(replace(config, weight_format="fp16")), "float weights have no blocks"
     with pytest.raises(SnapcompileError, match=r"\(block_size differ\)"):
         ResultStore(path, replace(config, block_size=32))
 

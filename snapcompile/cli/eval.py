@@ -90,7 +90,7 @@ def eval_command(model_or_dir, task, policies, budgets, ratios, lengths, depths,
     lost = report.lost_cases(records) if task != "fidelity" else []
     payload = {"config": json.loads(json.dumps(config.__dict__)), "summary": rows, "lost": lost,
                "records": sorted(records, key=lambda r: r["id"]), "seconds_this_run": seconds}
-    write_report(output, payload, report.markdown(rows, task) + report.lost_markdown(lost),
+    write_report(output, payload, report.heading(config) + report.markdown(rows, task) + report.lost_markdown(lost),
                  lambda stem: report.plots(rows, records, task, stem),
                  {"summary": rows, "seconds_this_run": seconds}, as_json, f"{seconds:.0f} s this run")
     partial_path(output).unlink(missing_ok=True)      # its records are in OUTPUT now

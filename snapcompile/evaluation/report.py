@@ -101,6 +101,14 @@ def _percent(value) -> str:
     return "—" if value is None else f"{100 * value:.0f}%"
 
 
+def heading(config) -> str:
+    """The line above an evaluation's tables: what was evaluated (model, weights and their block
+    size, seed, SnapStream's kernel and scope), so a table read alone says which artifacts it measured."""
+    blocks = f" in blocks of {config.block_size}" if config.weight_format in ("int8", "int4") else ""
+    return (f"{config.task} on {config.source}: {config.weight_format} weights{blocks}, seed {config.seed}, "
+            f"SnapStream kernel {config.kernel} scope {config.scope}, {config.slots} slots\n\n")
+
+
 def markdown(rows: list[dict], task: str) -> str:
     """The results table; for retrieval tasks a second table of accuracy retained vs dense."""
     lengths = sorted({r["length"] for r in rows})
