@@ -18,6 +18,10 @@ STEPS=${STEPS:-32}
 OV_BENCH=${OV_BENCH:-../shared/peers/ov_bench.py}
 : "${OV_VENV:?the OpenVINO GenAI venv}" "${OV_MODEL:?the exported OpenVINO model folder}" \
   "${ARTIFACT:?the snapcompile artifact}" "${SLOTS:?slot counts, e.g. 1 4}" "${BUDGET:?the budget B of the artifact}"
+if [[ -n "${LLAMA_BATCHED_BENCH:-}" ]]; then
+    : "${LLAMA_GGUF:?the Q4_0 GGUF llama-batched-bench reads}"
+    most=$(tr ' ' '\n' <<<"$SLOTS" | sort -n | tail -1)   # its context holds every sequence's tokens
+fi
 for round in $(seq "$ROUNDS"); do
     echo "round $round $(cut -d' ' -f1-3 /proc/loadavg)"
     .venv/bin/python studies/artifact_point.py "$ARTIFACT" --context "$CONTEXT" --slots "${SLOTS// /,}" \
@@ -27,8 +31,7 @@ for round in $(seq "$ROUNDS"); do
             --evict --start 32 --recent 128 --max-cache "$BUDGET" --snapkv-window 32 --label "batch $batch" | grep RESULT
     done
     if [[ -n "${LLAMA_BATCHED_BENCH:-}" ]]; then
-        most=$(tr ' ' '\n' <<<"$SLOTS" | sort -n | tail -1)
-        /usr/bin/time -f "llama.cpp peak RSS %M KiB" "$LLAMA_BATCHED_BENCH" -m "${LLAMA_GGUF:?the Q4_0 GGUF}" \
+        /usr/bin/time -f "llama.cpp peak RSS %M KiB" "$LLAMA_BATCHED_BENCH" -m "$LLAMA_GGUF" \
             -c $((most * (CONTEXT + STEPS))) -npp "$CONTEXT" -ntg "$STEPS" -npl "${SLOTS// /,}" -t 2 -tb 2 \
             --output-format jsonl 2>&1 | grep -E '^\{|peak RSS'
     fi
