@@ -1,6 +1,7 @@
 """Prefill pass: a per-row logit bias on the cache, for the summary rows of a resumed turn.
 
-Adds per layer the input cache_bias.{i} [1, Hkv, R] float32 (R: the graph's cache rows), added to
+Adds per layer the input cache_bias.{i} [1, Hkv, R] float32 (R: the graph's cache rows, symbolic in
+ONNX Runtime's graph of the family), added to
 every query's logit of cache row r of KV head h: 0 for an ordinary row, log(n) for a row that
 stands for n dropped rows (their mean key and value, `sessions/summaries.py`), MASK_MIN for an
 empty one. Layer i's mask (the joined attention's, shared by every layer before) becomes
@@ -13,6 +14,7 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
+from snapcompile.graphs.builder import reshape_dims
 from snapcompile.graphs.editor import GraphEditor, finalize
 from snapcompile.models.spec import ModelSpec
 from snapcompile.passes.match import MatchFailure, find_attention_blocks
@@ -32,7 +34,7 @@ def add_cache_bias(model: onnx.ModelProto, spec: ModelSpec, name: str = "prefill
             raise MatchFailure(f"{name}: Softmax node {block.softmax.name!r} is not a joined (prefill) block")
         bias = gs.Variable(INPUT.format(i), dtype=np.float32, shape=[1, hkv, rows])
         graph.inputs.append(bias)
-        per_row = edit.op("Reshape", bias, edit.const([1, hkv, 1, 1, rows]))
+        per_row = edit.op("Reshape", bias, edit.const(reshape_dims([1, hkv, 1, 1, rows])))
         padded = edit.op("Concat", per_row, zeros, axis=-1)
         block.cache_mask_add.inputs[1] = edit.op("Add", block.cache_mask_add.inputs[1], padded)
     return finalize(graph, name), {"pass": "add_cache_bias", "graph": name, "blocks_rewritten": len(blocks)}

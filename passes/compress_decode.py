@@ -13,6 +13,7 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from snapcompile.graphs.attention import additive_mask
+from snapcompile.graphs.builder import reshape_dims
 from snapcompile.graphs.editor import GraphEditor, finalize
 from snapcompile.passes.match import find_attention_blocks
 
@@ -20,7 +21,8 @@ from snapcompile.passes.match import find_attention_blocks
 def compress_decode(model: onnx.ModelProto, num_layers: int, slot_rows: int,
                     name: str = "decode") -> tuple[onnx.ModelProto, dict]:
     """slot_rows: R, the cache rows of a slot. name: the decode graph's name ("decode", or
-    "decode_<slots>"), for errors and the report (whose "budget" is R, as artifacts record it)."""
+    "decode_<slots>"), for errors and the report (whose "budget" is R, as artifacts record it).
+    The slots may be symbolic (ONNX Runtime's graph of the family)."""
     graph = gs.import_onnx(model)
     blocks = find_attention_blocks(graph, num_layers, name, split_only=True)
     edit = GraphEditor(graph, "compress_decode")
@@ -46,5 +48,5 @@ def _ring_mask(edit: GraphEditor, slots: int, rows: int) -> gs.Variable:
     filled = edit.op("Less", row, cache_len_col)
     not_written = edit.op("Not", edit.op("Equal", row, write_index_col))
     additive = additive_mask(edit, edit.op("And", filled, not_written))               # [N, R]
-    return edit.op("Reshape", additive, edit.const([slots, 1, 1, rows]), dtype=np.float32,
+    return edit.op("Reshape", additive, edit.const(reshape_dims([slots, 1, 1, rows])), dtype=np.float32,
                    shape=[slots, 1, 1, rows])

@@ -5,15 +5,14 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import onnx
-
 from snapcompile.artifact.files import check_files, copy_support_files
-from snapcompile.artifact.manifest import WEIGHTS, Manifest, read_manifest
-from snapcompile.artifact.naming import graph_name, is_decode_graph, is_prefill_graph, select_rows
-from snapcompile.artifact.onnx_io import load_graph, save_graphs
+from snapcompile.artifact.manifest import ORT_WEIGHTS, WEIGHTS, Manifest, read_manifest
+from snapcompile.artifact.naming import FAMILY_SIZES, graph_name, is_decode_graph, is_prefill_graph, select_rows
+from snapcompile.artifact.onnx_io import GraphSet, load_graph, load_ort_graph, save_graphs
 from snapcompile.atomic import atomic_directory
 from snapcompile.config import LOWERINGS, PolicyConfig
 from snapcompile.errors import SnapcompileError
+from snapcompile.graphs.builder import SymbolicSize
 from snapcompile.graphs.select import SelectionWriter, plugin_select_graph
 from snapcompile.passes.cache_bias import add_cache_bias
 from snapcompile.passes.compress_decode import compress_decode
@@ -23,26 +22,29 @@ from snapcompile.passes.snapkv_prefill import add_window_queries
 
 def compress_artifact(dense_dir: Path, output: Path, policy: PolicyConfig, force: bool = False,
                       lowering: str = "standard") -> Manifest:
-    """Rewrite dense_dir's graphs for `policy` into `output` (the weights file copied, not rewritten)."""
+    """Rewrite dense_dir's graphs for `policy` into `output` (the weights files copied, not rewritten)."""
     dense_dir = Path(dense_dir)
     if os.path.abspath(dense_dir) == os.path.abspath(output):
         raise SnapcompileError("the output folder is the input artifact; choose another output")
     manifest = read_manifest(dense_dir)
     check_files(dense_dir, manifest)
-    graphs = {name: load_graph(dense_dir, manifest, name) for name in manifest.graphs}
+    graphs = GraphSet({name: load_graph(dense_dir, manifest, name) for name in manifest.graphs},
+                      {name: load_ort_graph(dense_dir, manifest, name) for name in manifest.ort_graphs})
     with atomic_directory(Path(output), force=force) as staging:
-        manifest.graphs = {}
+        manifest.graphs, manifest.ort_graphs = {}, {}
         graphs = compress_graphs(graphs, manifest, policy, lowering)
         copy_support_files(dense_dir, manifest, staging)
-        save_graphs(staging, graphs, manifest, weights_source=dense_dir / WEIGHTS)
+        save_graphs(staging, graphs, manifest, weights_source=dense_dir / WEIGHTS,
+                    ort_weights_source=dense_dir / ORT_WEIGHTS)
     return manifest
 
 
-def compress_graphs(graphs: dict[str, onnx.ModelProto], manifest: Manifest,
-                    policy: PolicyConfig, lowering: str = "standard") -> dict[str, onnx.ModelProto]:
-    """Rewrite dense prefill/decode graphs for `policy`; updates manifest.policy, .lowering and
-    .passes. lowering "plugin" writes the compressed decode attention and the selection as custom
-    op nodes (plugins.contracts)."""
+def compress_graphs(graphs: GraphSet, manifest: Manifest, policy: PolicyConfig,
+                    lowering: str = "standard") -> GraphSet:
+    """Rewrite dense prefill/decode graphs (the static ones and ONNX Runtime's) for `policy`; updates
+    manifest.policy, .lowering and .passes. lowering "plugin" writes the compressed decode attention
+    and the selection as custom op nodes (plugins.contracts); ONNX Runtime then runs those graphs from
+    their static files (naming.ort_graphs)."""
     if lowering not in LOWERINGS:
         raise SnapcompileError(f"unknown lowering {lowering!r}; choose standard or plugin")
     if lowering == "plugin" and not policy.compressed:
@@ -53,7 +55,7 @@ def compress_graphs(graphs: dict[str, onnx.ModelProto], manifest: Manifest,
     if not policy.compressed:
         manifest.policy = policy
         return graphs
-    out = dict(graphs)
+    out = GraphSet(dict(graphs.static), dict(graphs.ort))
     try:
         _compress_decode(out, manifest, policy, lowering)
         if policy.summaries:
@@ -66,39 +68,54 @@ def compress_graphs(graphs: dict[str, onnx.ModelProto], manifest: Manifest,
     return out
 
 
-def _compress_decode(graphs: dict[str, onnx.ModelProto], manifest: Manifest, policy: PolicyConfig,
-                     lowering: str) -> None:
-    """Every decode graph (one per slot bucket) gets the ring cache, and the plugin nodes."""
+def _compress_decode(graphs: GraphSet, manifest: Manifest, policy: PolicyConfig, lowering: str) -> None:
+    """Every decode graph (one per slot bucket) gets the ring cache, and the plugin nodes; ONNX Runtime's
+    decode graph the ring cache (the plugin lowering's decode graphs run from their static files)."""
     layers = manifest.spec.num_layers
-    for name in filter(is_decode_graph, list(graphs)):
-        graphs[name], report = compress_decode(graphs[name], layers, policy.slot_rows, name)
+    for name in filter(is_decode_graph, list(graphs.static)):
+        graphs.static[name], report = compress_decode(graphs.static[name], layers, policy.slot_rows, name)
         manifest.passes.append(report)
         if lowering == "plugin":
             from snapcompile.passes.lower_plugin import lower_decode
-            graphs[name], report = lower_decode(graphs[name], layers, name)
+            graphs.static[name], report = lower_decode(graphs.static[name], layers, name)
             manifest.passes.append(report)
+    if lowering == "plugin":
+        graphs.ort.pop("decode", None)
+    elif "decode" in graphs.ort:
+        graphs.ort["decode"], _ = compress_decode(graphs.ort["decode"], layers, policy.slot_rows, ORT_NAME)
 
 
-def _add_cache_bias(graphs: dict[str, onnx.ModelProto], manifest: Manifest) -> None:
+ORT_NAME = "ONNX Runtime's decode"     # what a pass's errors call ONNX Runtime's graph of a family
+
+
+def _add_cache_bias(graphs: GraphSet, manifest: Manifest) -> None:
     """Every prefill graph takes the summary rows' logit bias (standard ops in both lowerings)."""
-    for name in filter(is_prefill_graph, list(graphs)):
-        graphs[name], report = add_cache_bias(graphs[name], manifest.spec, name)
+    for name in filter(is_prefill_graph, list(graphs.static)):
+        graphs.static[name], report = add_cache_bias(graphs.static[name], manifest.spec, name)
         manifest.passes.append(report)
+    for name in filter(is_prefill_graph, list(graphs.ort)):
+        graphs.ort[name], _ = add_cache_bias(graphs.ort[name], manifest.spec, f"ONNX Runtime's {name}")
 
 
-def _add_selection(graphs: dict[str, onnx.ModelProto], manifest: Manifest, policy: PolicyConfig,
-                   lowering: str) -> None:
-    """Window-query outputs on every prefill graph, and the select graphs (one per bucket above P)."""
+def _add_selection(graphs: GraphSet, manifest: Manifest, policy: PolicyConfig, lowering: str) -> None:
+    """Window-query outputs on every prefill graph, and the select graphs (one per bucket above P, and
+    ONNX Runtime's one for them all with the standard lowering)."""
     spec = manifest.spec
-    for name in filter(is_prefill_graph, list(graphs)):
-        graphs[name], report = add_window_queries(graphs[name], spec, policy.window, name)
+    for name in filter(is_prefill_graph, list(graphs.static)):
+        graphs.static[name], report = add_window_queries(graphs.static[name], spec, policy.window, name)
         manifest.passes.append(report)
+    for name in filter(is_prefill_graph, list(graphs.ort)):
+        graphs.ort[name], _ = add_window_queries(graphs.ort[name], spec, policy.window, f"ONNX Runtime's {name}")
     for rows in select_rows(manifest.export, policy):
         name = graph_name("select", rows, manifest.export.max_context)
         if lowering == "plugin":
-            graphs[name] = plugin_select_graph(spec, policy, rows, name)
+            graphs.static[name] = plugin_select_graph(spec, policy, rows, name)
         else:
-            graphs[name] = SelectionWriter(spec, policy, rows, name).build()
-        layers = sum(output.name.startswith("selected_index.") for output in graphs[name].graph.output)
+            graphs.static[name] = SelectionWriter(spec, policy, rows, name).build()
+        layers = sum(output.name.startswith("selected_index.") for output in graphs.static[name].graph.output)
         manifest.passes.append({"pass": "snapkv_select" if lowering == "standard" else "lower_plugin",
                                 "graph": name, "blocks_rewritten": layers, "scope": policy.scope})
+    if lowering == "standard":
+        size = FAMILY_SIZES["select"]
+        rows = SymbolicSize(size.name, size.source, size.axis, manifest.export.max_context)
+        graphs.ort["select"] = SelectionWriter(spec, policy, rows, "select").build()

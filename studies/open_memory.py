@@ -2,17 +2,15 @@
 the artifact's own estimate (`inspect`'s memory to run).
 
     .venv/bin/python studies/open_memory.py ARTIFACT [--prompt-tokens N] [--requests R --short-tokens S]
-        [--decode-tokens D] [--session-a-graph]
+        [--decode-tokens D]
 
 Prints one JSON line: rss_before_open (the process with its libraries imported), rss_open (every
 graph open), peak_rss (after a prompt of N random tokens, default 0: none, and R - 1 prompts of S
 tokens beside it, each decoding D tokens: with R = slots and D past the ring's rows every slot's
 cache is written, the worst case the estimate is for),
 after (RssAnon and RssFile once it ended), estimate and estimate_parts
-(footprint.memory_needed). --session-a-graph opens every graph in a session of its own (as
-before runtime/shape_family.py), to measure in one sitting what one session a family saves. To
-compare two code versions, run it from each checkout in
-turn, alternating (docs/results/memory.md).
+(footprint.memory_needed). To compare two code versions, run it from each checkout in turn,
+alternating (docs/results/memory.md).
 """
 from __future__ import annotations
 
@@ -29,7 +27,6 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=1)
     parser.add_argument("--short-tokens", type=int, default=1024)
     parser.add_argument("--decode-tokens", type=int, default=4)
-    parser.add_argument("--session-a-graph", action="store_true")
     args = parser.parse_args()
     from snapcompile.artifact.files import artifact_tokenizer
     from snapcompile.artifact.footprint import memory_needed
@@ -39,7 +36,7 @@ def main() -> None:
     from snapcompile.memory import process_status_kib
     from snapcompile.runtime import open_backend
     before = rss_bytes()
-    backend = open_backend(args.artifact, family_sessions=not args.session_a_graph)
+    backend = open_backend(args.artifact)
     backend.make_graphs()
     opened = rss_bytes()
     if args.prompt_tokens:

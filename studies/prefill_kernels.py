@@ -17,7 +17,7 @@ Prints JSON lines:
   at M rows a product (the layer's seven products summed, times layers and chunks);
 - `chunk_ops` (with --graph): one chunk of that graph at --start filled rows, by op type, from ONNX
   Runtime's profiler (4 runs after a first; the graph's DequantizeLinear + MatMul pairs fused into
-  MatMulNBits at accuracy level 4 by the session, the kernel `runtime/ort_form.py` writes).
+  MatMulNBits at accuracy level 4 by the session, the kernel the export writes for ONNX Runtime).
 Random values throughout: the timings do not depend on them.
 """
 from __future__ import annotations

@@ -5,9 +5,10 @@ Adds) and N removed ones (Identities), which separate what a node costs from wha
 
     .venv/bin/python studies/session_cost.py ARTIFACT [--synthetic 1000,3000]
 
-Prints one JSON line for opening (which makes the smallest decode graph and the weights' packed
-copy), then one per other graph of the artifact: anonymous RSS added by making it, in MiB, and its
-nodes as `runtime/ort_form.py` writes them and after ONNX Runtime's optimizations;
+Prints one JSON line for opening (which makes the decode graph and the weights' packed copy), then
+one per other ONNX Runtime graph of the artifact (naming.ort_graphs: one a family): anonymous RSS
+added by making it, in MiB, and its nodes as the export writes them and after ONNX Runtime's
+optimizations;
 and, printed first, one line per synthetic graph (the median of 4 sessions' additions).
 """
 from __future__ import annotations
@@ -45,24 +46,28 @@ def optimized_nodes(model_bytes: bytes, arrays: dict, folder: str) -> int:
 
 
 def artifact_sessions(folder: str) -> None:
-    from snapcompile.artifact.onnx_io import load_graph
+    from onnx import TensorProto
+
+    from snapcompile.artifact.onnx_io import load_ort_graph
     from snapcompile.runtime import open_backend
-    from snapcompile.runtime.ort_form import ort_form
     before = anonymous_mib()
     backend = open_backend(folder)
-    note = "opening makes the smallest decode graph: the weights and their packed copy"
+    note = "opening makes the decode graph: the weights and their packed copy"
     print(json.dumps({"graph": "open", "added_mib": round(anonymous_mib() - before, 1), "note": note}), flush=True)
-    device, rows = backend.device, []
+    device, manifest, rows = backend.device, backend.manifest, []
     for graph in backend._graphs():
-        if graph.graph is not None:
+        if graph.graph is not None or manifest.ort_graph_of(graph.name) in device.made:
+            graph.make()        # another binding of a session made already
             continue
         gc.collect()
         before = anonymous_mib()
         graph.make()
         gc.collect()
-        rows.append({"graph": graph.name, "added_mib": round(anonymous_mib() - before, 1)})
+        rows.append({"graph": manifest.ort_graph_of(graph.name), "added_mib": round(anonymous_mib() - before, 1)})
     for row in rows:        # counted after every measurement: counting makes and drops a session of its own
-        model, arrays = ort_form(load_graph(backend.folder, backend.manifest, row["graph"]), device.weights, 4)
+        model = load_ort_graph(backend.folder, manifest, row["graph"])
+        arrays = {t.name: device.weights.array(t) for t in model.graph.initializer
+                  if t.data_location == TensorProto.EXTERNAL}
         row |= {"nodes": len(model.graph.node), "nodes_optimized": optimized_nodes(model.SerializeToString(), arrays,
                                                                                    folder)}
         print(json.dumps(row), flush=True)

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from snapcompile.artifact.manifest import MANIFEST, WEIGHTS
+from snapcompile.errors import SnapcompileError
 from tests.cli_helpers import assert_one_line_error, edit_manifest, invoke, rerecord_checksums
 
 REPO = Path(__file__).resolve().parents[1]
@@ -35,13 +36,15 @@ def test_symlinked_file_is_refused(artifact, tmp_path):
 
 
 def test_external_data_outside_the_weights_file_is_refused(artifact, tmp_path):
+    """In the static graphs (compress reads them) and in ONNX Runtime's (run opens them)."""
     import onnx
-    model = onnx.load(str(artifact / "prefill.onnx"), load_external_data=False)
-    for tensor in model.graph.initializer:
-        for entry in tensor.external_data:
-            if entry.key == "location":
-                entry.value = "../secret.bin"
-    onnx.save_model(model, str(artifact / "prefill.onnx"))
+    for name in ("prefill.onnx", "ort_prefill.onnx"):
+        model = onnx.load(str(artifact / name), load_external_data=False)
+        for tensor in model.graph.initializer:
+            for entry in tensor.external_data:
+                if entry.key == "location":
+                    entry.value = "../secret.bin"
+        onnx.save_model(model, str(artifact / name))
     rerecord_checksums(artifact)
     assert_one_line_error(invoke("compress", artifact, "-o", tmp_path / "snap", "--budget", 64, "--window", 8),
                           "reads external data from '../secret.bin'")
@@ -67,6 +70,33 @@ def test_flipped_byte_in_the_weights_is_detected(artifact):
     assert_one_line_error(invoke("run", artifact, "--prompt", "hi"), "does not match its sha256")
     assert_one_line_error(invoke("inspect", artifact), "does not match its sha256")
     assert invoke("inspect", artifact, "--no-verify").exit_code == 0      # sizes only, on request
+
+
+def test_a_verified_large_file_is_hashed_again_only_once_it_changes(artifact, monkeypatch, tmp_path):
+    """The record of a verified sha256 (files.remember_sha256) stands while the file's inode, size and
+    times are the same; a same-size edit is hashed again and refused; inspect hashes every file."""
+    from snapcompile.artifact import files
+    from snapcompile.artifact.manifest import read_manifest
+    monkeypatch.setattr(files, "REMEMBERED_BYTES", 0)
+    monkeypatch.setenv("SNAPCOMPILE_CACHE", str(tmp_path / "cache"))
+    hashed, real = [], files.file_sha256
+    monkeypatch.setattr(files, "file_sha256", lambda path: hashed.append(Path(path).name) or real(path))
+    manifest = read_manifest(artifact)
+    files.check_files(artifact, manifest)
+    assert sorted(hashed) == sorted(manifest.files)
+    hashed.clear()
+    files.check_files(artifact, manifest)
+    assert hashed == []
+    files.check_files(artifact, manifest, remembered=False)
+    assert sorted(hashed) == sorted(manifest.files)
+    with open(artifact / WEIGHTS, "r+b") as handle:
+        byte = handle.read(1)
+        handle.seek(0)
+        handle.write(bytes([byte[0] ^ 0x10]))
+    hashed.clear()
+    with pytest.raises(SnapcompileError, match="does not match its sha256"):
+        files.check_files(artifact, manifest)
+    assert hashed == [WEIGHTS]
 
 
 @pytest.mark.parametrize("damage, fragment", [
@@ -167,10 +197,12 @@ def _huge_node(model, kind: str):
     ("ConstantOfShape", "would allocate 1,099,511,627,776 elements"), ("Expand", "would allocate"),
     ("Tile", "would allocate"), ("running value", "cannot be known at load"), ("If", "no control flow")])
 def test_a_graph_that_would_allocate_past_its_shapes_is_refused_at_load(artifact, kind, fragment):
+    """In the static graphs (inspect checks them) and in ONNX Runtime's (run opens them)."""
     import onnx
-    model = onnx.load(str(artifact / "decode.onnx"), load_external_data=False)
-    _huge_node(model, kind)
-    onnx.save_model(model, str(artifact / "decode.onnx"))
+    for name in ("decode.onnx", "ort_decode.onnx"):
+        model = onnx.load(str(artifact / name), load_external_data=False)
+        _huge_node(model, kind)
+        onnx.save_model(model, str(artifact / name))
     rerecord_checksums(artifact)
     assert_one_line_error(invoke("run", artifact, "--prompt", "hi"), fragment)
     assert_one_line_error(invoke("inspect", artifact), "hostile")

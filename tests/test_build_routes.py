@@ -2,7 +2,8 @@
 fixtures give byte-identical artifacts for the same inputs, the same as before the refactor that made
 them one (tests/data/golden_artifacts.json, written by `PYTHONPATH=. python tests/test_build_routes.py` at
 0ece7a6; its manifest hashes again at 4e3faa6, whose weights report added gguf_tensors_requantized and
-nothing else), and the measuring tools default to the shapes `convert` writes."""
+nothing else; at format 6, whose manifest lists the graphs ONNX Runtime opens, written beside the
+static ones, whose files kept their hashes), and the measuring tools default to the shapes `convert` writes."""
 from __future__ import annotations
 
 import hashlib
@@ -85,9 +86,14 @@ elif not GOLDEN.is_file():
 
 
 def test_compile_reports_each_dense_graph_as_it_is_built(tmp_path):
-    from snapcompile.artifact.naming import expected_graphs
+    from snapcompile.artifact.naming import expected_graphs, ort_graphs
     from snapcompile.compiler.route import compile_artifact
+    from snapcompile.export.dense import ORT_LABEL
     export, built = ExportConfig(slots=2, max_context=512, chunk=64), []
     manifest = compile_artifact("tiny-llama", export, PolicyConfig(budget=128), tmp_path / "a", progress=built.append)
-    assert sorted(built) == sorted(expected_graphs(export, PolicyConfig(policy="dense")))
-    assert set(built) < set(manifest.graphs)            # the select graphs come from the passes
+    dense = PolicyConfig(policy="dense")
+    ort = [name.removeprefix(ORT_LABEL) for name in built if name.startswith(ORT_LABEL)]
+    assert sorted(set(built) - {ORT_LABEL + name for name in ort}) == sorted(expected_graphs(export, dense))
+    assert sorted(ort) == sorted(ort_graphs(export, dense))
+    assert set(built) - {ORT_LABEL + name for name in ort} < set(manifest.graphs)   # select comes from the passes
+    assert set(ort) < set(manifest.ort_graphs)

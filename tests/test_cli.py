@@ -109,7 +109,7 @@ def test_prompt_longer_than_context(tiny_dense_dir):
 
 
 def test_corrupt_onnx_file(artifact):
-    (artifact / "decode.onnx").write_bytes(b"\x00garbage")
+    (artifact / "ort_decode.onnx").write_bytes(b"\x00garbage")
     assert_one_line_error(invoke("run", artifact, "--prompt", "hi"), "the artifact is truncated or was modified")
     rerecord_checksums(artifact)
     assert_one_line_error(invoke("run", artifact, "--prompt", "hi"), "not a valid ONNX file")
@@ -121,7 +121,7 @@ def test_missing_manifest(artifact):
 
 
 def test_graph_from_another_artifact_is_refused(artifact, tiny_snap_dir):
-    shutil.copy(tiny_snap_dir / "decode.onnx", artifact / "decode.onnx")
+    shutil.copy(tiny_snap_dir / "ort_decode.onnx", artifact / "ort_decode.onnx")
     assert_one_line_error(invoke("run", artifact, "--prompt", "hi"), "the artifact is truncated or was modified")
     rerecord_checksums(artifact)
     assert_one_line_error(invoke("run", artifact, "--prompt", "hi"), "was not produced with this manifest")

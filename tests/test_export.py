@@ -145,7 +145,7 @@ def test_prefill_logits_are_for_the_last_valid_token(tiny_dense_dir, tiny_llama)
 def test_graphs_with_same_named_constants_keep_their_own_data(tmp_path):
     """Generated constant names repeat across graphs; only identical tensors may share bytes."""
     from snapcompile.artifact.manifest import Manifest
-    from snapcompile.artifact.onnx_io import save_graphs
+    from snapcompile.artifact.onnx_io import GraphSet, save_graphs
     from snapcompile.config import PolicyConfig
     from snapcompile.graphs.builder import GraphBuilder
     from snapcompile.models.spec import ModelSpec
@@ -157,7 +157,7 @@ def test_graphs_with_same_named_constants_keep_their_own_data(tmp_path):
         return b.model()
     spec = ModelSpec("LlamaForCausalLM", 10, 8, 8, 1, 1, 1, 8, 64, 1e-5, False, False)
     manifest = Manifest("m", spec, ExportConfig(max_context=64, chunk=8), PolicyConfig(policy="dense"))
-    save_graphs(tmp_path, {"a": graph(1.0), "b": graph(2.0)}, manifest)
+    save_graphs(tmp_path, GraphSet({"a": graph(1.0), "b": graph(2.0)}), manifest)
     import onnxruntime as ort
     for name, fill in (("a", 1.0), ("b", 2.0)):
         session = ort.InferenceSession(str(tmp_path / f"{name}.onnx"), providers=["CPUExecutionProvider"])
@@ -293,32 +293,18 @@ def test_joined_attention_is_causal_gqa_over_the_filled_rows_and_the_chunk(fille
     np.testing.assert_allclose(ours, np.einsum("bhgts,bhsd->bhgtd", probs, values), atol=1e-5)
 
 
-def test_converted_weights_stay_in_memory_when_the_spill_folder_cannot_be_written(tmp_path):
-    """A spill folder that cannot be created (a file stands in its way) costs memory, not a
-    failure: the arrays are the same values."""
-    from snapcompile.runtime.ort_form import WeightArrays
-    blocker = tmp_path / "file"
-    blocker.write_text("")
-    values = np.arange(64, dtype=np.uint8).reshape(4, 16)
-    spilled = WeightArrays(tmp_path, tmp_path / "spill")._file_backed(values)
-    kept = WeightArrays(tmp_path, blocker / "spill")._file_backed(values)
-    assert isinstance(spilled, np.memmap) and not isinstance(kept, np.memmap)
-    np.testing.assert_array_equal(spilled, values)
-    np.testing.assert_array_equal(kept, values)
-
-
 def test_weight_pages_read_while_a_session_is_made_leave_memory_during_it(tmp_path):
     """A session pre-packs every weight it is given, reading all of them: the pages it has read are
     dropped while it is still being made, not only after (the 8B shape's opening peak)."""
     from snapcompile.memory import process_status_kib
-    from snapcompile.runtime.ort_form import WeightArrays
+    from snapcompile.runtime.weight_maps import WeightArrays
     size = 96 * 2**20
     (tmp_path / "weights.bin").write_bytes(np.random.default_rng(0).integers(0, 255, size, np.uint8).tobytes())
     weights = WeightArrays(tmp_path)
     tensor = onnx.TensorProto(name="w", data_type=onnx.TensorProto.UINT8, dims=[size], raw_data=b"")
     onnx.external_data_helper.set_external_data(tensor, "weights.bin", 0, size)
     tensor.data_location = onnx.TensorProto.EXTERNAL
-    blob = weights.raw(tensor)
+    blob = weights.array(tensor)
     before = process_status_kib("RssFile")
     with weights.pages_released_while(interval_s=0.01):
         total = int(blob.sum(dtype=np.uint64))          # every page read, as a pre-pack reads them

@@ -6,6 +6,7 @@ import onnxruntime as ort
 import pytest
 import torch
 
+from snapcompile.artifact.onnx_io import GraphSet
 from snapcompile.config import ExportConfig, PolicyConfig
 from snapcompile.errors import SnapcompileError
 from snapcompile.export import build_dense_graphs
@@ -26,18 +27,31 @@ def dense_graphs(tiny_llama):
     return build_dense_graphs(tiny_llama, EXPORT)[0]
 
 
-def test_matches_every_layer(dense_graphs, tiny_llama):
+@pytest.mark.parametrize("kind", ["static", "ort"])
+def test_matches_every_layer(dense_graphs, kind):
     for name in ("prefill", "decode"):
-        blocks = find_attention_blocks(gs.import_onnx(dense_graphs[name]), 2, name)
+        blocks = find_attention_blocks(gs.import_onnx(getattr(dense_graphs, kind)[name]), 2, name)
         assert len(blocks) == 2
         assert [b.k_cache.name for b in blocks] == ["past_key.0", "past_key.1"]
         assert blocks[0].scale == pytest.approx(16 ** -0.5)
         assert all(b.joined == (name == "prefill") for b in blocks)
 
 
+def test_the_passes_rewrite_the_family_graphs_keeping_their_size_symbolic(dense_graphs, tiny_llama):
+    """ONNX Runtime's graph of the decode family: the ring cache and write_index sized by "slots";
+    its prefill family's window queries, its rows still symbolic."""
+    model, report = compress_decode(dense_graphs.ort["decode"], 2, 48)
+    dims = {i.name: [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim] for i in model.graph.input}
+    assert dims["past_key.1"] == ["slots", 2, 48, 16] and dims["write_index"] == ["slots"]
+    prefill, _ = add_window_queries(dense_graphs.ort["prefill"], tiny_llama.spec, window=8)
+    dims = {i.name: [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim] for i in prefill.graph.input}
+    outputs = {o.name: [d.dim_value for d in o.type.tensor_type.shape.dim] for o in prefill.graph.output}
+    assert dims["past_key.0"] == [1, 2, "rows", 16] and outputs["window_query.0"] == [1, 4, 8, 16]
+
+
 def test_decode_passes_refuse_the_joined_prefill_form(dense_graphs):
     with pytest.raises(MatchFailure, match="joined .prefill. attention block, not the split form"):
-        compress_decode(dense_graphs["prefill"], 2, 32)
+        compress_decode(dense_graphs.static["prefill"], 2, 32)
 
 
 def _break_layer(model: onnx.ModelProto, layer: int) -> onnx.ModelProto:
@@ -51,7 +65,7 @@ def _break_layer(model: onnx.ModelProto, layer: int) -> onnx.ModelProto:
 
 
 def test_unmatched_block_is_an_error_naming_it(dense_graphs):
-    broken = _break_layer(dense_graphs["decode"], 1)
+    broken = _break_layer(dense_graphs.static["decode"], 1)
     with pytest.raises(MatchFailure, match=r"matched 1 attention blocks but the model has 2 layers.*Softmax node"):
         compress_decode(broken, 2, 32)
 
@@ -65,7 +79,7 @@ def test_plain_softmax_is_not_attention():
 
 
 def test_compress_decode_reshapes_caches_and_adds_write_index(dense_graphs):
-    model, report = compress_decode(dense_graphs["decode"], 2, 48)
+    model, report = compress_decode(dense_graphs.static["decode"], 2, 48)
     assert report == {"pass": "compress_decode", "graph": "decode", "blocks_rewritten": 2, "budget": 48}
     inputs = {i.name: [d.dim_value for d in i.type.tensor_type.shape.dim] for i in model.graph.input}
     assert inputs["past_key.1"] == [2, 2, 48, 16] and inputs["write_index"] == [2]
@@ -74,7 +88,7 @@ def test_compress_decode_reshapes_caches_and_adds_write_index(dense_graphs):
 
 def test_ring_mask_hides_the_row_being_overwritten(dense_graphs):
     """Run the rewritten decode graph: a slot's output must not depend on its write row's content."""
-    model, _ = compress_decode(dense_graphs["decode"], 2, 16)
+    model, _ = compress_decode(dense_graphs.static["decode"], 2, 16)
     session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     rng = np.random.default_rng(0)
     feeds = {"input_ids": np.array([[5], [9]]), "position": np.array([40, 41]),
@@ -90,7 +104,7 @@ def test_ring_mask_hides_the_row_being_overwritten(dense_graphs):
 
 
 def test_window_query_outputs(dense_graphs, tiny_llama):
-    model, report = add_window_queries(dense_graphs["prefill"], tiny_llama.spec, window=8)
+    model, report = add_window_queries(dense_graphs.static["prefill"], tiny_llama.spec, window=8)
     assert report["blocks_rewritten"] == 2
     outputs = {o.name: [d.dim_value for d in o.type.tensor_type.shape.dim] for o in model.graph.output}
     assert outputs["window_query.0"] == [1, 4, 8, 16]
@@ -100,13 +114,15 @@ def test_compressing_twice_is_refused(dense_graphs, tiny_llama):
     from snapcompile.export import new_manifest
     manifest = new_manifest(tiny_llama, EXPORT, PolicyConfig(policy="dense"))
     policy = PolicyConfig(budget=48, window=8, kernel=5)
-    graphs = compress_graphs(dict(dense_graphs), manifest, policy)
-    assert set(graphs) == {"prefill", "prefill_64", "prefill_tail", "decode", "decode_1", "select", "select_64"}
+    graphs = compress_graphs(GraphSet(dict(dense_graphs.static), dict(dense_graphs.ort)), manifest, policy)
+    assert set(graphs.static) == {"prefill", "prefill_64", "prefill_tail", "decode", "decode_1", "select", "select_64"}
+    assert set(graphs.ort) == {"prefill", "prefill_tail", "decode", "select"}
     assert [p["pass"] for p in manifest.passes] == ["compress_decode", "compress_decode", *["add_window_queries"] * 3,
                                                    "snapkv_select", "snapkv_select"]
     assert {p["graph"] for p in manifest.passes if p["pass"] == "compress_decode"} == {"decode", "decode_1"}
-    select_64 = {i.name: [d.dim_value for d in i.type.tensor_type.shape.dim] for i in graphs["select_64"].graph.input}
-    assert select_64["key.0"][2] == 64 and graphs["select_64"].graph.name == "select_64"
+    select_64 = {i.name: [d.dim_value for d in i.type.tensor_type.shape.dim]
+                 for i in graphs.static["select_64"].graph.input}
+    assert select_64["key.0"][2] == 64 and graphs.static["select_64"].graph.name == "select_64"
     with pytest.raises(SnapcompileError, match="already compressed"):
         compress_graphs(graphs, manifest, policy)
 

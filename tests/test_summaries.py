@@ -47,7 +47,7 @@ def test_summaries_sum_each_dropped_row_into_its_segment():
 
 @pytest.fixture(scope="module")
 def biased_prefill(tiny_llama):
-    model, report = add_cache_bias(build_dense_graphs(tiny_llama, EXPORT)[0]["prefill"], tiny_llama.spec)
+    model, report = add_cache_bias(build_dense_graphs(tiny_llama, EXPORT)[0].static["prefill"], tiny_llama.spec)
     assert report["blocks_rewritten"] == tiny_llama.spec.num_layers
     return ort.InferenceSession(model.SerializeToString())
 

@@ -10,14 +10,14 @@ provider at its worst: every slot full, a prompt of max_context tokens. Its part
   MatMulNBits at accuracy level 4 (`studies/open_memory.py`, docs/results/memory.md): bits/8 bytes
   a weight plus 12 bytes a block (the block's scale, its sum for the int8 path and the int8
   scale) and 0.027 bytes a weight (measured, not explained); a float32 MatMul packs a copy of the
-  same size, float16 weights too (they are multiplied in float32, one copy per process:
-  runtime/ort_form.py);
-- resident_weights: pages of weights.bin a running process holds (weights.bin and the converted
-  weights are released as each session is made, and weights.bin's again after every prefill chunk
-  and every 32 decode steps): the embedding rows read since, each with the 64 KiB the kernel maps
-  around a faulting page;
-- sessions: each weight-bearing session (kernels, execution plan), per layer: one for each family
-  of bucket graphs (the prefill graphs, the decode graphs: runtime/shape_family.py) and the tail;
+  same size, float16 weights too (they are multiplied in float32, from the float32 form the export
+  writes to ort_weights.bin);
+- resident_weights: pages of weights.bin a running process holds (both weight files' pages are
+  released as each session is made, and weights.bin's again after every prefill chunk and every 32
+  decode steps): the embedding rows read since, each with the 64 KiB the kernel maps around a
+  faulting page;
+- sessions: each weight-bearing session (kernels, execution plan), per layer: one for each of ONNX
+  Runtime's graphs (naming.ort_graphs: a family of bucket graphs each, and the tail);
 - work_space: the shared arena, set by the attention of a chunk over max_context rows (the full
   prefill graph runs a long prompt's last chunks): the joined key / value rows and the scores, about
   twice over, and twice that again because the arena grows in doubling steps (ONNX Runtime's
@@ -27,7 +27,7 @@ provider at its worst: every slot full, a prompt of max_context tokens. Its part
 from __future__ import annotations
 
 from snapcompile.artifact.manifest import Manifest
-from snapcompile.artifact.naming import expected_graphs, family_of
+from snapcompile.artifact.naming import ort_graphs
 from snapcompile.config import HEAD_BITS, QUANT_BITS
 from snapcompile.memory import check_fits, gib
 
@@ -50,7 +50,7 @@ def memory_needed(manifest: Manifest) -> dict[str, int]:
     # a compressed prompt's rows, once for every graph (runtime/prompt_cache.py); a dense prompt is
     # prefilled into its slot, and a bucket graph reads a copy of the slot's first rows
     prefill_rows = export.max_context if m.policy.compressed else max(buckets, default=0)
-    sessions = len({family_of(name) or name for name in expected_graphs(export, m.policy)})
+    sessions = len(ort_graphs(export, m.policy, m.lowering))
     sessions -= 4 / 5 if m.policy.compressed else 0      # the select graphs' session: no weights, ~1/5 of one
     return {"slot_caches": export.slots * m.rows_per_slot * per_token,
             "prefill_caches": prefill_rows * per_token,
@@ -71,7 +71,7 @@ def _linear_and_head_weights(manifest: Manifest) -> tuple[int, int]:
 def _packed_weight_bytes(manifest: Manifest) -> int:
     export = manifest.export
     linear, head = _linear_and_head_weights(manifest)
-    if not export.quantized:            # float16 weights are multiplied as float32 (runtime/ort_form.py)
+    if not export.quantized:            # float16 weights are multiplied as float32 (export/weights.py)
         return 4 * (linear + head)
     per_block = PACKED_BLOCK_BYTES / export.block_size + PACKED_WEIGHT_EXTRA
     return int(linear * (QUANT_BITS[export.weight_format] / 8 + per_block) + head * (HEAD_BITS / 8 + per_block))

@@ -13,19 +13,21 @@ from importlib import metadata
 from pathlib import Path
 
 from snapcompile import __version__
-from snapcompile.artifact.naming import expected_graphs
+from snapcompile.artifact.naming import FAMILY_SIZES, expected_graphs, ort_file, ort_graphs
 from snapcompile.config import ExportConfig, PolicyConfig
 from snapcompile.errors import SnapcompileError, parse_json
 from snapcompile.models.spec import ModelSpec
 
 MANIFEST = "manifest.json"
 WEIGHTS = "weights.bin"
-FORMAT_VERSION = 5      # 2: every file's size and sha256 in the manifest; 3: export.weight_format;
+ORT_WEIGHTS = "ort_weights.bin"    # the weights in the forms ONNX Runtime's graphs read (export/weights.py)
+FORMAT_VERSION = 6      # 2: every file's size and sha256 in the manifest; 3: export.weight_format;
                         # 4: prefill graphs take `position` apart from `start` (resumed conversations);
-                        # 5: prefill buckets step by L/8 above the doubling ones (another set of graphs)
-GRAPHS_REVISION = 8     # bumped whenever the artifacts change (2: prefill buckets, 3: select buckets, 4: checksums,
+                        # 5: prefill buckets step by L/8 above the doubling ones (another set of graphs);
+                        # 6: the graphs ONNX Runtime opens (ort_graphs) and their weights
+GRAPHS_REVISION = 9     # bumped whenever the artifacts change (2: prefill buckets, 3: select buckets, 4: checksums,
                         # 5: opset 21, --weights, 6: deterministic node names, 7: decode slot buckets,
-                        # 8: joined prefill attention, finer prefill buckets)
+                        # 8: joined prefill attention, finer prefill buckets, 9: ONNX Runtime's graphs)
 METADATA_KEY = "snapcompile.config"
 
 
@@ -36,6 +38,9 @@ class Manifest:
     export: ExportConfig
     policy: PolicyConfig
     graphs: dict[str, dict] = field(default_factory=dict)   # name -> {"file", "inputs", "outputs"}
+    # ONNX Runtime graph name -> {"file", "members": {static name: size}, "size": {name, source, axis} or
+    # None, "inputs", "outputs"} (naming.ort_graphs)
+    ort_graphs: dict[str, dict] = field(default_factory=dict)
     chat: bool = False
     eos_token_ids: list[int] = field(default_factory=list)
     passes: list[dict] = field(default_factory=list)
@@ -67,7 +72,8 @@ class Manifest:
                 "model": {"name": self.model_name, "source": self.source, **self.spec.to_dict()},
                 "export": self.export.to_dict(), "policy": self.policy.to_dict(),
                 "lowering": self.lowering, "chat": self.chat, "eos_token_ids": self.eos_token_ids,
-                "graphs": self.graphs, "weights_file": WEIGHTS, "passes": self.passes, "files": self.files,
+                "graphs": self.graphs, "ort_graphs": self.ort_graphs, "weights_file": WEIGHTS, "passes": self.passes,
+                "files": self.files,
                 "weights_report": self.weights_report,
                 "versions": {name: _version(name) for name in ("onnx", "onnxruntime", "torch", "transformers")}}
 
@@ -80,11 +86,15 @@ class Manifest:
                    policy=PolicyConfig.from_dict(d["policy"]), graphs=d["graphs"], chat=d["chat"],
                    eos_token_ids=d["eos_token_ids"], passes=d.get("passes", []),
                    lowering=d.get("lowering", "standard"), source=source, files=d["files"],
-                   weights_report=d["weights_report"])
+                   weights_report=d["weights_report"], ort_graphs=d["ort_graphs"])
 
     def support_files(self) -> list[str]:
         """The files other than graphs and weights (the tokenizer's)."""
-        return sorted(name for name in self.files if name != WEIGHTS and not name.endswith(".onnx"))
+        return sorted(name for name in self.files if name not in (WEIGHTS, ORT_WEIGHTS) and not name.endswith(".onnx"))
+
+    def ort_graph_of(self, name: str) -> str | None:
+        """The ONNX Runtime graph static graph `name` runs on, None for one that runs on its own file."""
+        return next((ort for ort, entry in self.ort_graphs.items() if name in entry["members"]), None)
 
 
 def _version(package: str) -> str | None:
@@ -145,8 +155,27 @@ def _check_consistent(manifest: Manifest, path: Path) -> None:
     for name, entry in manifest.graphs.items():
         if not isinstance(entry, dict) or entry.get("file") != f"{name}.onnx" or entry["file"] not in files:
             raise SnapcompileError(f"{path}: graph {name} must be the listed file {name}.onnx; refused")
+    _check_ort_graphs(manifest, path)
     if WEIGHTS not in files:
         raise SnapcompileError(f"{path}: {WEIGHTS} is not listed in the files table")
+
+
+def _check_ort_graphs(manifest: Manifest, path: Path) -> None:
+    """The ONNX Runtime graphs are exactly those of the shapes, policy and lowering (naming.ort_graphs),
+    each in its listed file, with its members and the size they differ in."""
+    expected = ort_graphs(manifest.export, manifest.policy, manifest.lowering)
+    if not isinstance(manifest.ort_graphs, dict) or set(manifest.ort_graphs) != set(expected):
+        raise SnapcompileError(f"{path}: the ONNX Runtime graphs of this artifact are {', '.join(sorted(expected))}; "
+                               "convert it again")
+    for name, members in expected.items():
+        entry = manifest.ort_graphs[name]
+        size = FAMILY_SIZES.get(name)
+        wanted = {"file": ort_file(name), "members": members,
+                  "size": None if size is None else {"name": size.name, "source": size.source, "axis": size.axis}}
+        if not isinstance(entry, dict) or {key: entry.get(key) for key in wanted} != wanted \
+                or entry["file"] not in manifest.files:
+            raise SnapcompileError(f"{path}: ONNX Runtime graph {name} must be the listed file {ort_file(name)} "
+                                   "serving its family's graphs; refused")
 
 
 def _plain_file_name(name) -> bool:

@@ -1,8 +1,11 @@
 """Which graphs an artifact holds and what they are called: "prefill", "decode", "select", the
 buckets "<kind>_<rows>" over fewer cache rows, the decode graphs "decode_<slots>" for fewer
-slots, and "prefill_tail" (a prefill of export.tail tokens). Pure functions of the export shapes
-and the policy."""
+slots, and "prefill_tail" (a prefill of export.tail tokens): the static graphs. Beside them the
+graphs ONNX Runtime opens (`ort_graphs`): one a family, its size symbolic, and the tail. Pure
+functions of the export shapes, the policy and the lowering."""
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from snapcompile.config import ExportConfig, PolicyConfig
 
@@ -79,3 +82,37 @@ def family_members(family: str, names, export: ExportConfig) -> dict[int, str]:
         if family_of(name) == family:
             members[full_size if name == family else bucket_rows(name, family)] = name
     return members
+
+
+@dataclass(frozen=True)
+class FamilySize:
+    """The size a family's members differ in, as its ONNX Runtime graph leaves it symbolic: `name` (its
+    dim_param), read from dimension `axis` of input `source`."""
+
+    name: str
+    source: str
+    axis: int
+
+
+FAMILY_SIZES = {"prefill": FamilySize("rows", "past_key.0", 2), "select": FamilySize("rows", "key.0", 2),
+                "decode": FamilySize("slots", "cache_len", 0)}
+
+
+def ort_graphs(export: ExportConfig, policy: PolicyConfig, lowering: str = "standard") -> dict[str, dict]:
+    """ONNX Runtime graph name -> {static member name: its size} (None: the graph is its one member's, not
+    symbolic). A family's members run on its one graph; the plugin lowering's decode and select graphs
+    (custom ops) are not among them and run on their own static files."""
+    static = expected_graphs(export, policy)
+    families = ["prefill"] + (["decode"] if lowering == "standard" else [])
+    if policy.policy == "snapstream" and lowering == "standard":
+        families.append("select")
+    graphs = {family: {name: size for size, name in family_members(family, static, export).items()}
+              for family in families}
+    if TAIL_GRAPH in static:
+        graphs[TAIL_GRAPH] = {TAIL_GRAPH: None}
+    return graphs
+
+
+def ort_file(name: str) -> str:
+    """The file of ONNX Runtime graph `name`."""
+    return f"ort_{name}.onnx"

@@ -1,19 +1,25 @@
-"""Graphs in and out of an artifact folder: one shared weights.bin as ONNX external data, the
-manifest's fingerprint in every graph's metadata, and the checks that a loaded graph belongs to
-its manifest and reads no data from outside the artifact."""
+"""Graphs in and out of an artifact folder: one shared weights.bin as ONNX external data (and
+ort_weights.bin, the weights in ONNX Runtime's forms), the manifest's fingerprint in every graph's
+metadata, and the checks that a loaded graph belongs to its manifest and reads no data from outside
+the artifact."""
 from __future__ import annotations
 
 import hashlib
+import json
 import shutil
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import onnx
 from onnx import TensorProto, external_data_helper, numpy_helper
 
+from snapcompile import __version__
 from snapcompile.artifact.files import record_files
-from snapcompile.artifact.manifest import MANIFEST, METADATA_KEY, WEIGHTS, Manifest
-from snapcompile.artifact.static_sizes import check_static_sizes
+from snapcompile.artifact.manifest import MANIFEST, METADATA_KEY, ORT_WEIGHTS, WEIGHTS, Manifest
+from snapcompile.artifact.naming import FAMILY_SIZES, ort_file, ort_graphs
+from snapcompile.artifact.static_sizes import check_family_sizes, check_static_sizes, max_elements
 from snapcompile.atomic import write_json_atomic
+from snapcompile.config import cache_root
 from snapcompile.errors import SnapcompileError, first_line
 
 EXTERNAL_MIN_BYTES = 1024
@@ -32,60 +38,138 @@ def graph_io(model: onnx.ModelProto) -> dict:
     return {"inputs": describe(model.graph.input), "outputs": describe(model.graph.output)}
 
 
-def save_graphs(folder: Path, graphs: dict[str, onnx.ModelProto], manifest: Manifest,
-                weights_source: Path | None = None) -> None:
+@dataclass
+class GraphSet:
+    """An artifact's graphs by name. `static`: every graph with static shapes, each member of each
+    family (what TensorRT and dataflow consumers build; naming.expected_graphs). `ort`: what ONNX
+    Runtime opens on the CPU (naming.ort_graphs): one graph a family, its size symbolic, and the tail,
+    in ONNX Runtime's form (export/llama_graph.py). Graph kinds are named alike in both."""
+
+    static: dict[str, onnx.ModelProto]
+    ort: dict[str, onnx.ModelProto] = field(default_factory=dict)
+
+    def both(self) -> tuple[dict[str, onnx.ModelProto], dict[str, onnx.ModelProto]]:
+        return self.static, self.ort
+
+
+def save_graphs(folder: Path, graphs: GraphSet, manifest: Manifest, weights_source: Path | None = None,
+                ort_weights_source: Path | None = None) -> None:
     """Write graphs (their large initializers into one shared weights.bin) and the manifest.
 
     weights_source: an existing weights.bin the graphs already reference (passes re-save graphs
     loaded without their data; the export writes it while building, `WeightsFile`); it is copied
-    unless it is the folder's own, instead of rewritten.
+    unless it is the folder's own, instead of rewritten. ort_weights_source: likewise for
+    ort_weights.bin (None: the graphs hold no reference to one).
     """
     folder = Path(folder)
     if weights_source is None:
-        _externalize_shared(graphs.values(), folder / WEIGHTS)
-    elif Path(weights_source).resolve() != (folder / WEIGHTS).resolve():
-        shutil.copyfile(weights_source, folder / WEIGHTS)  # onnx.checker rejects hard links
+        _externalize_shared([*graphs.static.values(), *graphs.ort.values()], folder / WEIGHTS)
+    else:
+        _copy_unless_own(weights_source, folder / WEIGHTS)
+    if ort_weights_source is not None:
+        _copy_unless_own(ort_weights_source, folder / ORT_WEIGHTS)
     fingerprint = manifest.fingerprint()
-    for name, model in graphs.items():
-        _set_metadata(model, METADATA_KEY, fingerprint)
-        onnx.save_model(model, str(folder / f"{name}.onnx"))
-        onnx.checker.check_model(str(folder / f"{name}.onnx"))
+    for name, model in graphs.static.items():
+        _save(model, folder / f"{name}.onnx", fingerprint)
         manifest.graphs[name] = {"file": f"{name}.onnx", **graph_io(model)}
+    members = ort_graphs(manifest.export, manifest.policy, manifest.lowering)
+    for name, model in graphs.ort.items():
+        _save(model, folder / ort_file(name), fingerprint)
+        size = FAMILY_SIZES.get(name)
+        manifest.ort_graphs[name] = {"file": ort_file(name), "members": members[name],
+                                     "size": None if size is None else vars(size).copy(), **graph_io(model)}
     record_files(folder, manifest)
     write_json_atomic(folder / MANIFEST, manifest.to_dict())
 
 
+def _copy_unless_own(source: Path, target: Path) -> None:
+    if Path(source).resolve() != target.resolve():
+        shutil.copyfile(source, target)  # onnx.checker rejects hard links
+
+
+def _save(model: onnx.ModelProto, path: Path, fingerprint: str) -> None:
+    _set_metadata(model, METADATA_KEY, fingerprint)
+    onnx.save_model(model, str(path))
+    onnx.checker.check_model(str(path))
+
+
 def load_graph(folder: Path, manifest: Manifest, name: str, with_weights: bool = False) -> onnx.ModelProto:
-    """Load one graph of an artifact and check it belongs to `manifest`."""
+    """Load one static graph of an artifact and check it belongs to `manifest`."""
     entry = manifest.graphs.get(name)
     if entry is None:
         raise SnapcompileError(f"artifact {folder} has no {name} graph")
     path = Path(folder) / entry["file"]
+    model, digest = _read(path, with_weights)
+    check_graph_matches(model, path, manifest, entry)
+    _once(digest, manifest, None, lambda: check_static_sizes(model, path, manifest))
+    _check_external_data(model, path, (WEIGHTS,))
+    return model
+
+
+def load_ort_graph(folder: Path, manifest: Manifest, name: str) -> onnx.ModelProto:
+    """Load ONNX Runtime graph `name` of an artifact (without its weights) and check it belongs to
+    `manifest`: a family's graph is bounded at every member's size (`check_family_sizes`)."""
+    entry = manifest.ort_graphs.get(name)
+    if entry is None:
+        raise SnapcompileError(f"artifact {folder} has no ONNX Runtime graph {name}")
+    path = Path(folder) / entry["file"]
+    model, digest = _read(path, False)
+    check_graph_matches(model, path, manifest, entry)
+    if entry["size"] is None:
+        _once(digest, manifest, None, lambda: check_static_sizes(model, path, manifest))
+    else:
+        sizes = sorted(entry["members"].values())
+        _once(digest, manifest, [entry["size"], sizes],
+              lambda: check_family_sizes(model, path, manifest, entry["size"], sizes))
+    _check_external_data(model, path, (WEIGHTS, ORT_WEIGHTS))
+    return model
+
+
+def _read(path: Path, with_weights: bool) -> tuple[onnx.ModelProto, str]:
+    """The graph at `path` and the sha256 of the bytes it was parsed from."""
     try:
-        model = onnx.load(str(path), load_external_data=with_weights)
+        data = path.read_bytes()
+        model = onnx.load_model_from_string(data)
+        if with_weights:
+            external_data_helper.load_external_data_for_model(model, str(path.parent))
     except FileNotFoundError:
         raise SnapcompileError(f"{path} is missing") from None
     except Exception as err:  # protobuf raises DecodeError and friends for a corrupt file
         raise SnapcompileError(f"{path} is not a valid ONNX file: {first_line(err)}") from None
-    check_graph_matches(model, path, manifest)
-    check_static_sizes(model, path, manifest)
+    return model, hashlib.sha256(data).hexdigest()
+
+
+def _once(digest: str, manifest: Manifest, detail, check) -> None:
+    """Run `check` (the allocation bound of a graph) unless it passed before on these very bytes
+    (`digest`) under the same bound: a record under $SNAPCOMPILE_CACHE/checked/ (shape inference at
+    every member's size takes ~0.5 s for a 1B shape's graphs; a file is hashed at every load)."""
+    key = hashlib.sha256(json.dumps([digest, max_elements(manifest), detail, __version__]).encode()).hexdigest()
+    record = cache_root() / "checked" / key
+    if record.exists():
+        return
+    check()
+    try:
+        record.parent.mkdir(parents=True, exist_ok=True)
+        record.touch()
+    except OSError:           # a cache that cannot be written only means checking again next time
+        pass
+
+
+def _check_external_data(model: onnx.ModelProto, path: Path, allowed: tuple[str, ...]) -> None:
     for tensor in model.graph.initializer:
         location = next((e.value for e in tensor.external_data if e.key == "location"), None)
-        if tensor.data_location == TensorProto.EXTERNAL and location != WEIGHTS:
+        if tensor.data_location == TensorProto.EXTERNAL and location not in allowed:
             raise SnapcompileError(f"{path}: initializer {tensor.name} reads external data from {location!r}, "
-                                   f"not the artifact's {WEIGHTS}; refused")
-    return model
+                                   f"not the artifact's {' or '.join(allowed)}; refused")
 
 
-def check_graph_matches(model: onnx.ModelProto, path: Path, manifest: Manifest) -> None:
+def check_graph_matches(model: onnx.ModelProto, path: Path, manifest: Manifest, expected: dict) -> None:
+    """The graph carries the manifest's fingerprint and the inputs and outputs its entry lists."""
     meta = {p.key: p.value for p in model.metadata_props}
     if meta.get(METADATA_KEY) != manifest.fingerprint():
         raise SnapcompileError(
             f"{path} was not produced with this manifest's configuration (model, shapes or cache "
             "policy differ): re-export the artifact instead of mixing files")
-    expected = manifest.graphs.get(Path(path).stem)
-    if expected is None:
-        raise SnapcompileError(f"{path} is not a graph of {MANIFEST}")
     actual = graph_io(model)
     if actual["inputs"] != expected["inputs"] or actual["outputs"] != expected["outputs"]:
         raise SnapcompileError(f"{path}: graph inputs/outputs differ from {MANIFEST}")
@@ -124,6 +208,7 @@ class WeightsFile:
     written under that name (the export's weights have one value per name), or None."""
 
     def __init__(self, path: Path):
+        """path: the file (its name is the location every reference names: weights.bin, ort_weights.bin)."""
         self.path = Path(path)
         self._handle = open(self.path, "wb")
         self._offsets: dict[tuple[str, bytes], tuple[int, int]] = {}
@@ -140,7 +225,7 @@ class WeightsFile:
         offset, length = self._offsets[key]
         reference = TensorProto(name=tensor.name, data_type=tensor.data_type, dims=tensor.dims,
                                 raw_data=b"\0")   # set_external_data wants the field present
-        external_data_helper.set_external_data(reference, WEIGHTS, offset=offset, length=length)
+        external_data_helper.set_external_data(reference, self.path.name, offset=offset, length=length)
         reference.data_location = TensorProto.EXTERNAL
         reference.ClearField("raw_data")
         self._by_name[tensor.name] = reference
@@ -162,3 +247,17 @@ class WeightsFile:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class WeightStores:
+    """The weights files of one export seen as one store by a graph builder: `reference(name)` is the
+    tensor already written to any of them; `add` writes to the first."""
+
+    def __init__(self, *stores: WeightsFile):
+        self.stores = stores
+
+    def reference(self, name: str) -> TensorProto | None:
+        return next((found for store in self.stores if (found := store.reference(name)) is not None), None)
+
+    def add(self, tensor: TensorProto) -> TensorProto:
+        return self.stores[0].add(tensor)

@@ -6,14 +6,21 @@ inference (with constant propagation) gives every node's output shape without ru
 each static one must stay within `max_elements(manifest)`, a generous multiple of the largest tensor
 the declared shapes allow. An operator whose output size is set by a value (VALUE_SIZED) must have a
 static inferred shape, and control flow (If, Loop, Scan) is refused: snapcompile's graphs hold none.
+
+A graph ONNX Runtime opens for a whole family (its size symbolic: naming.FAMILY_SIZES) is checked at
+each member's size: the one Shape node that reads the size (graphs/builder.SymbolicSize) is replaced
+by that size as a constant, so shape inference sees exactly what the member's run computes. Its
+MatMulNBits nodes (ONNX Runtime's, which ONNX shape inference does not know) are bounded as the
+MatMul of their declared [K, N] weight, once that weight's declared shape is checked to be [K, N]'s.
 """
 from __future__ import annotations
 
 import math
 from pathlib import Path
 
+import numpy as np
 import onnx
-from onnx import shape_inference
+from onnx import TensorProto, helper, numpy_helper, shape_inference
 
 from snapcompile.artifact.manifest import Manifest
 from snapcompile.errors import SnapcompileError, first_line
@@ -41,7 +48,7 @@ def check_static_sizes(model: onnx.ModelProto, path: Path, manifest: Manifest) -
     """Refuse (SnapcompileError naming the node) a graph that could allocate past max_elements."""
     limit = max_elements(manifest)
     try:
-        inferred = shape_inference.infer_shapes(model, data_prop=True)
+        inferred = shape_inference.infer_shapes(_standard_products(model, path), data_prop=True)
     except Exception as err:  # onnx raises InferenceError, ValidationError and plain RuntimeErrors
         raise SnapcompileError(f"{path}: ONNX shape inference fails on this graph: {first_line(err)}") from None
     shapes = {value.name: value.type.tensor_type.shape if value.type.tensor_type.HasField("shape") else None
@@ -66,3 +73,66 @@ def _static_elements(shape) -> int | None:
     if shape is None or not all(dim.HasField("dim_value") for dim in shape.dim):
         return None
     return math.prod(dim.dim_value for dim in shape.dim)
+
+
+def check_family_sizes(model: onnx.ModelProto, path: Path, manifest: Manifest, size: dict,
+                       sizes: list[int]) -> None:
+    """check_static_sizes of a family's graph at each member's size. size: {"name", "source", "axis"}
+    (the manifest's record of the symbolic size; the graph must read it with exactly one
+    Shape(source, start=axis, end=axis + 1) node writing `size.<name>`)."""
+    output = f"size.{size['name']}"
+    readers = [node for node in model.graph.node if output in node.output]
+    if len(readers) > 1 or readers and not _reads_shape(readers[0], size):
+        raise SnapcompileError(f"{path}: {output} must be read by one Shape node of {size['source']} "
+                               f"(axis {size['axis']}); refused")
+    for value in sizes:
+        check_static_sizes(_at_size(model, size["name"], value, readers[0] if readers else None), path, manifest)
+
+
+def _reads_shape(node: onnx.NodeProto, size: dict) -> bool:
+    """Whether `node` is Shape(source, start=axis, end=axis + 1) of the recorded size."""
+    attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    return node.op_type == "Shape" and node.domain in ("", "ai.onnx") and list(node.input) == [size["source"]] \
+        and attributes == {"start": size["axis"], "end": size["axis"] + 1}
+
+
+def _at_size(model: onnx.ModelProto, name: str, value: int, reader: onnx.NodeProto | None) -> onnx.ModelProto:
+    """A copy of `model` with dim_param `name` fixed at `value` and its reader (if any: a graph whose
+    constants do not follow the size has none) replaced by [value]."""
+    fixed = onnx.ModelProto.FromString(model.SerializeToString())
+    graph = fixed.graph
+    for tensor in (*graph.input, *graph.output):
+        for dimension in tensor.type.tensor_type.shape.dim:
+            if dimension.dim_param == name:
+                dimension.dim_value = value
+    if reader is not None:
+        kept = [node for node in graph.node if list(node.output) != list(reader.output)]
+        del graph.node[:]
+        graph.node.extend(kept)
+        graph.initializer.append(numpy_helper.from_array(np.array([value], np.int64), reader.output[0]))
+    return fixed
+
+
+def _standard_products(model: onnx.ModelProto, path: Path) -> onnx.ModelProto:
+    """`model` with each MatMulNBits (com.microsoft) replaced by a MatMul of a declared [K, N] float
+    weight (its output's shape, for shape inference only); any other non-standard operator is refused
+    unless it is a custom op of the plugin lowering (ai.onnx.contrib, run through onnxruntime-extensions)."""
+    nodes = [node for node in model.graph.node if node.domain not in ("", "ai.onnx")]
+    if not any(node.domain == "com.microsoft" for node in nodes):
+        return model
+    standard = onnx.ModelProto.FromString(model.SerializeToString())
+    declared = {tensor.name: list(tensor.dims) for tensor in standard.graph.initializer}
+    for node in standard.graph.node:
+        if node.domain != "com.microsoft":
+            continue
+        if node.op_type != "MatMulNBits":
+            raise SnapcompileError(f"{path}: node {node.name!r} is a {node.domain} {node.op_type}; refused")
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        k, n, bits, block = (attrs.get(key) for key in ("K", "N", "bits", "block_size"))
+        if not all(isinstance(v, int) and v > 0 for v in (k, n, bits, block)) or bits not in (4, 8) or \
+                declared.get(node.input[1]) != [n, -(-k // block), block * bits // 8]:
+            raise SnapcompileError(f"{path}: MatMulNBits node {node.name!r}'s weight is not of its K x N; refused")
+        stand_in = TensorProto(name=f"{node.input[1]}.standin", data_type=TensorProto.FLOAT, dims=[k, n])
+        standard.graph.initializer.append(stand_in)
+        node.CopyFrom(helper.make_node("MatMul", [node.input[0], stand_in.name], list(node.output), name=node.name))
+    return standard

@@ -141,9 +141,10 @@ def export_progress(export: ExportConfig):
     then the dense graphs an export builds (the passes and the save follow); yields the two callbacks
     `compile_artifact` takes. Each bar is drawn at its first update, so a refusal before the work
     (memory, bad arguments) prints its error alone."""
-    from snapcompile.artifact.naming import expected_graphs
+    from snapcompile.artifact.naming import expected_graphs, ort_graphs
     from snapcompile.cli import progress_bar
-    total = len(expected_graphs(export, PolicyConfig(policy="dense")))
+    dense = PolicyConfig(policy="dense")
+    total = len(expected_graphs(export, dense)) + len(ort_graphs(export, dense))
     with ExitStack() as stack:
         bars = {}
 

@@ -17,11 +17,13 @@ def inspect(artifact, verify, as_json):
     from snapcompile.artifact.files import check_files
     from snapcompile.artifact.footprint import memory_needed
     from snapcompile.artifact.manifest import read_manifest
-    from snapcompile.artifact.onnx_io import load_graph
+    from snapcompile.artifact.onnx_io import load_graph, load_ort_graph
     manifest = read_manifest(artifact)
-    check_files(artifact, manifest, checksums=verify)
+    check_files(artifact, manifest, checksums=verify, remembered=False)
     for name in manifest.graphs:
         load_graph(artifact, manifest, name)
+    for name in manifest.ort_graphs:
+        load_ort_graph(artifact, manifest, name)
     info = {"model": manifest.model_name, "policy": manifest.policy.to_dict(),
             "export": manifest.export.to_dict(), "lowering": manifest.lowering,
             "graphs": sorted(manifest.graphs),

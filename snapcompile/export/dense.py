@@ -1,21 +1,22 @@
-"""`snapcompile export`: a loaded model -> a dense-cache artifact folder (prefill graphs + decode graph)."""
+"""`snapcompile export`: a loaded model -> a dense-cache artifact folder: the static prefill and decode
+graphs, and the graphs ONNX Runtime opens (one a family, its size symbolic, and the tail)."""
 from __future__ import annotations
 
 from functools import partial
 from pathlib import Path
 
-import onnx
-
 from snapcompile.artifact.footprint import check_memory
-from snapcompile.artifact.manifest import WEIGHTS, Manifest
-from snapcompile.artifact.naming import TAIL_GRAPH, graph_name
-from snapcompile.artifact.onnx_io import WeightsFile, save_graphs
+from snapcompile.artifact.manifest import ORT_WEIGHTS, WEIGHTS, Manifest
+from snapcompile.artifact.naming import FAMILY_SIZES, TAIL_GRAPH, graph_name
+from snapcompile.artifact.onnx_io import GraphSet, WeightsFile, WeightStores, save_graphs
 from snapcompile.atomic import atomic_directory
 from snapcompile.config import ExportConfig, PolicyConfig
 from snapcompile.errors import SnapcompileError
 from snapcompile.export.llama_graph import DecodeWriter, PrefillWriter
 from snapcompile.export.weights import Quantizer, Weights
+from snapcompile.graphs.builder import SymbolicSize
 from snapcompile.graphs.checks import check_graph
+from snapcompile.graphs.editor import input_dim_params
 from snapcompile.models.loader import LoadedModel
 
 
@@ -31,14 +32,15 @@ def check_export_config(loaded: LoadedModel, export: ExportConfig) -> None:
 
 
 def build_dense_graphs(loaded: LoadedModel, export: ExportConfig, store: WeightsFile | None = None,
-                       progress=None, on_tensor=None) -> tuple[dict[str, onnx.ModelProto], dict]:
-    """The dense graphs, and the quantization report (empty for fp32 weights). progress(name), when
-    given, is called as each graph is built; on_tensor(name, done, total) as each of the model's tensors
-    is read (the weights are read, converted and written one tensor at a time, before the graphs).
+                       progress=None, on_tensor=None, ort_store: WeightsFile | None = None) -> tuple[GraphSet, dict]:
+    """The dense graphs (static and ONNX Runtime's), and the quantization report (empty for fp32
+    weights). progress(name), when given, is called as each graph is built; on_tensor(name, done,
+    total) as each of the model's tensors is read (the weights are read, converted and written one
+    tensor at a time, before the graphs).
 
-    store: the weights.bin the weights are written to while the graphs are built, so the graphs
-    hold references only and memory does not grow with the number of graphs (--slots,
-    --max-context buckets); None keeps the weights in each graph (in-memory use, tests)."""
+    store, ort_store: the weights.bin and ort_weights.bin the weights are written to while the graphs
+    are built, so the graphs hold references only and memory does not grow with the number of graphs
+    (--slots, --max-context buckets); None keeps the weights in each graph (in-memory use, tests)."""
     check_export_config(loaded, export)
     quantizer = None
     if export.quantized:
@@ -48,27 +50,63 @@ def build_dense_graphs(loaded: LoadedModel, export: ExportConfig, store: Weights
             gguf = GGUFBlocks(loaded.gguf, loaded.config)
         quantizer = Quantizer(export, gguf)
     weights = Weights(loaded.tensors, loaded.spec, loaded.config, quantizer, half=export.weight_format == "fp16",
-                      store=store, progress=on_tensor)
-    writers = {"prefill": lambda: PrefillWriter(loaded.spec, weights, export, store=store)}
-    for slots in export.decode_sizes():
-        writers[graph_name("decode", slots, export.slots)] = partial(DecodeWriter, loaded.spec, weights, export,
-                                                                    store, slots)
-    for rows in export.prefill_buckets():
-        writers[graph_name("prefill", rows, export.max_context)] = partial(PrefillWriter, loaded.spec, weights,
-                                                                           export, rows, store)
-    if export.tail:
-        writers[TAIL_GRAPH] = partial(PrefillWriter, loaded.spec, weights, export, store=store, chunk=export.tail,
-                                      name=TAIL_GRAPH)
-    graphs = {}
-    for name, writer in writers.items():
-        graphs[name] = writer().build().model()
-        if progress is not None:
-            progress(name)
-    for name, model in graphs.items():
+                      store=store, progress=on_tensor, ort_store=ort_store)
+    graphs = GraphSet(_build(_static_writers(loaded.spec, weights, export, store), progress),
+                      _build(_ort_writers(loaded.spec, weights, export, store, ort_store), progress, ORT_LABEL))
+    for name, model in graphs.static.items():
         check_graph(model, name)
+    for name, model in graphs.ort.items():
+        check_graph(model, ORT_LABEL + name, strict=False, symbolic=input_dim_params(model))
     report = {"format": export.weight_format, "weight_bytes": weights.nbytes(),
               "step_weight_bytes": weights.step_nbytes()}
     return graphs, report | (quantizer.report() if quantizer else {})
+
+
+ORT_LABEL = "ONNX Runtime's "      # progress and errors name ONNX Runtime's graphs so
+
+
+def _build(writers: dict, progress, label: str = "") -> dict:
+    """name -> model of each writer's graph (ONNX Runtime's keep only the weights they read)."""
+    graphs = {}
+    for name, writer in writers.items():
+        graphs[name] = writer().build().model(used_only=bool(label))
+        if progress is not None:
+            progress(label + name)
+    return graphs
+
+
+def _static_writers(spec, weights: Weights, export: ExportConfig, store) -> dict:
+    """Graph name -> writer of every static graph: prefill, its buckets, the decode slot buckets, the tail."""
+    writers = {"prefill": lambda: PrefillWriter(spec, weights, export, store=store)}
+    for slots in export.decode_sizes():
+        writers[graph_name("decode", slots, export.slots)] = partial(DecodeWriter, spec, weights, export, store, slots)
+    for rows in export.prefill_buckets():
+        writers[graph_name("prefill", rows, export.max_context)] = partial(PrefillWriter, spec, weights, export,
+                                                                           rows, store)
+    if export.tail:
+        writers[TAIL_GRAPH] = partial(PrefillWriter, spec, weights, export, store=store, chunk=export.tail,
+                                      name=TAIL_GRAPH)
+    return writers
+
+
+def _ort_writers(spec, weights: Weights, export: ExportConfig, store, ort_store) -> dict:
+    """Graph name -> writer of ONNX Runtime's graphs: the prefill and decode families (their size
+    symbolic) and the tail. The passes add the select family."""
+    stores = None if store is None else WeightStores(store, *(() if ort_store is None else (ort_store,)))
+    rows = family_size("prefill", export.max_context)
+    writers = {"prefill": partial(PrefillWriter, spec, weights, export, rows, stores, target="ort"),
+               "decode": partial(DecodeWriter, spec, weights, export, stores, family_size("decode", export.slots),
+                                 target="ort")}
+    if export.tail:
+        writers[TAIL_GRAPH] = partial(PrefillWriter, spec, weights, export, store=stores, chunk=export.tail,
+                                      name=TAIL_GRAPH, target="ort")
+    return writers
+
+
+def family_size(family: str, largest: int) -> SymbolicSize:
+    """The symbolic size of `family`'s ONNX Runtime graph (naming.FAMILY_SIZES), at most `largest`."""
+    size = FAMILY_SIZES[family]
+    return SymbolicSize(size.name, size.source, size.axis, largest)
 
 
 def eos_ids(tokenizer) -> list[int]:
@@ -98,12 +136,13 @@ def export_model(loaded: LoadedModel, export: ExportConfig, out_dir: Path, force
     policy.check_against(export)
     check_memory(new_manifest(loaded, export, policy))
     with atomic_directory(Path(out_dir), force=force) as staging:
-        with WeightsFile(staging / WEIGHTS) as store:
-            graphs, weights_report = build_dense_graphs(loaded, export, store, progress, on_tensor)
+        with WeightsFile(staging / WEIGHTS) as store, WeightsFile(staging / ORT_WEIGHTS) as ort_store:
+            graphs, weights_report = build_dense_graphs(loaded, export, store, progress, on_tensor, ort_store)
         manifest = new_manifest(loaded, export, PolicyConfig(policy="dense"))
         manifest.weights_report = weights_report
         if transform is not None:
             graphs = transform(graphs, manifest)
         loaded.tokenizer.save_pretrained(staging)
-        save_graphs(staging, graphs, manifest, weights_source=staging / WEIGHTS)
+        save_graphs(staging, graphs, manifest, weights_source=staging / WEIGHTS,
+                    ort_weights_source=staging / ORT_WEIGHTS)
     return manifest

@@ -16,6 +16,11 @@ decode (N slots, one token each):
   inputs  input_ids [N, 1]; position [N] (RoPE position); cache_len [N] (rows [0, cache_len)
           valid); past_key.{i}, past_value.{i} [N, Hkv, L, D]
   outputs logits [N, V]; key.{i}, value.{i} [N, Hkv, 1, D] (to be written by the caller)
+
+Each writer writes a static graph (R and N numbers: the artifact's members, which TensorRT builds) or,
+given a SymbolicSize for R or N, one graph for every member of its family. Target "ort" writes the
+form ONNX Runtime opens: quantized layers as MatMulNBits, float16 products in float32
+(`export/weights.py`); "static" the standard form (blocked DequantizeLinear -> MatMul).
 """
 from __future__ import annotations
 
@@ -25,20 +30,24 @@ import numpy as np
 
 from snapcompile.artifact.naming import graph_name
 from snapcompile.config import ExportConfig
-from snapcompile.export.quantize import emit_matmul
-from snapcompile.export.weights import Weights
+from snapcompile.export.quantize import emit_matmul, emit_nbits_matmul
+from snapcompile.export.weights import Weights, float32_name
 from snapcompile.graphs.attention import additive_mask, emit_cached_attention, emit_joined_attention, joined_mask
-from snapcompile.graphs.builder import GraphBuilder
+from snapcompile.graphs.builder import GraphBuilder, Size, SymbolicSize
 from snapcompile.models.spec import ModelSpec
+
+TARGETS = ("static", "ort")
 
 
 class LlamaGraphWriter:
     """Emits the decoder body shared by prefill and decode; subclasses differ in attention layout."""
 
-    def __init__(self, spec: ModelSpec, weights: Weights, export: ExportConfig, store=None):
-        """store: the WeightsFile the weights are written to as the graph is built (None: the
-        graph holds them)."""
-        self.spec, self.w, self.export, self.store = spec, weights, export, store
+    def __init__(self, spec: ModelSpec, weights: Weights, export: ExportConfig, store=None, target: str = "static"):
+        """store: the WeightsFile (or WeightStores) the graph's weights were written to (None: the
+        graph holds them). target: "static" or "ort" (the module docstring)."""
+        if target not in TARGETS:
+            raise ValueError(f"unknown graph target {target!r}")
+        self.spec, self.w, self.export, self.store, self.target = spec, weights, export, store, target
 
     def _attach_weights(self, b: GraphBuilder) -> None:
         for name in self.w.float_names():
@@ -46,12 +55,19 @@ class LlamaGraphWriter:
 
     def _matmul(self, b: GraphBuilder, x: str, weight: str, op: str = "MatMul", **attrs) -> str:
         """x @ W (float32 in and out) for a linear weight name of Weights: quantized, float32,
-        or float16 (multiplied in float16 between two Casts)."""
+        or float16 (multiplied in float16 between two Casts: its input and product rounded to
+        float16; the "ort" target multiplies the rounded input by the weight's float32 form)."""
         matrix = self.w.quantized.get(weight)
         if matrix is not None:
-            return emit_matmul(b, x, weight, matrix, self.w.tensor)
+            emit = emit_nbits_matmul if self.target == "ort" else emit_matmul
+            return emit(b, x, weight, matrix, self.w.tensor)
         if self.w.dtype[weight] == np.float16:
-            return b.op("Cast", b.op(op, b.op("Cast", x, to=10), weight, **attrs), to=1)
+            half = b.op("Cast", x, to=10)
+            if self.target == "static":
+                return b.op("Cast", b.op(op, half, weight, **attrs), to=1)
+            wide = b.tensor(float32_name(weight), partial(self.w.tensor, float32_name(weight)))
+            product = b.op(op, b.op("Cast", half, to=1), wide, **attrs)
+            return b.op("Cast", b.op("Cast", product, to=10), to=1)
         return b.op(op, x, weight, **attrs)
 
     def _linear(self, b: GraphBuilder, x: str, layer: dict, key: str) -> str:
@@ -67,15 +83,16 @@ class LlamaGraphWriter:
         inv = b.op("Reciprocal", b.op("Sqrt", b.op("Add", var, b.const(self.spec.rms_norm_eps, np.float32))))
         return b.op("Mul", b.op("Mul", x, inv), weight)
 
-    def _rope_tables(self, b: GraphBuilder, positions: str, shape: list[int]) -> tuple[str, str]:
-        """cos/sin [.., D/2] of int64 positions, reshaped to `shape` for broadcasting."""
+    def _rope_tables(self, b: GraphBuilder, positions: str, shape: list) -> tuple[str, str]:
+        """cos/sin [.., D/2] of int64 positions, reshaped to `shape` for broadcasting (one entry may
+        be a SymbolicSize)."""
         pos = b.op("Cast", b.op("Unsqueeze", positions, b.const([-1])), to=1)
         freqs = b.op("Mul", pos, b.const(self.w.inv_freq, np.float32))
         cos, sin = b.op("Cos", freqs), b.op("Sin", freqs)
         if self.w.attention_scaling != 1.0:
             factor = b.const(self.w.attention_scaling, np.float32)
             cos, sin = b.op("Mul", cos, factor), b.op("Mul", sin, factor)
-        return b.op("Reshape", cos, b.const(shape)), b.op("Reshape", sin, b.const(shape))
+        return b.op("Reshape", cos, b.shape(shape)), b.op("Reshape", sin, b.shape(shape))
 
     def _rotate(self, b: GraphBuilder, x: str, cos: str, sin: str) -> str:
         """HF rotate-half RoPE on the last axis."""
@@ -97,7 +114,7 @@ class LlamaGraphWriter:
             return self._matmul(b, normed, self.w.lm_head)
         return self._matmul(b, normed, self.w.lm_head, "Gemm", transB=1)
 
-    def _cache_inputs(self, b: GraphBuilder, batch: int, length: int) -> list[tuple[str, str]]:
+    def _cache_inputs(self, b: GraphBuilder, batch: Size, length: Size) -> list[tuple[str, str]]:
         shape = [batch, self.spec.num_kv_heads, length, self.spec.head_dim]
         return [(b.input(f"past_key.{i}", np.float32, shape), b.input(f"past_value.{i}", np.float32, shape))
                 for i in range(self.spec.num_layers)]
@@ -105,14 +122,16 @@ class LlamaGraphWriter:
 
 class PrefillWriter(LlamaGraphWriter):
     """The prefill graph of `chunk` tokens (default: C) against a cache of `cache_rows` rows
-    (default: max_context), named `name` (default: "prefill" or its bucket's name)."""
+    (default: max_context; a SymbolicSize: the family of prefill graphs), named `name` (default:
+    "prefill" or its bucket's name)."""
 
-    def __init__(self, spec: ModelSpec, weights: Weights, export: ExportConfig, cache_rows: int | None = None,
-                 store=None, chunk: int | None = None, name: str | None = None):
-        super().__init__(spec, weights, export, store)
+    def __init__(self, spec: ModelSpec, weights: Weights, export: ExportConfig, cache_rows: Size | None = None,
+                 store=None, chunk: int | None = None, name: str | None = None, target: str = "static"):
+        super().__init__(spec, weights, export, store, target)
         self.cache_rows = cache_rows or export.max_context
         self.chunk = chunk or export.chunk
-        self.name = name or graph_name("prefill", self.cache_rows, export.max_context)
+        self.name = name or ("prefill" if isinstance(self.cache_rows, SymbolicSize)
+                             else graph_name("prefill", self.cache_rows, export.max_context))
 
     def build(self) -> GraphBuilder:
         s, c, L = self.spec, self.chunk, self.cache_rows
@@ -126,7 +145,7 @@ class PrefillWriter(LlamaGraphWriter):
         caches = self._cache_inputs(b, 1, L)
         positions = b.op("Add", b.op("Unsqueeze", b.const(np.arange(c)), b.const([0])), first_position)  # [1, C]
         cos, sin = self._rope_tables(b, positions, [1, 1, c, d // 2])
-        mask = joined_mask(b, b.op("Less", b.const(np.arange(L)), start), L, c)          # [C, L + C]
+        mask = joined_mask(b, b.op("Less", b.arange(L), start), L, c)                    # [C, L + C]
         x = self._embed(b, ids)                                                          # [1, C, hidden]
         for i, layer in enumerate(self.w.layers):
             h = self._rms_norm(b, x, layer["in_norm"])
@@ -154,16 +173,19 @@ class PrefillWriter(LlamaGraphWriter):
 
 
 class DecodeWriter(LlamaGraphWriter):
-    """The decode graph of `slots` slots (default: N; fewer for the slot buckets)."""
+    """The decode graph of `slots` slots (default: N; fewer for the slot buckets; a SymbolicSize:
+    the family of decode graphs)."""
 
-    def __init__(self, spec: ModelSpec, weights: Weights, export: ExportConfig, store=None, slots: int | None = None):
-        super().__init__(spec, weights, export, store)
+    def __init__(self, spec: ModelSpec, weights: Weights, export: ExportConfig, store=None, slots: Size | None = None,
+                 target: str = "static"):
+        super().__init__(spec, weights, export, store, target)
         self.slots = slots or export.slots
 
     def build(self) -> GraphBuilder:
         s, n, L = self.spec, self.slots, self.export.max_context
         hkv, g, d = s.num_kv_heads, s.group_size, s.head_dim
-        b = GraphBuilder(graph_name("decode", n, self.export.slots), self.store)
+        name = "decode" if isinstance(n, SymbolicSize) else graph_name("decode", n, self.export.slots)
+        b = GraphBuilder(name, self.store)
         self._attach_weights(b)
         ids = b.input("input_ids", np.int64, [n, 1])
         position = b.input("position", np.int64, [n])
@@ -171,15 +193,15 @@ class DecodeWriter(LlamaGraphWriter):
         caches = self._cache_inputs(b, n, L)
         cos, sin = self._rope_tables(b, position, [n, 1, 1, d // 2])
         visible = b.op("Less", b.const(np.arange(L)[None, :]), b.op("Unsqueeze", cache_len, b.const([1])))
-        cache_mask = b.op("Reshape", additive_mask(b, visible), b.const([n, 1, 1, L]))
-        x = b.op("Reshape", self._embed(b, ids), b.const([n, s.hidden_size]))
+        cache_mask = b.op("Reshape", additive_mask(b, visible), b.shape([n, 1, 1, L]))
+        x = b.op("Reshape", self._embed(b, ids), b.shape([n, s.hidden_size]))
         for i, layer in enumerate(self.w.layers):
             h = self._rms_norm(b, x, layer["in_norm"])
-            q = self._rotate(b, b.op("Reshape", self._linear(b, h, layer, "q"), b.const([n, hkv, g, d])), cos, sin)
-            k = self._rotate(b, b.op("Reshape", self._linear(b, h, layer, "k"), b.const([n, hkv, 1, d])), cos, sin)
-            v = b.op("Reshape", self._linear(b, h, layer, "v"), b.const([n, hkv, 1, d]))
+            q = self._rotate(b, b.op("Reshape", self._linear(b, h, layer, "q"), b.shape([n, hkv, g, d])), cos, sin)
+            k = self._rotate(b, b.op("Reshape", self._linear(b, h, layer, "k"), b.shape([n, hkv, 1, d])), cos, sin)
+            v = b.op("Reshape", self._linear(b, h, layer, "v"), b.shape([n, hkv, 1, d]))
             attn = emit_cached_attention(b, q, k, v, *caches[i], cache_mask, s.head_dim ** -0.5, L, 1)
-            x = b.op("Add", x, self._linear(b, b.op("Reshape", attn, b.const([n, s.num_heads * d])), layer, "o"))
+            x = b.op("Add", x, self._linear(b, b.op("Reshape", attn, b.shape([n, s.num_heads * d])), layer, "o"))
             x = b.op("Add", x, self._mlp(b, self._rms_norm(b, x, layer["post_norm"]), layer))
             b.output(k, f"key.{i}", np.float32, [n, hkv, 1, d])
             b.output(v, f"value.{i}", np.float32, [n, hkv, 1, d])

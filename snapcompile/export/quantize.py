@@ -12,6 +12,12 @@ In the graph the values are a standard ONNX INT4 / INT8 initializer [K, N] dequa
 blocked DequantizeLinear (opset 21, axis 0, zero point 0) feeding MatMul: the form TensorRT's
 ONNX parser takes, and the one ONNX Runtime's CPU provider fuses into its MatMulNBits kernel.
 An offset adds sum_b(sum_{k in block b} x[k]) * offset[b], one small MatMul on block sums.
+
+The graphs ONNX Runtime opens (`emit_nbits_matmul`) hold the same values in its MatMulNBits
+kernel's own layout, written once by the export (`nbits_initializers`), so no process converts them.
+MatMulNBits (onnxruntime contrib ops): B uint8 [N, K/bs, bs*bits/8], element k of row n in the low
+nibble first (4 bits), unsigned with the default zero point 2^(bits-1); scales float32 [N, K/bs];
+Y = A @ dequant(B).T. Our values are signed, so u = q + 2^(bits-1).
 """
 from __future__ import annotations
 
@@ -22,6 +28,7 @@ import numpy as np
 from onnx import TensorProto, helper, numpy_helper
 
 from snapcompile.errors import SnapcompileError
+from snapcompile.graphs.builder import MICROSOFT
 from snapcompile.nibbles import pack_nibbles, unpack_nibbles
 
 ONNX_TYPE = {8: TensorProto.INT8, 4: TensorProto.INT4}
@@ -55,6 +62,15 @@ class BlockQuantized:
         if self.offsets is not None:
             w = w + self.offsets[:, :, None]
         return w.reshape(n, k)
+
+    def nbits_initializers(self, name: str) -> list[TensorProto]:
+        """`name`.nbits and .nbits_scales: the values and scales in MatMulNBits' layout
+        (`emit_nbits_matmul`)."""
+        n, k = self.values.shape
+        unsigned = (self.values.astype(np.int16) + (1 << (self.bits - 1))).astype(np.uint8)      # [N, K]
+        packed = pack_nibbles(unsigned) if self.bits == 4 else unsigned
+        return [numpy_helper.from_array(packed.reshape(n, k // self.block_size, -1), f"{name}.nbits"),
+                numpy_helper.from_array(np.ascontiguousarray(self.scales), f"{name}.nbits_scales")]
 
     def layout(self) -> QuantizedLayout:
         return QuantizedLayout(self.values.shape, self.bits, self.block_size, self.offsets is not None)
@@ -130,14 +146,31 @@ def emit_matmul(b, x: str, name: str, matrix: QuantizedLayout, tensor) -> str:
     """x [..., K] float32 -> x @ W.T [..., N] with W held as `name`.qweight / .qscale / .qoffset
     initializers, added here to the GraphBuilder `b`; tensor(initializer_name) gives each one's
     TensorProto (called only for those b's store has not written)."""
-    _, k = matrix.shape
     for part in ("qweight", "qscale") + (("qoffset",) if matrix.has_offsets else ()):
         b.tensor(f"{name}.{part}", partial(tensor, f"{name}.{part}"))
     w = b.op("DequantizeLinear", f"{name}.qweight", f"{name}.qscale", axis=0, block_size=matrix.block_size)
     y = b.op("MatMul", x, w)
-    if not matrix.has_offsets:
-        return y
+    return y if not matrix.has_offsets else _add_offsets(b, x, y, name, matrix)
+
+
+def _add_offsets(b, x: str, y: str, name: str, matrix: QuantizedLayout) -> str:
+    """y + the blocks' offsets' share of x @ W.T: one small MatMul on x's block sums."""
+    _, k = matrix.shape
     sums = b.op("ReduceSum", b.op("Reshape", x, b.const([-1, k // matrix.block_size, matrix.block_size])),
                 b.const([-1]), keepdims=0)                                     # [rows, K/bs] block sums
     correction = b.op("Reshape", b.op("MatMul", sums, f"{name}.qoffset"), b.op("Shape", y))
     return b.op("Add", y, correction)
+
+
+ACCURACY_LEVEL = 4    # MatMulNBits' int8 activations (ONNX Runtime's fast path); validate runs level 1
+
+
+def emit_nbits_matmul(b, x: str, name: str, matrix: QuantizedLayout, tensor) -> str:
+    """`emit_matmul`'s product in ONNX Runtime's form: one MatMulNBits node (com.microsoft) reading
+    `name`.nbits / .nbits_scales (`BlockQuantized.nbits_initializers`), the offsets added the same way."""
+    n, k = matrix.shape
+    for part in ("nbits", "nbits_scales") + (("qoffset",) if matrix.has_offsets else ()):
+        b.tensor(f"{name}.{part}", partial(tensor, f"{name}.{part}"))
+    y = b.op("MatMulNBits", x, f"{name}.nbits", f"{name}.nbits_scales", domain=MICROSOFT, K=k, N=n,
+             bits=matrix.bits, block_size=matrix.block_size, accuracy_level=ACCURACY_LEVEL)
+    return y if not matrix.has_offsets else _add_offsets(b, x, y, name, matrix)

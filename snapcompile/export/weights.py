@@ -7,6 +7,12 @@ Names in the graphs (a contract `graph_weights` reads back, for the oracle):
   multiplied in float16 between two Casts); a quantized one is l{i}.q.qweight
   (INT4/INT8 [K, N]), l{i}.q.qscale [K/bs, N] and, for kept GGUF Q4_1 blocks, l{i}.q.qoffset.
   The LM head is the same with prefix "lm_head" (or embed_tokens itself when tied and float).
+
+The graphs ONNX Runtime opens read some weights in another form, written once beside them (the
+artifact's ort_weights.bin): a quantized layer as l{i}.q.nbits / l{i}.q.nbits_scales (MatMulNBits'
+layout, `quantize.emit_nbits_matmul`), and a float16 weight a product reads as "<name>.float32" (its
+values exactly: ONNX Runtime's CPU provider multiplies float16 in float32, and would otherwise fold a
+float32 copy into every session).
 """
 from __future__ import annotations
 
@@ -65,23 +71,26 @@ class Weights:
     `quantized` (QuantizedLayout by linear name), the layer dicts (roles -> names) and `tensor(name)`."""
 
     def __init__(self, tensors: TensorSource, spec: ModelSpec, config, quantizer: Quantizer | None = None,
-                 half: bool = False, store=None, progress=None):
+                 half: bool = False, store=None, progress=None, ort_store=None):
         """half: linear weights (and the embedding) in float16 (--weights fp16). progress(name, done,
-        total), when given, is called as each source tensor is read."""
+        total), when given, is called as each source tensor is read. ort_store: where the weights in
+        ONNX Runtime's forms go (the artifact's ort_weights.bin; None: with `store`'s rule, in memory)."""
         self.source, self.quantizer, self.store, self.progress = tensors, quantizer, store, progress
+        self.ort_store = ort_store
         self.linear_dtype = np.float16 if half else np.float32
         self.dtype: dict[str, np.dtype] = {}
         self.quantized: dict[str, QuantizedLayout] = {}
         self._protos: dict[str, TensorProto] = {}
-        self.written_bytes = self.read_count = 0
+        self.written_bytes = self.read_count = self.ort_bytes = 0
         embed_dtype = np.float16 if quantizer or half else np.float32
         tied = spec.tie_word_embeddings or "lm_head.weight" not in tensors.shapes
         self.reads = len(tensors.shapes) + (1 if quantizer and tied else 0)   # a tied quantized head: twice
-        self.embed = self._add("embed_tokens", self._read("model.embed_tokens.weight").astype(embed_dtype))
+        self.embed = self._add("embed_tokens", self._read("model.embed_tokens.weight").astype(embed_dtype),
+                               product=half and tied)
         self.embed_bytes = self.written_bytes
         self.lm_head = self.embed
         if not tied and not quantizer:      # [V, hidden] as stored: the graph's Gemm reads it transposed
-            self.lm_head = self._add("lm_head", self._read("lm_head.weight").astype(self.linear_dtype))
+            self.lm_head = self._add("lm_head", self._read("lm_head.weight").astype(self.linear_dtype), product=True)
         self.final_norm = self._add("norm", self._read("model.norm.weight"))
         if quantizer is None:
             self.layers = [self._layer(i) for i in range(spec.num_layers)]
@@ -101,25 +110,36 @@ class Weights:
             self.progress(hf_name, self.read_count, self.reads)
         return array
 
-    def _keep(self, proto: TensorProto) -> None:
-        self.written_bytes += len(proto.raw_data)
-        kept = proto if self.store is None else self.store.add(proto)
+    def _keep(self, proto: TensorProto, ort: bool = False) -> None:
+        """Write `proto` to weights.bin (ort: to ort_weights.bin, not counted in the weight bytes)."""
+        store = self.ort_store if ort else self.store
+        if ort:
+            self.ort_bytes += len(proto.raw_data)
+        else:
+            self.written_bytes += len(proto.raw_data)
+        kept = proto if store is None else store.add(proto)
         if kept is proto:          # in memory, or too small for the store: the graphs hold it
             self._protos[proto.name] = proto
 
-    def _add(self, name: str, array: np.ndarray) -> str:
+    def _add(self, name: str, array: np.ndarray, product: bool = False) -> str:
+        """A float initializer; `product`: a MatMul / Gemm reads it (a float16 one gets its float32
+        form for ONNX Runtime)."""
         self.dtype[name] = array.dtype
         self._keep(numpy_helper.from_array(np.ascontiguousarray(array), name))
+        if product and array.dtype == np.float16:
+            self._keep(numpy_helper.from_array(array.astype(np.float32), float32_name(name)), ort=True)
         return name
 
     def _linear_weight(self, name: str, hf_name: str, head: bool = False) -> str:
         """The source's weight [N, K] (HF layout) stored as `name`: quantized, or transposed for MatMul."""
         if self.quantizer is None:
-            return self._add(f"{name}.wT", self._read(hf_name).T.astype(self.linear_dtype))
+            return self._add(f"{name}.wT", self._read(hf_name).T.astype(self.linear_dtype), product=True)
         matrix = self.quantizer(hf_name, self._read(hf_name), head)
         self.quantized[name] = matrix.layout()
         for proto in matrix.initializers(name):
             self._keep(proto)
+        for proto in matrix.nbits_initializers(name):
+            self._keep(proto, ort=True)
         return name
 
     def _layer(self, i: int, linears: bool = True) -> dict[str, str]:
@@ -154,6 +174,11 @@ class Weights:
         """Bytes a decode step reads: all but the embedding table when the head is stored apart
         (a step gathers one row of it)."""
         return self.written_bytes - (self.embed_bytes if self.lm_head != self.embed else 0)
+
+
+def float32_name(name: str) -> str:
+    """The float32 form of float16 weight `name` that ONNX Runtime's graphs multiply by."""
+    return f"{name}.float32"
 
 
 def graph_weights(model, spec: ModelSpec) -> dict[str, np.ndarray]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from snapcompile.graphs.builder import GraphBuilder
+from snapcompile.graphs.builder import GraphBuilder, Size, SymbolicSize
 
 MASK_MIN = float(np.finfo(np.float32).min)  # additive mask value of a hidden slot; finite, never NaN
 
@@ -57,10 +57,11 @@ def emit_joined_attention(b: GraphBuilder, q: str, k_new: str, v_new: str, k_cac
     return b.op("MatMul", probs, values)
 
 
-def joined_mask(b: GraphBuilder, cache_visible: str, cache_len: int, new_len: int) -> str:
+def joined_mask(b: GraphBuilder, cache_visible: str, cache_len: Size, new_len: int) -> str:
     """The additive [new_len, cache_len + new_len] mask of emit_joined_attention: cache row j is
     seen where cache_visible[j] (bool [cache_len]); chunk token t sees chunk tokens <= t."""
-    cache = b.op("Expand", additive_mask(b, cache_visible), b.const([new_len, cache_len]))
+    rows = 1 if isinstance(cache_len, SymbolicSize) else cache_len      # Expand broadcasts [cache_len] to it
+    cache = b.op("Expand", additive_mask(b, cache_visible), b.const([new_len, rows]))
     causal = np.arange(new_len)[None, :] <= np.arange(new_len)[:, None]
     new = additive_mask(b, b.const(causal, np.bool_))
     return b.op("Concat", cache, new, axis=-1)

@@ -10,7 +10,7 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
-from snapcompile.graphs.builder import IR_VERSION, OPSET
+from snapcompile.graphs.builder import IR_VERSION, MICROSOFT, OPSET
 from snapcompile.graphs.checks import check_graph
 
 
@@ -51,15 +51,23 @@ class GraphEditor:
 
 def finalize(graph: gs.Graph, name: str, custom_domains: tuple[str, ...] = ()) -> onnx.ModelProto:
     """cleanup, toposort, export, and `check_graph` (every pass ends here). A graph with
-    custom-domain nodes is checked without strict shape inference, which cannot know their
-    output shapes; its outputs must still declare static shapes."""
+    custom-domain nodes (`custom_domains`, and ONNX Runtime's own: the MatMulNBits of the graphs it
+    opens) is checked without strict shape inference, which cannot know their output shapes; its
+    outputs must still declare static shapes, but for the symbolic size its inputs declare."""
     graph.cleanup(remove_unused_graph_inputs=False).toposort()
     model = gs.export_onnx(graph, do_type_check=True)
     model.ir_version = IR_VERSION
+    domains = tuple(dict.fromkeys([*custom_domains, *(n.domain for n in model.graph.node if n.domain == MICROSOFT)]))
     del model.opset_import[:]
     model.opset_import.append(onnx.helper.make_opsetid("", OPSET))
-    for domain in custom_domains:
+    for domain in domains:
         model.opset_import.append(onnx.helper.make_opsetid(domain, 1))
     model.graph.ClearField("value_info")
-    check_graph(model, name, strict=not custom_domains)
+    check_graph(model, name, strict=not domains, symbolic=input_dim_params(model))
     return model
+
+
+def input_dim_params(model: onnx.ModelProto) -> tuple[str, ...]:
+    """The symbolic dimensions a graph's inputs declare (a family's size)."""
+    return tuple(sorted({d.dim_param for value in model.graph.input for d in value.type.tensor_type.shape.dim
+                         if d.dim_param}))

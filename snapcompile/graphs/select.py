@@ -3,7 +3,8 @@ policy"), or as one SnapKVSelect node per layer for the plugin lowering (`plugin
 
 Inputs: prompt_len [1] int64 (P < T <= L); per layer window_query.{i} [1, H, W, D],
 key.{i}, value.{i} [1, Hkv, L, D] (the prefilled dense cache, rows >= T ignored). L is the
-artifact's max_context for the graph "select", a prefill bucket's rows for "select_<L>".
+artifact's max_context for the graph "select", a prefill bucket's rows for "select_<L>", symbolic
+(a SymbolicSize) in ONNX Runtime's graph of the family.
 Outputs per layer: selected_key.{i}, selected_value.{i} [1, Hkv, P, D] and
 selected_index.{i} [1, Hkv, P] int64, positions ascending.
 """
@@ -14,21 +15,21 @@ import onnx
 
 from snapcompile.config import PolicyConfig
 from snapcompile.graphs.attention import MASK_MIN, additive_mask
-from snapcompile.graphs.builder import GraphBuilder
+from snapcompile.graphs.builder import GraphBuilder, Size, SymbolicSize
 from snapcompile.graphs.checks import check_graph
 from snapcompile.models.spec import ModelSpec
 from snapcompile.plugins.contracts import DOMAIN, SELECT
 
 
 class SelectionWriter:
-    def __init__(self, spec: ModelSpec, policy: PolicyConfig, cache_rows: int, name: str = "select"):
+    def __init__(self, spec: ModelSpec, policy: PolicyConfig, cache_rows: Size, name: str = "select"):
         self.spec, self.policy, self.length, self.name = spec, policy, cache_rows, name
 
     def build(self) -> onnx.ModelProto:
         s, p, L = self.spec, self.policy, self.length
         b = GraphBuilder(self.name)
         prompt_len = b.input("prompt_len", np.int64, [1])
-        positions = b.const(np.arange(L))
+        positions = b.arange(L)
         window_start = b.op("Sub", prompt_len, b.const([p.window]))
         prefix = b.op("Less", positions, window_start)                                    # [L]
         fixed = b.op("Or", b.op("Less", positions, b.const([p.sinks])),
@@ -42,18 +43,18 @@ class SelectionWriter:
             index = self._select(b, scores, prefix, candidate, fixed)
             self._gather_outputs(b, i, k, v, index)
         model = b.model()
-        check_graph(model, self.name)
+        check_graph(model, self.name, symbolic=(L.name,) if isinstance(L, SymbolicSize) else ())
         return model
 
     def _window_scores(self, b: GraphBuilder, q: str, k: str, window_start: str) -> str:
         """[1, Hkv or 1, L] mean window attention per position (summed over heads for layer scope)."""
-        s, p, L = self.spec, self.policy, self.length
+        s, p = self.spec, self.policy
         rows = s.group_size * p.window
         q = b.op("Reshape", q, b.const([1, s.num_kv_heads, rows, s.head_dim]))
         logits = b.op("Mul", b.op("MatMul", q, b.op("Transpose", k, perm=[0, 1, 3, 2])),
                       b.const(s.head_dim ** -0.5, np.float32))                            # [1,Hkv,G*W,L]
         query_pos = b.op("Add", b.const((np.arange(rows) % p.window)[:, None]), window_start)
-        visible = b.op("LessOrEqual", b.const(np.arange(L)[None, :]), query_pos)           # [G*W, L]
+        visible = b.op("LessOrEqual", self._row_positions(b), query_pos)                   # [G*W, L]
         probs = b.op("Softmax", b.op("Add", logits, additive_mask(b, visible)), axis=-1)
         score = b.op("ReduceMean", probs, b.const([2]), keepdims=0)                       # [1,Hkv,L]
         if p.scope == "layer":
@@ -62,7 +63,7 @@ class SelectionWriter:
 
     def _select(self, b: GraphBuilder, score: str, prefix: str, candidate: str, fixed: str) -> str:
         """Pool, pick the top P-S-W candidates, add sinks and window; [1, R, P] ascending."""
-        p, L = self.policy, self.length
+        p = self.policy
         pad = p.kernel // 2
         # pooled as 2-D over [.., 1, L] (kernel 1 x K): TensorRT pools 2-D or 3-D only
         attrs = dict(kernel_shape=[1, p.kernel], pads=[0, pad, 0, pad], strides=[1, 1])
@@ -79,11 +80,24 @@ class SelectionWriter:
         chosen = b.op("ScatterElements", b.op("Mul", ranked, b.const(0.0, np.float32)), top,
                       b.op("Add", b.op("Cast", top, to=1), b.const(1.0, np.float32)), axis=-1)
         keep = b.op("Or", b.op("Greater", chosen, b.const(0.0, np.float32)), fixed)
-        order_key = b.op("Where", keep, b.const((L - np.arange(L)).astype(np.float32), np.float32),
-                         b.const(-1.0, np.float32))
+        order_key = b.op("Where", keep, self._descending(b), b.const(-1.0, np.float32))
         _, index = b.op("TopK", order_key, b.const([p.resolved_prompt_share]), outputs=2, axis=-1,
                         largest=1, sorted=1)
         return index
+
+    def _row_positions(self, b: GraphBuilder) -> str:
+        """int64 [1, L]: each cache row's position."""
+        L = self.length
+        if isinstance(L, SymbolicSize):
+            return b.op("Unsqueeze", b.arange(L), b.const([0]))
+        return b.const(np.arange(L)[None, :])
+
+    def _descending(self, b: GraphBuilder) -> str:
+        """float32 [L]: L - position, so that TopK of the kept rows orders them by position."""
+        L = self.length
+        if isinstance(L, SymbolicSize):
+            return b.op("Cast", b.op("Sub", b.size_vector(L), b.arange(L)), to=1)
+        return b.const((L - np.arange(L)).astype(np.float32), np.float32)
 
     def _gather_outputs(self, b: GraphBuilder, i: int, k: str, v: str, index: str) -> None:
         s, share = self.spec, self.policy.resolved_prompt_share

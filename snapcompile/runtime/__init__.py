@@ -11,15 +11,12 @@ PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider",   #
 
 
 def open_backend(folder: Path, backend: str = "ort", provider: str = "cpu", threads: int | None = None,
-                 exact_matmul: bool = False, family_sessions: bool = True):
+                 exact_matmul: bool = False):
     """ONNX Runtime on an artifact folder, or TensorRT on an engine folder from `snapcompile build`.
-    exact_matmul (ONNX Runtime): quantized weights multiplied in float32, not its int8 kernels.
-    family_sessions (ONNX Runtime): one session for each family of bucket graphs
-    (runtime/shape_family.py); False: a session a graph, for measuring what that saves."""
+    exact_matmul (ONNX Runtime): quantized weights multiplied in float32, not its int8 kernels."""
     if backend == "ort":
         from snapcompile.runtime.ort_backend import OrtBackend
-        return OrtBackend(folder, provider=provider, threads=threads, exact_matmul=exact_matmul,
-                          family_sessions=family_sessions)
+        return OrtBackend(folder, provider=provider, threads=threads, exact_matmul=exact_matmul)
     if backend == "trt":
         from snapcompile.runtime.trt_backend import TrtBackend
         return TrtBackend(folder)

@@ -1,25 +1,21 @@
 """The ONNX Runtime device: host (numpy) arrays bound to sessions by pointer, no copies."""
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 import numpy as np
+import onnx
 
 from snapcompile.artifact.files import check_files
 from snapcompile.artifact.manifest import Manifest
-from snapcompile.artifact.naming import family_members, family_of, is_prefill_graph
-from snapcompile.artifact.onnx_io import load_graph
-from snapcompile.config import cache_root
+from snapcompile.artifact.naming import is_prefill_graph
+from snapcompile.artifact.onnx_io import load_graph, load_ort_graph
 from snapcompile.errors import SnapcompileError
 from snapcompile.memory import available_host_memory
 from snapcompile.runtime import PROVIDERS
 from snapcompile.runtime.backend import SlotBackend
 from snapcompile.runtime.ort_capi import CSession, SharedSessions
-from snapcompile.runtime.ort_form import WeightArrays, ort_form
-from snapcompile.runtime.shape_family import FamilyError, symbolic_form
-
-log = logging.getLogger("snapcompile.runtime")
+from snapcompile.runtime.weight_maps import WeightArrays
 
 
 class OrtGraph:
@@ -66,24 +62,29 @@ class OrtGraph:
 
 
 class OrtDevice:
-    def __init__(self, folder: Path, provider: str = "cpu", threads: int | None = None, exact_matmul: bool = False,
-                 family_sessions: bool = True):
-        """family_sessions: one session for each family of graphs that differ in one size only
-        (runtime/shape_family.py: the prefill buckets, the select buckets, the decode slot
-        buckets); False makes a session a graph (for measuring what it saves)."""
+    def __init__(self, folder: Path, provider: str = "cpu", threads: int | None = None, exact_matmul: bool = False):
+        """On the CPU the graphs run are ONNX Runtime's (naming.ort_graphs): one session for each
+        family of static graphs, every session sharing the process's weights; other providers and
+        the plugin lowering's custom-op graphs run the static files, a session each."""
         self.folder, self.threads, self.exact_matmul = Path(folder), threads, exact_matmul
         self.providers = _providers(provider)
-        self.weights = WeightArrays(self.folder, spill_folder()) if provider == "cpu" else None
+        self.weights = WeightArrays(self.folder) if provider == "cpu" else None
         self.sessions = SharedSessions() if provider == "cpu" else None
-        self.models = {}                      # graph name -> ModelProto without weights, from check()
-        self.family_sessions = family_sessions
-        self.families: dict[str, CSession | None] = {}   # family -> its one session (None: a session a graph)
+        self.models: dict[str, onnx.ModelProto] = {}    # ONNX Runtime graph -> its model, checked, until made
+        self.made: dict[str, CSession] = {}             # ONNX Runtime graph -> its session
 
     def check(self, folder: Path, manifest: Manifest) -> None:
-        """Every file's size and sha256, then fingerprint and I/O checks of every graph
-        (SlotBackend calls it before `graph`)."""
+        """Every file's size and sha256, then fingerprint, I/O and allocation checks of every graph
+        this device runs (SlotBackend calls it before `graph`)."""
         check_files(folder, manifest)
-        self.models = {name: load_graph(folder, manifest, name) for name in manifest.graphs}
+        if self.sessions is None:
+            for name in manifest.graphs:
+                load_graph(folder, manifest, name)
+            return
+        self.models = {name: load_ort_graph(folder, manifest, name) for name in manifest.ort_graphs}
+        for name in manifest.graphs:
+            if manifest.ort_graph_of(name) is None:
+                load_graph(folder, manifest, name)
 
     def available_bytes(self) -> int:
         """Memory this process can still allocate without swapping (Linux MemAvailable)."""
@@ -93,46 +94,33 @@ class OrtDevice:
         return np.zeros(shape, np.dtype(dtype))
 
     def graph(self, name: str, manifest: Manifest) -> OrtGraph | CSession:
-        """On the CPU every graph's session shares the process's weights and their pre-packed
-        copies (runtime/ort_form.py, ort_capi.py); plugin-lowered graphs (custom ops, for
-        validation) and other providers get a session of their own."""
-        custom_ops = manifest.lowering == "plugin" and not is_prefill_graph(name)
-        quantized = manifest.export.quantized
-        if self.sessions is None or custom_ops:
+        """Static graph `name` bound to buffers of its own: on the CPU a binding of its ONNX Runtime
+        graph's session (made at the first of its members), sharing the process's weights and their
+        pre-packed copies (ort_capi.py); the plugin lowering's custom-op graphs and other providers
+        get a session of their own on the static file."""
+        ort = manifest.ort_graph_of(name) if self.sessions is not None else None
+        if ort is None:
+            quantized = manifest.export.quantized
             matmul = None if not quantized else "fp32" if self.exact_matmul else "int8"
             return OrtGraph(self.folder / manifest.graphs[name]["file"], self.providers, self.threads,
-                            custom_ops=custom_ops, quantized_matmul=matmul)
-        family = family_of(name) if self.family_sessions else None
-        if family is not None and self._family_session(family, manifest) is not None:
-            return self.families[family].another_binding(name)
-        # the checked graph is dropped once its session is made (~1.5 MB a graph as Python objects)
-        return self._session(self.models.pop(name, None) or load_graph(self.folder, manifest, name), name)
+                            custom_ops=manifest.lowering == "plugin" and not is_prefill_graph(name),
+                            quantized_matmul=matmul)
+        if ort in self.made:
+            return self.made[ort].another_binding(name)
+        model = self.models.pop(ort, None) or load_ort_graph(self.folder, manifest, ort)
+        self.made[ort] = self._session(model, ort)
+        return self.made[ort]
 
-    def _session(self, source, name: str) -> CSession:
-        """A session of `source` (a graph loaded without its weights) sharing the process's weights."""
-        model, arrays = ort_form(source, self.weights, accuracy_level=1 if self.exact_matmul else 4)
+    def _session(self, model: onnx.ModelProto, name: str) -> CSession:
+        """A session of ONNX Runtime graph `model` (loaded without its weights) given every external
+        initializer as the process's shared array."""
+        if self.exact_matmul:
+            model = with_accuracy_level(model, EXACT_ACCURACY_LEVEL)
+        arrays = {tensor.name: self.weights.array(tensor) for tensor in model.graph.initializer
+                  if tensor.data_location == onnx.TensorProto.EXTERNAL}
         config = {"session.model_external_initializers_file_folder_path": str(self.folder)}
         with self.weights.pages_released_while():
             return self.sessions.session(model.SerializeToString(), arrays, config, self.threads, name)
-
-    def _family_session(self, family: str, manifest: Manifest) -> CSession | None:
-        """The one session of `family`'s graphs, made at the first call; None where the family has
-        one member or its members cannot share a graph (then each gets a session of its own)."""
-        if family not in self.families:
-            members = family_members(family, manifest.graphs, manifest.export)
-            self.families[family] = None
-            if len(members) > 1:
-                models = {size: self.models.get(name) or load_graph(self.folder, manifest, name)
-                          for size, name in members.items()}
-                try:
-                    form = symbolic_form(models, "slots" if family == "decode" else "rows")
-                except FamilyError as err:
-                    log.warning("%s: the %s graphs get a session each: %s", self.folder, family, err)
-                    return None
-                for name in members.values():
-                    self.models.pop(name, None)
-                self.families[family] = self._session(form, family)
-        return self.families[family]
 
     def kernels(self, manifest: Manifest) -> str:
         """What multiplies the linear layers, for run summaries (MLAS picks its AVX2 / AVX-512 /
@@ -164,15 +152,23 @@ class OrtDevice:
 class OrtBackend(SlotBackend):
     """SlotBackend on ONNX Runtime (CPUExecutionProvider by default)."""
 
-    def __init__(self, folder: Path, provider: str = "cpu", threads: int | None = None, exact_matmul: bool = False,
-                 family_sessions: bool = True):
-        super().__init__(folder, OrtDevice(folder, provider, threads, exact_matmul, family_sessions))
+    def __init__(self, folder: Path, provider: str = "cpu", threads: int | None = None, exact_matmul: bool = False):
+        super().__init__(folder, OrtDevice(folder, provider, threads, exact_matmul))
 
 
-def spill_folder() -> Path:
-    """Where a process writes the quantized weights it converts (runtime/ort_form.py): the cache
-    root's ort/ (on disk where the cache is; $SNAPCOMPILE_CACHE moves it)."""
-    return cache_root() / "ort"
+EXACT_ACCURACY_LEVEL = 1     # MatMulNBits multiplying in float32: the graph's exact arithmetic (validate)
+
+
+def with_accuracy_level(model: onnx.ModelProto, level: int) -> onnx.ModelProto:
+    """A copy of `model` whose MatMulNBits nodes compute at accuracy `level`: the kernel's arithmetic,
+    which ONNX Runtime reads from the node (the artifact's graphs hold its fast int8 path, level 4)."""
+    model = onnx.ModelProto.FromString(model.SerializeToString())
+    for node in model.graph.node:
+        if node.op_type == "MatMulNBits":
+            for attribute in node.attribute:
+                if attribute.name == "accuracy_level":
+                    attribute.i = level
+    return model
 
 
 def _providers(provider: str) -> list[str]:

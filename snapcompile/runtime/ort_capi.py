@@ -245,7 +245,7 @@ class _Handle:
 class CSession:
     """A session and one IoBinding of it: inputs and outputs bound to numpy arrays by address.
     `another_binding` gives the same session with a binding of its own (graphs of one family,
-    runtime/shape_family.py, bound to buffers of their own sizes)."""
+    naming.ort_graphs, bound to buffers of their own sizes)."""
 
     def __init__(self, owner: SharedSessions, handle: int | _Handle, what: str):
         self.session = handle if isinstance(handle, _Handle) else _Handle(owner, handle)

@@ -110,25 +110,10 @@ def test_session_cost_reports_every_graph_and_the_synthetic_chains(tiny_snap_dir
     lines = [json.loads(line) for line in done.stdout.splitlines()]
     assert [line["graph"] for line in lines if "graph" in line][0] == "open"
     graphs = [line for line in lines if "graph" in line and line["graph"] != "open"]
-    assert {"prefill", "decode"} <= {line["graph"] for line in graphs}
+    assert {line["graph"] for line in graphs} == {"prefill", "select"}       # decode: made at open
     assert all(line["nodes"] >= line["nodes_optimized"] > 0 for line in graphs)
     chains = {line["synthetic"]: line["added_mib"] for line in lines if "synthetic" in line}
     assert chains["Add"] > chains["Identity"] >= 0
-
-
-def test_family_sessions_times_both_modes_in_one_process(tiny_snap_dir):
-    """studies/family_sessions.py: both modes opened, prefilled and decoded, alternating."""
-    done = _study("family_sessions.py", tiny_snap_dir, "--context", 200, "--rounds", 2, "--slots", "1,2",
-                  "--steps", 3)
-    assert done.returncode == 0, done.stderr
-    row = json.loads(done.stdout)
-    assert set(row["prefill_s"]) == set(row["make_s"]) == {"session_a_graph", "family"}
-    assert all(len(seconds) == 2 and min(seconds) > 0 for seconds in row["prefill_s"].values())
-    assert row["decode"]["family"]["2"]["tok_s"] == pytest.approx(2 / row["decode"]["family"]["2"]["step_median_s"])
-    timed = _study("family_sessions.py", tiny_snap_dir, "--graph", "prefill_128", "--start", 64, "--runs", 3)
-    assert timed.returncode == 0, timed.stderr
-    medians = json.loads(timed.stdout)["median_ms"]
-    assert set(medians) == {"session_a_graph", "family"} and min(medians.values()) > 0
 
 
 def test_page_release_compares_released_and_kept_pages(tiny_snap_dir):
@@ -140,8 +125,12 @@ def test_page_release_compares_released_and_kept_pages(tiny_snap_dir):
     assert all(len(v) == 2 and min(v) > 0 for v in row["prefill_s"].values()) and row["release_ms"] >= 0
 
 
-def test_family_sessions_times_the_phases_of_making_every_graph(tiny_snap_dir):
-    done = _study("family_sessions.py", tiny_snap_dir, "--phases")
+def test_open_phases_times_each_phase_of_opening_in_fresh_processes(tiny_snap_dir):
+    """studies/open_phases.py: files, graph checks and sessions (one per ONNX Runtime graph) within the
+    whole, for each repeat."""
+    done = _study("open_phases.py", tiny_snap_dir, "--repeats", 2)
     assert done.returncode == 0, done.stderr
     row = json.loads(done.stdout)
-    assert 0 < row["ort_form_s"] + row["sessions_s"] <= row["every_graph_s"] and row["symbolic_form_s"] > 0
+    assert len(row["runs"]) == 2 and row["files_s"] > 0 and row["sessions_s"] > 0
+    assert row["files_s"] + row["graph_checks_s"] + row["sessions_s"] <= row["every_graph_s"]
+    assert set(row["runs"][0]["session_s"]) == {"prefill", "decode", "select"}
