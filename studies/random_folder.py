@@ -12,6 +12,11 @@ weights, which `convert --weights int4` quantizes at every block size, 32 includ
 docs/results/weights.md, "Blocks coarser than 32"):
 
     .venv/bin/python studies/random_folder.py smollm2-135m-instruct OUT --dtype float32
+
+`--positions N` writes the config with N max_position_embeddings (a tiny model that can generate
+16000 tokens for `studies/engine_overhead.py`):
+
+    .venv/bin/python studies/random_folder.py tiny-llama OUT --dtype float32 --positions 32768
 """
 from __future__ import annotations
 
@@ -23,7 +28,8 @@ from pathlib import Path
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
 
-def write_folder(name: str, out: Path, tokenizer: Path | None, dtype: str = "bfloat16") -> None:
+def write_folder(name: str, out: Path, tokenizer: Path | None, dtype: str = "bfloat16",
+                 positions: int | None = None) -> None:
     import torch
     from safetensors.torch import save_file
 
@@ -31,6 +37,8 @@ def write_folder(name: str, out: Path, tokenizer: Path | None, dtype: str = "bfl
     loaded = load_model(name)
     out.mkdir(parents=True)
     config = loaded.config.to_dict() | {"architectures": [loaded.spec.architecture], "torch_dtype": dtype}
+    if positions is not None:
+        config["max_position_embeddings"] = positions
     (out / "config.json").write_text(json.dumps(config, indent=2))
     shards: dict[str, list[str]] = {}
     for tensor in loaded.tensors.shapes:
@@ -58,8 +66,9 @@ def main() -> None:
     parser.add_argument("--tokenizer", type=Path, help="a folder whose tokenizer files are copied (default: the "
                         "model's own tokenizer, saved)")
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    parser.add_argument("--positions", type=int, help="max_position_embeddings of the written config")
     args = parser.parse_args()
-    write_folder(args.name, args.out, args.tokenizer, args.dtype)
+    write_folder(args.name, args.out, args.tokenizer, args.dtype, args.positions)
 
 
 if __name__ == "__main__":

@@ -97,7 +97,7 @@ FAULT_SEED = 666
 @pytest.fixture
 def faulty_sampling(monkeypatch):
     """The engine's sampling raises for requests whose seed is FAULT_SEED: a fault inside one request."""
-    from snapcompile.engine import engine as engine_module
+    from snapcompile.engine import core as engine_module
     real = engine_module.sample
 
     def sample(logits, params, rng, *tokens):

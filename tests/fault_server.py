@@ -1,18 +1,18 @@
 """`snapcompile serve` in a process of its own whose engine thread dies of a bug once a request is
 decoding: `python -m tests.fault_server ARTIFACT --port P ...` (the arguments of `serve`).
 
-The fault is planted in EngineLoop._publish_gauges, which runs outside Engine.step's own fault
+The fault is planted in EngineLoop._publish_gauges, which runs outside EngineCore.step's own fault
 handling: exactly the kind of bug the loop's supervision must catch."""
 import sys
 
 from snapcompile.cli import main
-from snapcompile.serve import engine_loop
+from snapcompile.engine import loop as engine_loop
 
 _real = engine_loop.EngineLoop._publish_gauges
 
 
 def _publish_gauges(self):
-    if self.engine.scheduler.decoding:
+    if self.core.scheduler.decoding:
         raise RuntimeError("planted bug in the engine loop")
     _real(self)
 

@@ -64,7 +64,7 @@ def test_quantized_keep_holds_the_slot_rows_in_8_bits_and_every_dropped_row_in_4
     bound = compressed.backend.manifest.kv_bytes_per_slot() + held.token_ids.nbytes \
         + len(held.positions) * held.positions[0].shape[0] * TINY_SNAPSTREAM.slot_rows * 8
     assert held.nbytes <= bound
-    assert not quantized.keeper._held
+    assert not quantized.core.keeper._held
 
 
 class _GivenRows(oracle._LayerCache):
@@ -131,14 +131,14 @@ def test_the_backend_refuses_a_plan_whose_dropped_rows_would_not_fit(tiny_snap_d
     with pytest.raises(SnapcompileError, match="dropped rows but 0 were given"):
         drain(without_tail.resume_chunks(0, plan, document + question))
     with pytest.raises(SnapcompileError, match="runs on the tail graph: call load_tail_graph first"):
-        drain(without_tail.resume_chunks(0, plan, document + question, engine.keeper.resume_rows(plan)))
+        drain(without_tail.resume_chunks(0, plan, document + question, engine.core.keeper.resume_rows(plan)))
 
 
 def test_quantized_keep_is_refused_with_summaries_and_off_without_a_store(tiny_summary_dir, tiny_snap_dir):
     with pytest.raises(SnapcompileError, match="--session-keep quantized keeps the dropped rows themselves"):
         _engine(tiny_summary_dir, session_cache_bytes=2**26, session_keep="quantized")
     off = _engine(tiny_snap_dir, session_keep="quantized")
-    assert off.keeper is None and off.backend.tail_graph is None
+    assert off.core.keeper is None and off.backend.tail_graph is None
 
 
 def test_quantized_keep_needs_the_tail_graph(tiny_llama, tmp_path):
@@ -156,6 +156,6 @@ def test_dropped_rows_follow_a_sequence_moved_to_a_lower_slot(tiny_snap_dir):
                                                                                    ignore_eos=True)])
     alone.generate([Request(long, max_new_tokens=12, ignore_eos=True)])
     moved, solo = together.sessions.newest(), alone.sessions.newest()
-    assert np.array_equal(moved.token_ids, solo.token_ids) and not together.keeper._held
+    assert np.array_equal(moved.token_ids, solo.token_ids) and not together.core.keeper._held
     assert moved.dropped.rows == solo.dropped.rows > 0
     np.testing.assert_allclose(moved.dropped.layer(0)[0], solo.dropped.layer(0)[0], atol=1e-2)

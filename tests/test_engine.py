@@ -3,7 +3,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
@@ -257,7 +257,7 @@ def test_stop_strings_and_eos(tiny_dense_dir):
     stopped = engine.generate([Request(random_prompts([30], seed=2)[0], max_new_tokens=12, stop=(stop,))])[0]
     assert stopped.finish_reason == "stop" and stopped.text == probe.text[: probe.text.find(stop)]
     eos_engine = _engine(tiny_dense_dir)
-    eos_engine.eos_ids = {probe.output_ids[2]}
+    eos_engine.core.eos_ids = {probe.output_ids[2]}
     ended = eos_engine.generate([Request(random_prompts([30], seed=2)[0], max_new_tokens=12)])[0]
     assert ended.finish_reason == "eos" and ended.output_ids == probe.output_ids[:3]
 
@@ -340,7 +340,7 @@ def test_fewer_slots_than_the_artifact_has(tiny_snap_dir):
 
 def test_compressed_sequence_stops_at_the_models_last_position(tiny_snap_dir):
     engine = _engine(tiny_snap_dir)
-    engine.max_positions = 100 + 3          # as if the model had been trained on 103 positions
+    engine.core.max_positions = 100 + 3          # as if the model had been trained on 103 positions
     result = engine.generate([Request(random_prompts([100])[0], max_new_tokens=50)])[0]
     # positions 100..102 can be fed: the prefill token plus 3 decode tokens
     assert result.finish_reason == "context" and len(result.output_ids) == 4
@@ -360,9 +360,68 @@ def test_a_request_failing_inside_the_engine_fails_alone(artifact, faulty_sampli
 
 @given(text=st.text(alphabet="ab", max_size=30), stop=st.text(alphabet="ab", min_size=1, max_size=8))
 def test_stop_hold_back_is_the_longest_suffix_that_may_still_become_the_stop(text, stop):
-    from snapcompile.engine.engine import stop_prefix_overlap
+    from snapcompile.engine.output import stop_prefix_overlap
     brute = max((k for k in range(1, len(stop)) if text.endswith(stop[:k])), default=0)
     assert stop_prefix_overlap(text, stop) == brute
+
+
+@pytest.fixture(scope="module")
+def tiny_tokenizer(tiny_dense_dir):
+    from snapcompile.artifact.files import artifact_tokenizer
+    from snapcompile.artifact.manifest import read_manifest
+    return artifact_tokenizer(tiny_dense_dir, read_manifest(tiny_dense_dir))
+
+
+@settings(max_examples=200, deadline=None)
+@given(ids=st.lists(st.integers(0, 258), max_size=60), windowed=st.booleans())
+def test_incremental_text_is_the_whole_decode(tiny_tokenizer, ids, windowed):
+    """Token by token (DecodeStream, or the window of a tokenizer without one), then what is held
+    back: the tokenizer's decode of every id, special tokens skipped, U+FFFD for bytes no character
+    completes; and each token's text is final (never changes after it is given)."""
+    from snapcompile.engine.output import IncrementalText
+    text = IncrementalText(tiny_tokenizer)
+    if windowed:
+        text.stream = None
+    pieces = [text.add(token) for token in ids]
+    assert "".join(pieces) + text.rest() == tiny_tokenizer.decode(ids, skip_special_tokens=True)
+    assert not any(piece.endswith("\ufffd") for piece in pieces if windowed)
+
+
+def test_bytes_that_never_make_a_character_are_given_after_a_bounded_wait(tiny_tokenizer):
+    """An output of lone UTF-8 continuation bytes: held back at most MAX_HELD tokens, then given as
+    U+FFFD, so its decoding never grows with its length."""
+    from snapcompile.engine.output import IncrementalText
+    continuation = next(i for i in range(259) if tiny_tokenizer.decode([i]) == "\ufffd"
+                        and tiny_tokenizer.decode([i, i]) == "\ufffd\ufffd")
+    for windowed in (False, True):
+        text = IncrementalText(tiny_tokenizer)
+        if windowed:
+            text.stream = None
+        pieces = [text.add(continuation) for _ in range(3 * IncrementalText.MAX_HELD)]
+        given = [i for i, piece in enumerate(pieces) if piece]
+        assert given and all(b - a <= IncrementalText.MAX_HELD for a, b in zip([-1, *given], given))
+        assert "".join(pieces) + text.rest() == "\ufffd" * len(pieces)
+
+
+def test_each_token_decodes_a_bounded_window_not_the_whole_output(tiny_tokenizer):
+    """The text of token 4000 costs what the text of token 200 does: no step decodes the whole output
+    again (before engine/output.py every token decoded all the output so far: quadratic)."""
+    from snapcompile.engine.core import TokenStep
+    from snapcompile.engine.output import OutputProcessor
+
+    class Counting:
+        def __init__(self, tokenizer):
+            self.tokenizer, self.ids_decoded = tokenizer, []
+
+        def decode(self, ids, skip_special_tokens=False):
+            self.ids_decoded.append(len(ids))
+            return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+    counting = Counting(tiny_tokenizer)
+    output = OutputProcessor(counting)          # no DecodeStream for it: the windowed decode
+    output.add(Request([1], max_new_tokens=10**6, stop=("never said",), request_id="r"), 0.0)
+    for token in np.random.default_rng(0).integers(3, 250, 4000):
+        output.process(TokenStep("r", int(token), False, 0.0))
+    assert len(counting.ids_decoded) == 2 * 4000 and max(counting.ids_decoded) <= 16
 
 
 def test_stop_strings_are_bounded():

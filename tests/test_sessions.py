@@ -253,7 +253,7 @@ def test_a_conversation_may_pass_max_context_but_not_the_model_positions(tiny_sn
     fresh = _engine(tiny_snap_dir, session_cache_bytes=2**26, session_keep="compressed")
     refused, = fresh.generate([Request(longer, max_new_tokens=4)])        # nothing to resume from
     assert "does not fit" in refused.error
-    limit = engine.max_positions
+    limit = engine.core.max_positions
     with pytest.raises(PromptError, match=f"1..{limit - 1}"):
         engine.check_prompt([1] * limit)
 
@@ -316,7 +316,7 @@ def test_full_keep_stores_the_prompt_once_it_is_selected_within_the_store_bytes(
     seq = engine.submit(Request(prompt, max_new_tokens=20, ignore_eos=True))
     while not len(engine.sessions):
         engine.step()
-    assert not seq.finished and list(engine.sessions.newest().token_ids) == prompt and not engine.keeper._held
+    assert not seq.finished and list(engine.sessions.newest().token_ids) == prompt and not engine.core.keeper._held
     size = engine.sessions.bytes
     small = _engine(tiny_snap_dir, session_cache_bytes=size - 1, session_keep="full")
     small.generate([Request(prompt, max_new_tokens=4)])
@@ -348,7 +348,7 @@ def test_full_keep_follows_a_sequence_moved_to_a_lower_slot(tiny_snap_dir):
     engine.generate([Request(short, max_new_tokens=2, ignore_eos=True), Request(long, max_new_tokens=12,
                                                                                 ignore_eos=True)])
     kept = engine.sessions.newest()
-    assert kept.rows == len(kept.token_ids) == 150 and not engine.keeper._held
+    assert kept.rows == len(kept.token_ids) == 150 and not engine.core.keeper._held
 
 
 def test_summaries_follow_a_sequence_moved_to_a_lower_slot(tiny_summary_dir):
@@ -359,7 +359,7 @@ def test_summaries_follow_a_sequence_moved_to_a_lower_slot(tiny_summary_dir):
                                                                                    ignore_eos=True)])
     alone.generate([Request(long, max_new_tokens=12, ignore_eos=True)])
     moved, solo = together.sessions.newest(), alone.sessions.newest()
-    assert np.array_equal(moved.token_ids, solo.token_ids) and not together.keeper._held
+    assert np.array_equal(moved.token_ids, solo.token_ids) and not together.core.keeper._held
     for a, b in zip(moved.summaries.key_sums + moved.summaries.counts, solo.summaries.key_sums + solo.summaries.counts):
         np.testing.assert_allclose(a, b, atol=1e-5)
     assert moved.summaries.counts[0].sum() > 0
@@ -371,7 +371,7 @@ def test_session_keep_is_checked_and_off_without_a_store(tiny_snap_dir):
     from snapcompile.errors import SnapcompileError
     with pytest.raises(SnapcompileError, match="--session-keep must be one of full, compressed"):
         _engine(tiny_snap_dir, session_cache_bytes=2**26, session_keep="all")
-    assert _engine(tiny_snap_dir, session_keep="full").keeper is None
+    assert _engine(tiny_snap_dir, session_keep="full").core.keeper is None
     full = _engine(tiny_snap_dir, session_cache_bytes=2**26, session_keep="full")
     assert full.prompt_limit == full.backend.max_prompt_len(), "every row is kept: the conversation must fit"
     with pytest.raises(PromptError, match="--session-keep compressed resumes one past it"):
@@ -386,7 +386,7 @@ def test_an_abandoned_resumed_prefill_leaves_no_summary_bias_behind(tiny_summary
     first, = engine.generate([Request(document, max_new_tokens=4, ignore_eos=True)])
     ids = document + first.output_ids + question
     plan = engine.sessions.lookup(ids)
-    chunks = engine.backend.resume_chunks(0, plan, ids, engine.keeper.resume_rows(plan))
+    chunks = engine.backend.resume_chunks(0, plan, ids, engine.core.keeper.resume_rows(plan))
     next(chunks)
     chunks.close()
     after = engine.backend.prefill(0, other).logits

@@ -334,15 +334,15 @@ class _TritonRequest:
 
 def test_an_engine_step_fault_is_an_error_to_the_triton_client_not_a_cancel(artifact, monkeypatch):
     from snapcompile.artifact.manifest import read_manifest
-    from snapcompile.engine.engine import Engine
+    from snapcompile.engine.core import EngineCore
     from snapcompile.tritonserver.worker import TritonWorker
-    real_step = Engine.step
+    real_step = EngineCore.step
 
     def step(self):
         if self.scheduler.decoding:
             raise RuntimeError("planted step fault")
         return real_step(self)
-    monkeypatch.setattr(Engine, "step", step)
+    monkeypatch.setattr(EngineCore, "step", step)
     worker = TritonWorker(_StandInBackendUtils, artifact, read_manifest(artifact).fingerprint(), slots=None)
     try:
         request = _TritonRequest("hello")

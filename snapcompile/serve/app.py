@@ -17,10 +17,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from snapcompile.config import DEFAULT_SESSION_KEEP, MAX_WAITING, ServerLimits
+from snapcompile.engine.loop import EngineLoop
 from snapcompile.serve import protocol
 from snapcompile.serve.bodies import BodyParser, max_values
 from snapcompile.serve.completions import OpenAIServing
-from snapcompile.serve.engine_loop import EngineLoop
 from snapcompile.serve.limits import PeerBudget, PeerRequests, read_json_body
 from snapcompile.serve.metrics import CONTENT_TYPE, Metrics
 from snapcompile.serve.protocol import ApiError, ChatRequest, CompletionRequest, now, parse

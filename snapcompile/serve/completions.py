@@ -13,12 +13,12 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 
 from snapcompile.engine.constraints import GrammarTokenizer, JsonGrammar
-from snapcompile.engine.engine import Result, TokenEvent
+from snapcompile.engine.loop import EngineLoop, Update
+from snapcompile.engine.output import Result, TokenEvent
 from snapcompile.engine.request import Request, SamplingParams
 from snapcompile.errors import PromptError, SnapcompileError
 from snapcompile.prompts import max_prompt_chars
 from snapcompile.serve import protocol, tools
-from snapcompile.serve.engine_loop import EngineLoop, Update
 from snapcompile.serve.protocol import ApiError, ChatRequest, CompletionRequest, PromptItem, new_id, now, usage
 from snapcompile.serve.tokenizer_pool import TokenizerPool
 

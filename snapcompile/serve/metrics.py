@@ -8,7 +8,7 @@ from dataclasses import replace
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from snapcompile.engine.engine import Result, TokenEvent
+from snapcompile.engine.output import Result, TokenEvent
 from snapcompile.sessions.store import SessionStore, StoreCounters
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320, 640)

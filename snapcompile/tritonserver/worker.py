@@ -18,10 +18,10 @@ from pathlib import Path
 import numpy as np
 
 from snapcompile.config import DEFAULT_SESSION_KEEP
+from snapcompile.engine.loop import EngineLoop, Update
 from snapcompile.engine.request import Request, SamplingParams, logit_bias_pairs
 from snapcompile.errors import JsonTooDeep, PromptError, SnapcompileError, check_text, first_line, parse_json
 from snapcompile.prompts import max_prompt_chars
-from snapcompile.serve.engine_loop import EngineLoop, Update
 from snapcompile.serve.metrics import Metrics
 from snapcompile.serve.scopes import cache_scope
 
