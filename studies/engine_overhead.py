@@ -25,7 +25,7 @@ import time
 
 def own_step_seconds(engine, requests, loop: bool) -> tuple[list[float], list[float]]:
     """Per decode step: its own seconds (less the backend's decode) and the output's seconds."""
-    core, own, output = engine.core, [], []
+    core, own, output = getattr(engine, "core", engine), [], []   # an Engine before engine/core.py: itself
     real_decode = core.backend.decode
     spent = []
 

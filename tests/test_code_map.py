@@ -1,9 +1,10 @@
 """The code map in docs/design.md matches the tree: every package it names exists and every package is
-in it, every import (at module level or inside a function) keeps to its stage's row, and every test
-file it names exists."""
+in it, every module of a package is named in its row, every import (at module level or inside a
+function) keeps to its stage's row, and every test file it names exists."""
 from __future__ import annotations
 
 import ast
+import fnmatch
 import re
 from pathlib import Path
 
@@ -22,10 +23,11 @@ def code_map() -> dict[str, dict]:
         cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
         if len(cells) != 5 or cells[0] in ("stage", "---"):
             continue
-        stage, folder, _, imports, tests = cells
+        stage, folder, holds, imports, tests = cells
         names = None if imports == "every stage" else [
             f"snapcompile.{name.strip()}" for name in imports.split(",") if name.strip() and "(" not in name]
         rows[stage.strip("`")] = {"folder": folder.strip("`"), "imports": names,
+                                  "modules": re.findall(r"`([\w*]+\.py)`", holds),
                                   "tests": re.findall(r"`(test_\w+\.py)`", tests)}
     return rows
 
@@ -64,6 +66,20 @@ def test_every_package_is_in_the_code_map_and_every_one_named_exists():
         assert (ROOT / folder.replace("/*.py", "")).is_dir(), stage
         if stage != "foundation":
             assert ROOT / folder == tree[stage], (stage, folder)
+
+
+def test_every_module_is_named_in_its_stages_row():
+    """A newcomer finds any module's room from the table: each package's modules (but __init__.py)
+    are named in the "holds" cell, by name or by a `prefix*.py` pattern."""
+    rows, tree = code_map(), packages_in_tree()
+    folders = {"foundation": ROOT / "snapcompile", **tree}
+    missing = []
+    for stage, folder in folders.items():
+        patterns = rows[stage]["modules"]
+        for path in sorted(folder.glob("*.py")):
+            if path.name != "__init__.py" and not any(fnmatch.fnmatch(path.name, p) for p in patterns):
+                missing.append(f"{stage}: {path.name}")
+    assert not missing, "modules the code map does not name:\n" + "\n".join(missing)
 
 
 def test_every_test_file_the_code_map_names_exists():

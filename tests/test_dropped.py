@@ -119,6 +119,7 @@ def test_the_backend_refuses_a_plan_whose_dropped_rows_would_not_fit(tiny_snap_d
     from dataclasses import replace
 
     from snapcompile.runtime.backend import drain
+    from snapcompile.sessions.restore import resumed_prefill
     document, question = random_prompts([160, 20], seed=24)
     engine = _engine(tiny_snap_dir, session_cache_bytes=2**26, session_keep="quantized")
     engine.generate([Request(document, max_new_tokens=1)])
@@ -126,12 +127,13 @@ def test_the_backend_refuses_a_plan_whose_dropped_rows_would_not_fit(tiny_snap_d
     plan = plan_resume(held, document + question, TINY_SNAPSTREAM.selection_window, backend.max_resume_rows())
     too_many = replace(plan, dropped_rows=backend.max_resume_rows())
     with pytest.raises(SnapcompileError, match="dropped ones: .* rows, the artifact's resumed prefill takes"):
-        drain(backend.resume_chunks(0, too_many, document + question))
+        drain(resumed_prefill(backend, 0, too_many, document + question))
     without_tail = _engine(tiny_snap_dir).backend                   # no quantized store: no tail graph loaded
     with pytest.raises(SnapcompileError, match="dropped rows but 0 were given"):
-        drain(without_tail.resume_chunks(0, plan, document + question))
+        drain(resumed_prefill(without_tail, 0, plan, document + question))
     with pytest.raises(SnapcompileError, match="runs on the tail graph: call load_tail_graph first"):
-        drain(without_tail.resume_chunks(0, plan, document + question, engine.core.keeper.resume_rows(plan)))
+        drain(resumed_prefill(without_tail, 0, plan, document + question,
+                             engine.core.keeper.resume_rows(plan)))
 
 
 def test_quantized_keep_is_refused_with_summaries_and_off_without_a_store(tiny_summary_dir, tiny_snap_dir):

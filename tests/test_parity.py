@@ -58,7 +58,7 @@ def test_backend_selection_equals_reference(tiny_llama, tiny_snap_dir):
     result = backend.prefill(0, prompt)
     reference = ReferenceSequence(tiny_llama.model, backend.manifest.policy, backend.rows_per_slot)
     reference.feed(prompt)
-    for ours, theirs in zip(result.kept_positions, reference.selections()):
+    for ours, theirs in zip(result.kept_rows, reference.selections()):
         assert (ours == theirs.indices.numpy()).all()
     assert result.layout.kept == backend.manifest.policy.resolved_prompt_share
 
@@ -76,7 +76,7 @@ def test_select_buckets_equal_the_full_select_graph(tiny_snap_dir):
         prompt = random_prompts([length], seed=length)[0]
         assert bucketed.prefill_rows(length) in [*bucketed.prefills.select_buckets, 512]
         ours, theirs = bucketed.prefill(0, prompt), full.prefill(0, prompt)
-        for mine, other in zip(ours.kept_positions, theirs.kept_positions):
+        for mine, other in zip(ours.kept_rows, theirs.kept_rows):
             assert (mine == other).all()
         np.testing.assert_allclose(ours.logits, theirs.logits, atol=1e-6)
         for i in range(bucketed.num_layers):

@@ -57,7 +57,7 @@ def test_plugin_lowering_equals_standard_lowering(plugin_dir, tiny_snap_dir):
         logits = [backend.decode(tokens, {i: results[i].layout.step(0) for i in tokens}).copy()]
         outputs.append((results, logits))
     (std, std_logits), (plug, plug_logits) = outputs
-    np.testing.assert_array_equal(std[0].kept_positions[1], plug[0].kept_positions[1])
+    np.testing.assert_array_equal(std[0].kept_rows[1], plug[0].kept_rows[1])
     np.testing.assert_allclose(std_logits[0][:2], plug_logits[0][:2], atol=1e-4)
 
 

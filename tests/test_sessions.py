@@ -9,6 +9,7 @@ from snapcompile.engine.request import Request
 from snapcompile.errors import PromptError
 from snapcompile.reference.oracle import ReferenceSequence
 from snapcompile.sessions.kept import KeptCache, common_prefix, plan_resume
+from snapcompile.sessions.restore import resumed_prefill
 from snapcompile.sessions.store import SessionStore
 from tests.conftest import TINY_SNAPSTREAM, TINY_SUMMARIES, random_prompts
 from tests.test_engine import _engine
@@ -386,7 +387,7 @@ def test_an_abandoned_resumed_prefill_leaves_no_summary_bias_behind(tiny_summary
     first, = engine.generate([Request(document, max_new_tokens=4, ignore_eos=True)])
     ids = document + first.output_ids + question
     plan = engine.sessions.lookup(ids)
-    chunks = engine.backend.resume_chunks(0, plan, ids, engine.core.keeper.resume_rows(plan))
+    chunks = resumed_prefill(engine.backend, 0, plan, ids, engine.core.keeper.resume_rows(plan))
     next(chunks)
     chunks.close()
     after = engine.backend.prefill(0, other).logits

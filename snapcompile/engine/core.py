@@ -24,6 +24,7 @@ from snapcompile.engine.scheduler import Scheduler
 from snapcompile.errors import PromptError, SnapcompileError, first_line
 from snapcompile.memory import available_host_memory
 from snapcompile.sessions.keepers import keeper_for
+from snapcompile.sessions.restore import kept_positions, prompt_rows, resumed_prefill, slot_entry
 from snapcompile.sessions.store import SessionStore
 
 log = logging.getLogger("snapcompile.engine")
@@ -189,18 +190,31 @@ class EngineCore:
         """The prefill generator of an admitted sequence: resumed from the session store's best
         kept cache for its prompt, or the whole prompt."""
         ids, scope = seq.request.prompt_ids, seq.request.cache_scope
-        plan = self.sessions.lookup(ids, scope) if self.sessions is not None and scope is not None else None
-        if plan is None:
+        seq.plan = self.sessions.lookup(ids, scope) if self.sessions is not None and scope is not None else None
+        if seq.plan is None:
             return self.backend.prefill_chunks(seq.slot, ids)
-        seq.cached_tokens = plan.resume_at
-        return self.backend.resume_chunks(seq.slot, plan, ids, self.keeper.resume_rows(plan))
+        seq.cached_tokens = seq.plan.resume_at
+        return resumed_prefill(self.backend, seq.slot, seq.plan, ids, self.keeper.resume_rows(seq.plan))
+
+    def _prefilled(self, seq: Sequence, result) -> None:
+        """`seq`'s prefill ended with the runtime's `result`: its layout, the positions its slot
+        holds, and what the keeper keeps of its selection at once."""
+        ids, spec = seq.request.prompt_ids, self.backend.manifest.spec
+        seq.prefill, seq.layout = None, result.layout
+        seq.kept_positions = kept_positions(seq.plan, len(ids), result)
+        rows = prompt_rows(seq.slot, seq.plan, ids, result, spec.num_kv_heads, spec.num_layers)
+        if self.keeper is not None and rows is not None and seq.request.cache_scope is not None:
+            early = self.keeper.selected(rows)
+            if early is not None:
+                self.sessions.put(early, seq.request.cache_scope)
 
     def _keep(self, seq: Sequence) -> None:
         """Put a finished sequence's cache into the session store (when its keeper keeps one at
         the end): it stands for the prompt and every output token but the last (never fed)."""
         fed = seq.output_ids[:-1]
-        kept = self.keeper.keep(seq.slot, seq.layout, seq.kept_positions, len(fed), list(seq.request.prompt_ids) + fed,
-                                self.backend)
+        kept = self.keeper.keep(seq.slot, lambda: slot_entry(self.backend.slot_rows(seq.slot), seq.layout,
+                                                            seq.kept_positions, len(fed),
+                                                            list(seq.request.prompt_ids) + fed))
         if kept is not None:
             self.sessions.put(kept, seq.request.cache_scope)
 
@@ -210,11 +224,7 @@ class EngineCore:
             try:
                 tokens_left -= next(seq.prefill)
             except StopIteration as done:
-                seq.prefill, seq.layout, seq.kept_positions = None, done.value.layout, done.value.kept_positions
-                if self.keeper is not None and done.value.rows is not None and seq.request.cache_scope is not None:
-                    early = self.keeper.selected(done.value.rows)
-                    if early is not None:
-                        self.sessions.put(early, seq.request.cache_scope)
+                self._prefilled(seq, done.value)
                 followers = self._start_followers(seq)
                 steps.extend(self._emit(member, done.value.logits) for member in (seq, *followers))
             except Exception as err:   # this request cannot be served; the others go on

@@ -175,7 +175,8 @@ class Sequence:
     first_token_at: float | None = None
     finished_at: float | None = None
     layout: object = None          # SlotLayout once prefilled
-    kept_positions: object = None  # PrefillResult.kept_positions once prefilled
+    kept_positions: object = None  # per layer the prompt positions its slot holds (restore.kept_positions)
+    plan: object = None            # the ResumePlan it resumed from (None: prefilled whole)
     cached_tokens: int = 0         # prompt tokens resumed from a kept cache
     prompt_error: object = None    # the PromptError it failed with (a prompt longer than a fresh prefill takes)
     prefill: object = None         # the backend's prefill generator while PREFILLING

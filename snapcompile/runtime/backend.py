@@ -6,8 +6,9 @@ PrefillRunner (runtime/prefill.py), the prefill graphs and a prefill scratch cac
 A decode step runs on the smallest decode graph holding its active slots and moves only the new
 tokens' K/V into the slots; nothing copies a whole cache. Where the tensors live and how a graph
 runs is the Device's business (runtime/device.py); small per-step inputs are prepared in numpy and
-uploaded. What a finished sequence leaves for later turns is the session keeper's business
-(sessions/keepers.py): the backend hands out rows, it keeps none.
+uploaded. What rows stand for in a conversation is the session store's business (sessions/): the
+backend loads the rows a resumed prefill starts from (`ResumeFrom`) and hands out a slot's rows
+(`slot_rows`); it keeps none and knows no kept conversation.
 """
 from __future__ import annotations
 
@@ -18,14 +19,12 @@ import numpy as np
 from snapcompile.artifact.footprint import RELEASE_EVERY_STEPS, check_memory
 from snapcompile.artifact.manifest import Manifest, read_manifest
 from snapcompile.artifact.naming import decode_graph_size, graph_name
-from snapcompile.errors import PromptError, SnapcompileError
-from snapcompile.layout import DecodeStep, SlotLayout
-from snapcompile.runtime.device import Device, LazyGraph, PrefillResult, chunk_starts, drain
+from snapcompile.errors import PromptError
+from snapcompile.layout import DecodeStep
+from snapcompile.runtime.device import Device, LazyGraph, PrefillResult, ResumeFrom, chunk_starts, drain
 from snapcompile.runtime.prefill import PrefillRunner
-from snapcompile.sessions.keepers import ResumeRows
-from snapcompile.sessions.kept import KeptCache, ResumePlan
 
-__all__ = ["PrefillResult", "SlotBackend", "chunk_starts", "drain"]
+__all__ = ["PrefillResult", "ResumeFrom", "SlotBackend", "chunk_starts", "drain"]
 
 
 class SlotBackend:
@@ -131,32 +130,14 @@ class SlotBackend:
         if len(token_ids) > self.max_prompt_len():
             raise PromptError("too_long", len(token_ids), self.max_prompt_len())
 
-    def prefill_chunks(self, slot: int, token_ids: list[int]):
-        """Generator form of `prefill`: yields the tokens of each chunk once it ran (so an
-        engine can interleave decode steps) and returns the PrefillResult."""
-        self.check_prompt(token_ids)
-        return (yield from self.prefills.chunks(slot, token_ids, None, None))
-
-    def resume_chunks(self, slot: int, plan: ResumePlan, token_ids: list[int], extra: ResumeRows | None = None):
-        """Generator form of a resumed prefill (`sessions/kept.py`): the plan's kept rows go into the
-        prompt's cache, tokens [resume_at, T) are prefilled against them at their own positions (and
-        over `extra`, the session keeper's `resume_rows(plan)`), and the cache is compressed back
-        into the slot as a prompt of T positions (snapstream re-selects with the new tokens' window).
-        A conversation may pass max_context this way; the rows prefilled against (the entry's
-        dropped rows included) may not."""
-        rows = plan.rows + plan.dropped_rows + len(token_ids) - plan.resume_at
-        if rows > self.max_resume_rows() or not 0 < plan.resume_at < len(token_ids):
-            raise SnapcompileError(f"cannot resume {len(token_ids)} tokens at token {plan.resume_at} from "
-                                   f"{plan.rows} kept rows and {plan.dropped_rows} dropped ones: {rows} rows, "
-                                   f"the artifact's resumed prefill takes {self.max_resume_rows()}")
-        tail_rows = extra.count if extra is not None and extra.tail_only else 0
-        if plan.dropped_rows != tail_rows:
-            raise SnapcompileError(f"the plan attends over {plan.dropped_rows} dropped rows but {tail_rows} were "
-                                   "given (the quantized keeper's resume_rows)")
-        if tail_rows and self.tail_graph is None:
-            raise SnapcompileError("a resumed prefill over dropped rows runs on the tail graph: call "
-                                   "load_tail_graph first")
-        return (yield from self.prefills.chunks(slot, token_ids, plan, extra))
+    def prefill_chunks(self, slot: int, token_ids: list[int], resume: ResumeFrom | None = None):
+        """Generator form of `prefill`: yields the tokens of each chunk once it ran (so an engine can
+        interleave decode steps) and returns the PrefillResult. With `resume` the prompt's first
+        `resume.position` tokens are the rows it loads (sessions/restore.py checks they fit:
+        `max_resume_rows`); without, the whole prompt is prefilled (`check_prompt`)."""
+        if resume is None:
+            self.check_prompt(token_ids)
+        return (yield from self.prefills.chunks(slot, token_ids, resume))
 
     def prefill(self, slot: int, token_ids: list[int]) -> PrefillResult:
         return drain(self.prefill_chunks(slot, token_ids))
@@ -190,28 +171,11 @@ class SlotBackend:
         return self.device.download(self.d_logits)
 
     # ---------------------------------------------------------------- slots
-    def slot_cache(self, slot: int, layout: SlotLayout, kept_positions: list[np.ndarray] | None, fed: int,
-                   token_ids: list[int]) -> KeptCache:
-        """The cache of a finished sequence in `slot` as host arrays in position order (float32): its
-        kept prompt rows (`kept_positions`, as PrefillResult gives them) and the `fed` decode tokens
-        the slot still holds. token_ids: the prompt and the fed output tokens (len = positions covered)."""
-        hkv = self.manifest.spec.num_kv_heads
-        decoded = layout.fed_rows(fed)
-        prompt_rows = np.broadcast_to(np.arange(layout.kept), (hkv, layout.kept))
-        rows = np.concatenate([prompt_rows, np.broadcast_to(np.array([r for r, _ in decoded], np.int64),
-                                                            (hkv, len(decoded)))], axis=1)
-        decoded_positions = np.broadcast_to(np.array([p for _, p in decoded], np.int64), (hkv, len(decoded)))
-        keys, values, positions = [], [], []
-        for i in self._layers:
-            prompt = prompt_rows if kept_positions is None else kept_positions[i]
-            layer_positions = np.concatenate([prompt, decoded_positions], axis=1)
-            order = np.argsort(layer_positions, axis=1, kind="stable")
-            layer_rows = np.take_along_axis(rows, order, axis=1)[:, :, None]
-            keys.append(np.take_along_axis(self.device.download(self.keys[i][slot]), layer_rows, axis=1))
-            values.append(np.take_along_axis(self.device.download(self.values[i][slot]), layer_rows, axis=1))
-            positions.append(np.take_along_axis(layer_positions, order, axis=1))
-        return KeptCache(np.array(token_ids, np.int64), tuple(keys), tuple(values), tuple(positions),
-                         layout.prompt_len if layout.compressed else 0)
+    def slot_rows(self, slot: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Per layer the keys and values [Hkv, rows_per_slot, D] float32 of `slot` on the host (views
+        on ONNX Runtime: read them before the slot runs again)."""
+        return [(self.device.download(self.keys[i][slot]), self.device.download(self.values[i][slot]))
+                for i in self._layers]
 
     def move_slot(self, source: int, target: int, rows: int) -> None:
         """Copy the first `rows` cache rows of slot `source` into slot `target` (the engine moves a

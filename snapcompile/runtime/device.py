@@ -3,6 +3,7 @@ the prefill's result and chunking rules that its parts share."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -11,7 +12,6 @@ import numpy as np
 
 from snapcompile.artifact.manifest import Manifest
 from snapcompile.layout import SlotLayout
-from snapcompile.sessions.keepers import PromptRows
 
 
 class Graph(Protocol):
@@ -72,14 +72,35 @@ class LazyGraph:
 
 @dataclass
 class PrefillResult:
-    """logits: [V] float32 for the prompt's last token. kept_positions: per layer [Hkv, kept]
-    prompt positions now in the slot, ascending (None when they are 0 .. kept-1: the whole prompt
-    was kept). rows: a compressed prompt's prefilled rows for the session keeper (None: dense)."""
+    """logits: [V] float32 for the prompt's last token. filled: the prompt's cache rows prefilled
+    (a resumed prompt's loaded rows, then its new tokens'). kept_rows: per layer [Hkv, kept] the
+    filled rows the selection moved into the slot, ascending (None: rows 0 .. kept-1, all of them).
+    read_rows(layer): a compressed prompt's filled rows, keys and values [Hkv, filled, D] float32 on
+    the host, readable until the next prefill (None: a dense prompt, prefilled into its slot)."""
 
     logits: np.ndarray
     layout: SlotLayout
-    kept_positions: list[np.ndarray] | None
-    rows: PromptRows | None = None
+    kept_rows: list[np.ndarray] | None
+    filled: int = 0
+    read_rows: Callable[[int], tuple[np.ndarray, np.ndarray]] | None = None
+
+
+@dataclass(frozen=True)
+class ResumeFrom:
+    """Where a resumed prefill starts, in rows: `rows` rows loaded first (kept(layer): keys, values
+    [Hkv, rows, D] float32), the new tokens prefilled after them from token (and RoPE position)
+    `position` on. `extra_count` more rows (extra(layer): (keys, values [Hkv, m, D], logit bias
+    [Hkv, m] or None) in row order) are attended too: right after the loaded rows, by every new
+    token, or with `extra_tail_only` after the earlier new tokens, by the last export.tail new tokens
+    only (on the tail graph); the rows after them then move down over them before the selection.
+    What the rows stand for is the session store's business (sessions/restore.py)."""
+
+    rows: int
+    position: int
+    kept: Callable[[int], tuple[np.ndarray, np.ndarray]]
+    extra_count: int = 0
+    extra_tail_only: bool = False
+    extra: Callable[[int], Iterator[tuple[np.ndarray, np.ndarray, np.ndarray | None]]] | None = None
 
 
 def chunk_starts(prompt_len: int, chunk: int) -> list[int]:
@@ -100,7 +121,7 @@ def chunk_spans(length: int, split: int, chunk: int, last_chunk: int):
 
 
 def drain(chunks) -> PrefillResult:
-    """Run a prefill generator (`prefill_chunks`, `resume_chunks`) to its end; its result."""
+    """Run a prefill generator (`prefill_chunks`, sessions.restore.resumed_prefill) to its end; its result."""
     while True:
         try:
             next(chunks)

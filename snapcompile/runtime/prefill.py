@@ -19,10 +19,8 @@ from snapcompile.artifact.manifest import Manifest
 from snapcompile.artifact.naming import TAIL_GRAPH, bucket_rows
 from snapcompile.errors import SnapcompileError
 from snapcompile.layout import SlotLayout
-from snapcompile.runtime.device import Device, LazyGraph, PrefillResult, chunk_spans
+from snapcompile.runtime.device import Device, LazyGraph, PrefillResult, ResumeFrom, chunk_spans
 from snapcompile.runtime.prompt_cache import PromptCache
-from snapcompile.sessions.keepers import PromptRows, ResumeRows
-from snapcompile.sessions.kept import ResumePlan, positions_of_rows
 
 
 class PrefillRunner:
@@ -179,36 +177,36 @@ class PrefillRunner:
         follow the causal triangle in bucket steps instead of all paying the whole prompt's bucket."""
         return self.prefill_rows(start)
 
-    def chunks(self, slot: int, token_ids: list[int], plan: ResumePlan | None, extra: ResumeRows | None):
-        """Prefill `token_ids` for `slot` (resumed from `plan` with the keeper's `extra` rows, or whole):
-        a generator that yields each chunk's token count and returns the PrefillResult.
+    def chunks(self, slot: int, token_ids: list[int], resume: ResumeFrom | None):
+        """Prefill `token_ids` for `slot` (from the rows `resume` loads, or whole): a generator that
+        yields each chunk's token count and returns the PrefillResult.
 
         Every chunk's K/V goes to the targets: the slot (a bucket's own cache is a copy of its
         first rows, filled when a chunk moves to that bucket; the buckets share one buffer, so one
         holds this prompt at a time), or for a compressed prompt the PromptCache, laid out for the
-        graph each chunk runs on.
-        A resumed prefill's `extra` rows sit right after the kept rows, seen by every new token, or
-        (tail_only) after the earlier new tokens, seen only by the last T new tokens (export.tail,
-        which hold the window), run on the tail graph. The rows after them move down over them
+        graph each chunk runs on. A resumed prefill's extra rows (ResumeFrom) are moved down over
         before the selection."""
         targets = self._prefill_targets(slot)
         if self.prompt is not None:
             self.prompt.reset()
         if self._bias_set:               # a resumed prefill abandoned mid-way (its request cancelled)
             self._clear_cache_bias()
-        base, first_position = (plan.rows, plan.resume_at) if plan else (0, 0)
+        base, first_position = (resume.rows, resume.position) if resume else (0, 0)
         new = token_ids[first_position:]
-        extra_rows = extra.count if extra else 0
-        tail = self.manifest.export.tail if extra and extra.tail_only else 0
+        extra_rows = resume.extra_count if resume else 0
+        tail = self.manifest.export.tail if extra_rows and resume.extra_tail_only else 0
+        if tail and self.tail_graph is None:
+            raise SnapcompileError("a resumed prefill over rows only its last tokens see runs on the tail graph: "
+                                   "call load_tail_graph first")
         early = max(len(new) - tail, 0) if tail else 0
-        if plan:
-            self._load_kept(targets, plan, extra, base + early)
+        if resume:
+            self._load_rows(targets, resume, base + early)
         began = time.perf_counter()
         yield from self._run_chunks(targets, new, base, first_position, early, tail, extra_rows)
         chunks_done = time.perf_counter()
         if extra_rows:
             self._drop_extra_rows(targets, base + early, extra_rows, len(new) - early)
-        result = self._select(slot, targets, token_ids, base + len(new), plan)
+        result = self._select(slot, targets, len(token_ids), base + len(new))
         self.last_seconds = {"chunks": chunks_done - began, "select": time.perf_counter() - chunks_done}
         return result
 
@@ -260,40 +258,36 @@ class PrefillRunner:
             self.prompt.filled_to(start + count)
         self._write_chunk(targets, start, count, outputs)
 
-    def _select(self, slot: int, targets, token_ids: list[int], filled: int, plan: ResumePlan | None
-                ) -> PrefillResult:
+    def _select(self, slot: int, targets, prompt_len: int, filled: int) -> PrefillResult:
         """The prefill's result once its `filled` rows are in the targets: a compressed prompt's
         rows selected into the slot."""
         policy = self.manifest.policy
-        layout = SlotLayout.for_rows(len(token_ids), filled, self.rows_per_slot,
+        layout = SlotLayout.for_rows(prompt_len, filled, self.rows_per_slot,
                                      policy.resolved_prompt_share if policy.compressed else None)
         logits = self.device.download(self.p_logits)[0].copy()
         if not policy.compressed:
-            return PrefillResult(logits, layout, None)
+            return PrefillResult(logits, layout, None, filled)
         kept_rows = self._compress_into_slot(slot, layout, filled, self.prefill_rows(filled))
-        spec, download = self.manifest.spec, self.device.download
+        download = self.device.download
         keys, values = list(self.prompt.keys), list(self.prompt.values)     # the final layout's views
-        prompt_rows = PromptRows(slot, plan, np.asarray(token_ids, np.int64), filled, kept_rows, spec.num_kv_heads,
-                                 self.num_layers,
-                                 lambda i: (download(keys[i][0, :, :filled]), download(values[i][0, :, :filled])))
-        kept = positions_of_rows(plan, len(token_ids), kept_rows, layout.kept) if plan else kept_rows
-        return PrefillResult(logits, layout, kept, prompt_rows)
+        return PrefillResult(logits, layout, kept_rows, filled,
+                             lambda i: (download(keys[i][0, :, :filled]), download(values[i][0, :, :filled])))
 
-    def _load_kept(self, targets, plan: ResumePlan, extra: ResumeRows | None, extra_at: int) -> None:
-        """The plan's first kept rows into rows [0, plan.rows) of the prompt's cache, and the
-        `extra` rows from row `extra_at` on (right after the kept rows unless tail_only), each
-        piece's logit bias, where it has one, in every prefill graph's cache_bias input."""
+    def _load_rows(self, targets, resume: ResumeFrom, extra_at: int) -> None:
+        """The rows `resume` loads into rows [0, resume.rows) of the prompt's cache, and its extra
+        rows from row `extra_at` on, each piece's logit bias, where it has one, in every prefill
+        graph's cache_bias input."""
         for i in self._layers:
-            keys, values = plan.kept.layer_rows(i, plan.rows)
-            self.device.upload(targets[0][i][0, :, :plan.rows], keys)
-            self.device.upload(targets[1][i][0, :, :plan.rows], values)
+            keys, values = resume.kept(i)
+            self.device.upload(targets[0][i][0, :, :resume.rows], keys)
+            self.device.upload(targets[1][i][0, :, :resume.rows], values)
         if self.prompt is not None:
-            self.prompt.filled_to(plan.rows)
-        if extra is None:
+            self.prompt.filled_to(resume.rows)
+        if not resume.extra_count:
             return
         for i in self._layers:
             first = extra_at
-            for keys, values, bias in extra.pieces(i):
+            for keys, values, bias in resume.extra(i):
                 rows = slice(first, first + keys.shape[1])
                 self.device.upload(targets[0][i][0, :, rows], keys)
                 self.device.upload(targets[1][i][0, :, rows], values)

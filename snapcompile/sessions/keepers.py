@@ -1,8 +1,8 @@
 """What a finished sequence leaves in the session store, one keeper per `--session-keep` mode
-(docs/design.md, "Conversations that keep their cache"). Host arrays only: the backend hands a
-keeper the prompt's rows after each selection (`PromptRows`) and the slot's rows at the end
-(`SlotRows`); a keeper hands the backend what a resumed prefill attends over besides the kept rows
-(`ResumeRows`). The engine drives both; neither calls the other.
+(docs/design.md, "Conversations that keep their cache"). Host arrays only: a keeper is handed the
+prompt's rows after each selection (`PromptRows`) and, at the end, the slot's entry to make
+(sessions/restore.slot_entry); it gives what a resumed prefill attends over besides the kept rows
+(`ResumeRows`). The engine drives it; it never calls the backend.
 
 | mode | entry | a resumed turn's new tokens also see |
 |---|---|---|
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
-from typing import Protocol
 
 import numpy as np
 
@@ -54,12 +53,6 @@ class PromptRows:
         return len(self.token_ids)
 
 
-class SlotRows(Protocol):
-    """The backend's side of `keep`: a finished slot's rows on the host."""
-
-    def slot_cache(self, slot: int, layout, kept_positions, fed: int, token_ids: list[int]) -> KeptCache: ...
-
-
 @dataclass(frozen=True)
 class ResumeRows:
     """Rows a resumed prefill's new tokens attend over besides the plan's kept rows, `count` per
@@ -89,11 +82,10 @@ class Keeper:
         now (the engine stores it in the request's scope), or None."""
         return None
 
-    def keep(self, slot: int, layout, kept_positions, fed: int, token_ids: list[int],
-             slots: SlotRows) -> KeptCache | None:
-        """The entry of the finished sequence in `slot` (see `SlotRows.slot_cache` for the
-        arguments), or None: nothing to keep at its end."""
-        return slots.slot_cache(slot, layout, kept_positions, fed, token_ids)
+    def keep(self, slot: int, entry: Callable[[], KeptCache]) -> KeptCache | None:
+        """What the store keeps of the finished sequence in `slot`, or None: nothing at its end.
+        entry(): the slot's rows as a KeptCache (sessions/restore.slot_entry), made only when asked."""
+        return entry()
 
     def resume_rows(self, plan: ResumePlan) -> ResumeRows | None:
         summaries = self.manifest.policy.summaries
@@ -125,9 +117,8 @@ class SummaryKeeper(Keeper):
         layer_rows = [(*rows.read(i), positions, dropped) for i, positions, dropped in rows.not_kept()]
         self._held[rows.slot] = before.with_dropped(self.manifest.policy.summary_index, layer_rows)
 
-    def keep(self, slot, layout, kept_positions, fed, token_ids, slots):
-        kept = super().keep(slot, layout, kept_positions, fed, token_ids, slots)
-        return replace(kept, summaries=self._held.pop(slot, None))
+    def keep(self, slot, entry):
+        return replace(entry(), summaries=self._held.pop(slot, None))
 
 
 class FullKeeper(Keeper):
@@ -149,7 +140,7 @@ class FullKeeper(Keeper):
         positions = tuple(np.broadcast_to(np.arange(n, dtype=np.int64), (hkv, n)).copy() for _ in keys)
         return KeptCache(np.array(rows.token_ids, np.int64), keys, values, positions, 0)
 
-    def keep(self, slot, layout, kept_positions, fed, token_ids, slots):
+    def keep(self, slot, entry):
         return None
 
 
@@ -175,8 +166,8 @@ class QuantizedKeeper(Keeper):
                            np.take_along_axis(positions, picked, axis=1)))
         self._held[rows.slot] = before.with_chunk(DroppedChunk.of(layers) if layers[0][2].shape[1] else None)
 
-    def keep(self, slot, layout, kept_positions, fed, token_ids, slots):
-        kept = super().keep(slot, layout, kept_positions, fed, token_ids, slots)
+    def keep(self, slot, entry):
+        kept = entry()
         dropped = self._held.pop(slot, None)
         if dropped is None:
             return kept

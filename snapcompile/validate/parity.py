@@ -19,6 +19,7 @@ from snapcompile.runtime import open_backend
 from snapcompile.runtime.backend import drain
 from snapcompile.sessions.keepers import keeper_for
 from snapcompile.sessions.kept import plan_resume
+from snapcompile.sessions.restore import kept_positions, prompt_rows, resumed_prefill, slot_entry
 
 
 @dataclass
@@ -102,11 +103,11 @@ class Validator:
             report = PromptReport(len(ids), result.layout.compressed)
             ref = self._reference(len(ids), steps)
             logits = ref.feed(ids)
-            if result.kept_positions is not None:
+            if result.kept_rows is not None:           # a fresh prompt: its rows are its positions
                 report.near_ties, report.selection_mismatches = compare_selection(
-                    result.kept_positions, ref.selections(), self.tie_gap)
+                    result.kept_rows, ref.selections(), self.tie_gap)
                 if report.near_ties and not report.selection_mismatches:
-                    forced = [torch.from_numpy(k) for k in result.kept_positions]
+                    forced = [torch.from_numpy(k) for k in result.kept_rows]
                     ref = self._reference(len(ids), steps, forced)
                     logits = ref.feed(ids)
             refs.append(ref)
@@ -146,20 +147,23 @@ class Validator:
         for ids in prompts:
             total = len(ids) + turns * (steps + 1 + len(follow_up))
             ref = self._reference(total, 0)
-            result, logits, resumed = self.backend.prefill(0, ids), ref.feed(ids), 0
-            keeper = keeper_for(self.manifest, "compressed")
+            result, logits, resumed, plan = self.backend.prefill(0, ids), ref.feed(ids), 0, None
+            keeper, spec = keeper_for(self.manifest, "compressed"), self.manifest.spec
             for turn in range(1, turns + 1):
                 report = PromptReport(len(ids), result.layout.compressed, turn=turn, resumed_tokens=resumed)
-                if result.kept_positions is not None:
+                positions = kept_positions(plan, len(ids), result)
+                if positions is not None:
                     report.near_ties, report.selection_mismatches = compare_selection(
-                        result.kept_positions, ref.selections(), self.tie_gap)
+                        positions, ref.selections(), self.tie_gap)
                 fed = self._follow(result.layout, ref, report, result.logits, logits.numpy(), steps)
                 reports.append(report)
                 if turn == turns:
                     break
-                if result.rows is not None:
-                    keeper.selected(result.rows)
-                kept = keeper.keep(0, result.layout, result.kept_positions, steps, ids + fed[:-1], self.backend)
+                rows = prompt_rows(0, plan, ids, result, spec.num_kv_heads, spec.num_layers)
+                if rows is not None:
+                    keeper.selected(rows)
+                entry = slot_entry(self.backend.slot_rows(0), result.layout, positions, steps, ids + fed[:-1])
+                kept = keeper.keep(0, lambda entry=entry: entry)
                 ids = ids + fed + follow_up
                 plan = plan_resume(kept, ids, window, self.backend.max_resume_rows())
                 if plan is None:
@@ -167,7 +171,7 @@ class Validator:
                                            f"{len(fed) + len(follow_up)} tokens and must add at least the "
                                            f"observation window ({window}); give more --steps or a longer "
                                            "--follow-up")
-                result = drain(self.backend.resume_chunks(0, plan, ids, keeper.resume_rows(plan)))
+                result = drain(resumed_prefill(self.backend, 0, plan, ids, keeper.resume_rows(plan)))
                 logits, resumed = ref.resume(ids, plan.resume_at), plan.resume_at
             if progress:
                 progress(1)

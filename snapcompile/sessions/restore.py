@@ -1,0 +1,82 @@
+"""The resume boundary: a kept conversation's rows into a prefill, and a finished slot's rows into a
+kept conversation. The runtime only moves rows (runtime.device.ResumeFrom, SlotBackend.slot_rows);
+what they stand for (positions, tokens, the keeper's pieces) is decided here.
+
+- `resumed_prefill`: a prompt prefilled from a ResumePlan and the keeper's ResumeRows (the engine
+  core's and validate's one way to resume);
+- `kept_positions`: the positions the selection kept, from the rows the runtime reports;
+- `prompt_rows`: what the keeper reads right after a selection (`Keeper.selected`);
+- `slot_entry`: the KeptCache of a finished slot (`Keeper.keep`).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from snapcompile.errors import SnapcompileError
+from snapcompile.layout import SlotLayout
+from snapcompile.runtime.device import PrefillResult, ResumeFrom
+from snapcompile.sessions.keepers import PromptRows, ResumeRows
+from snapcompile.sessions.kept import KeptCache, ResumePlan, positions_of_rows
+
+
+def resumed_prefill(backend, slot: int, plan: ResumePlan, token_ids: list[int], extra: ResumeRows | None = None):
+    """Generator form of a resumed prefill (`sessions/kept.py`): the plan's kept rows go into the
+    prompt's cache, tokens [resume_at, T) are prefilled against them at their own positions (and
+    over `extra`, the keeper's `resume_rows(plan)`), and the cache is compressed back into the slot
+    as a prompt of T positions (snapstream re-selects with the new tokens' window). A conversation
+    may pass max_context this way; the rows prefilled against (the entry's dropped rows included)
+    may not. Yields each chunk's token count; returns the runtime's PrefillResult."""
+    rows = plan.rows + plan.dropped_rows + len(token_ids) - plan.resume_at
+    if rows > backend.max_resume_rows() or not 0 < plan.resume_at < len(token_ids):
+        raise SnapcompileError(f"cannot resume {len(token_ids)} tokens at token {plan.resume_at} from "
+                               f"{plan.rows} kept rows and {plan.dropped_rows} dropped ones: {rows} rows, "
+                               f"the artifact's resumed prefill takes {backend.max_resume_rows()}")
+    tail_rows = extra.count if extra is not None and extra.tail_only else 0
+    if plan.dropped_rows != tail_rows:
+        raise SnapcompileError(f"the plan attends over {plan.dropped_rows} dropped rows but {tail_rows} were "
+                               "given (the quantized keeper's resume_rows)")
+    resume = ResumeFrom(plan.rows, plan.resume_at, lambda layer: plan.kept.layer_rows(layer, plan.rows),
+                        extra.count if extra else 0, bool(extra and extra.tail_only), extra.pieces if extra else None)
+    return (yield from backend.prefill_chunks(slot, token_ids, resume))
+
+
+def kept_positions(plan: ResumePlan | None, prompt_len: int, result: PrefillResult) -> list[np.ndarray] | None:
+    """Per layer [Hkv, kept] the prompt positions now in the slot (None: 0 .. kept-1, the whole prompt
+    kept): a fresh prompt's rows are its positions, and so are a dense one's; a compressed resumed
+    one's rows are the plan's kept rows, then its new tokens'."""
+    if plan is None or result.read_rows is None:
+        return result.kept_rows
+    return positions_of_rows(plan, prompt_len, result.kept_rows, result.layout.kept)
+
+
+def prompt_rows(slot: int, plan: ResumePlan | None, token_ids: list[int], result: PrefillResult,
+                kv_heads: int, layers: int) -> PromptRows | None:
+    """What a keeper reads of a compressed prompt right after its selection (None for a dense one)."""
+    if result.read_rows is None:
+        return None
+    return PromptRows(slot, plan, np.asarray(token_ids, np.int64), result.filled, result.kept_rows, kv_heads, layers,
+                      result.read_rows)
+
+
+def slot_entry(rows: list[tuple[np.ndarray, np.ndarray]], layout: SlotLayout, kept: list[np.ndarray] | None,
+               fed: int, token_ids: list[int]) -> KeptCache:
+    """The cache of a finished sequence as host arrays in position order (float32): its kept prompt
+    rows (`kept`, per layer [Hkv, kept] positions as `kept_positions` gives them) and the `fed` decode
+    tokens the slot still holds. rows: the slot's keys and values per layer [Hkv, rows_per_slot, D]
+    (SlotBackend.slot_rows); token_ids: the prompt and the fed output tokens (len = positions covered)."""
+    hkv = rows[0][0].shape[0]
+    decoded = layout.fed_rows(fed)
+    prompt = np.broadcast_to(np.arange(layout.kept), (hkv, layout.kept))
+    slot_rows = np.concatenate([prompt, np.broadcast_to(np.array([r for r, _ in decoded], np.int64),
+                                                        (hkv, len(decoded)))], axis=1)
+    decoded_positions = np.broadcast_to(np.array([p for _, p in decoded], np.int64), (hkv, len(decoded)))
+    keys, values, positions = [], [], []
+    for i, (layer_keys, layer_values) in enumerate(rows):
+        layer_positions = np.concatenate([prompt if kept is None else kept[i], decoded_positions], axis=1)
+        order = np.argsort(layer_positions, axis=1, kind="stable")
+        layer_rows = np.take_along_axis(slot_rows, order, axis=1)[:, :, None]
+        keys.append(np.take_along_axis(layer_keys, layer_rows, axis=1))
+        values.append(np.take_along_axis(layer_values, layer_rows, axis=1))
+        positions.append(np.take_along_axis(layer_positions, order, axis=1))
+    return KeptCache(np.array(token_ids, np.int64), tuple(keys), tuple(values), tuple(positions),
+                     layout.prompt_len if layout.compressed else 0)
