@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from snapcompile.atomic import atomic_directory
-from snapcompile.config import cache_root
 from snapcompile.errors import SnapcompileError, first_line, parse_json
 from snapcompile.models.spec import ModelSpec, check_config_dict
 from snapcompile.models.tensors import (
@@ -30,6 +29,7 @@ from snapcompile.models.tensors import (
     model_from_source,
 )
 from snapcompile.models.tokenizer import load_tokenizer, refuse_remote_code
+from snapcompile.paths import cache_root
 
 SMOLLM2_NAME = "smollm2-135m-instruct"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -1,9 +1,7 @@
 """Frozen configuration records, validated at construction with user-readable errors."""
 from __future__ import annotations
 
-import os
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 from snapcompile.errors import SnapcompileError
 
@@ -12,12 +10,6 @@ POOLINGS = ("max", "avg")
 SCOPES = ("head", "layer")
 WEIGHT_FORMATS = ("fp32", "fp16", "int8", "int4")   # stored weights: float32, float16, int8 / int4 blocks
 LOWERINGS = ("standard", "plugin")   # compressed attention in standard ONNX ops, or custom op nodes
-DEFAULT_TOLERANCE = 1e-3    # validate: largest |logit difference| from the PyTorch oracle
-# fp16 graphs round the logits to float16: one step of float16 at |logit| 32..64 is 0.03; measured on
-# SmolLM2 up to 0.107 where near-tied selections differ from the oracle's (docs/design.md)
-FP16_TOLERANCE = 0.125
-DEFAULT_TIE_GAP = 1e-6      # validate: selection score gaps below this are near-ties
-FP16_TIE_GAP = 1e-4         # fp16 keys move window scores by a few 1e-6 (measured on SmolLM2)
 
 
 @dataclass(frozen=True)
@@ -58,16 +50,6 @@ class ExportConfig:
                                    f"choose one of {', '.join(WEIGHT_FORMATS)}")
         if not isinstance(self.block_size, int) or self.block_size < 16 or self.block_size & (self.block_size - 1):
             raise SnapcompileError(f"--block-size must be a power of two >= 16, got {self.block_size}")
-
-    @property
-    def tolerance(self) -> float:
-        """validate's default bound on |logit difference| for these weights."""
-        return FP16_TOLERANCE if self.weight_format == "fp16" else DEFAULT_TOLERANCE
-
-    @property
-    def tie_gap(self) -> float:
-        """validate's default near-tie gap of selection scores for these weights."""
-        return FP16_TIE_GAP if self.weight_format == "fp16" else DEFAULT_TIE_GAP
 
     @property
     def quantized(self) -> bool:
@@ -125,7 +107,7 @@ HEAD_BITS = 8   # the LM head stays 8-bit under int4, as llama.cpp's 4-bit files
 # What a session store keeps of a compressed sequence (Engine); the first is the default: `full` is the
 # exact one (a resumed turn is selected as if prefilled whole), the others trade answers for memory
 # (docs/serving.md, "Conversations").
-SESSION_KEEP = ("full", "compressed", "quantized")
+SESSION_KEEP = ("full", "slot", "quantized")
 DEFAULT_SESSION_KEEP = SESSION_KEEP[0]
 
 
@@ -257,29 +239,3 @@ class PolicyConfig:
     @classmethod
     def from_dict(cls, d: dict) -> PolicyConfig:
         return cls(**d)
-
-
-@dataclass(frozen=True)
-class ServerLimits:
-    """What one client may cost `serve` (snapcompile.serve.limits applies them; each has a flag)."""
-
-    max_body_bytes: int = 4 * 2**20      # a 4096-token prompt is < 1.5 MB even JSON-escaped
-    body_timeout_s: float = 30.0         # to receive a whole body once its head arrived
-    head_timeout_s: float = 10.0         # to receive a request head (from connecting, or the last response)
-    keep_alive_s: float = 5.0            # idle time of a kept-alive connection
-    max_connections: int = 512           # open connections (and tasks); beyond: 503 from uvicorn
-    max_connections_per_client: int = 64     # open connections from one address; beyond: closed at once (0: no bound)
-    max_requests_per_client: int = 64        # engine requests in flight from one address; 429 beyond (0: no bound)
-    send_timeout_s: float = 30.0         # a response the client stops reading may wait this long, then is dropped
-    render_timeout_s: float = 10.0       # to render a chat template (a file of the artifact) or tokenize; 400 beyond
-    tokenizer_workers: int = 1           # worker processes per lane (chat templates / plain tokenization)
-    max_prompts: int = 32                # prompts in one /v1/completions request (each one engine request)
-
-
-MAX_WAITING = 256    # requests waiting for a slot before `serve` answers 429 (ServerSettings, --max-waiting)
-
-
-def cache_root() -> Path:
-    """Where converted built-in models, measuring tools' artifacts and a process's converted weights
-    are kept ($SNAPCOMPILE_CACHE or ~/.cache/snapcompile)."""
-    return Path(os.environ.get("SNAPCOMPILE_CACHE", Path.home() / ".cache" / "snapcompile"))

@@ -1,25 +1,21 @@
-"""Host memory facts and the one check that a size fits in them, made before anything is allocated."""
+"""Host memory facts and the one check that a size fits in them, made before anything is allocated.
+psutil reads the machine's and the process's figures; /proc/self/status is read here alone, for
+the ones psutil does not give (the peak VmHWM, which /proc/self/clear_refs resets, RssAnon, RssFile)."""
 from __future__ import annotations
 
-import os
+import psutil
 
 from snapcompile.errors import SnapcompileError
 
 
 def available_host_memory() -> int:
-    """Bytes of host memory available to new allocations (/proc/meminfo MemAvailable, else free pages)."""
-    try:
-        with open("/proc/meminfo") as handle:
-            for line in handle:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    """Bytes of host memory available to new allocations (Linux MemAvailable)."""
+    return psutil.virtual_memory().available
 
 
 def process_status_kib(field: str) -> int:
-    """A KiB figure of this process's /proc/self/status (VmRSS, VmHWM, VmSize, ...)."""
+    """A KiB figure of this process's /proc/self/status that psutil does not give (VmHWM, RssAnon,
+    RssFile)."""
     with open("/proc/self/status") as status:
         for line in status:
             if line.startswith(field + ":"):

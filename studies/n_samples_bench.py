@@ -18,7 +18,7 @@ from pathlib import Path
 
 from snapcompile import Engine, Request, SamplingParams
 from snapcompile.bench.machine import cpu_description, describe_cpu
-from snapcompile.prompts import passkey_prompt
+from snapcompile.passkeys import passkey_prompt
 
 
 def main() -> None:
@@ -37,7 +37,7 @@ def main() -> None:
         requests = [Request(prompt, max_new_tokens=args.new_tokens, ignore_eos=True, request_id=f"{shared}-{seed}",
                             sampling=SamplingParams(temperature=1.0, seed=seed)) for seed in range(1, args.n + 1)]
         if shared:
-            requests[1:] = [replace(r, shares_prefill_of=requests[0].request_id, cache_scope=None)
+            requests[1:] = [replace(r, shares_prefill_of=requests[0].request_id, cache_partition=None)
                             for r in requests[1:]]
         started = time.perf_counter()
         results = engine.generate(requests)

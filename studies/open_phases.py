@@ -23,7 +23,7 @@ import time
 def one_open(artifact: str) -> dict:
     """Seconds of each phase of one open in this process."""
     from snapcompile.runtime import open_backend, ort_backend
-    from snapcompile.runtime.ort_capi import SharedSessions
+    from snapcompile.runtime.ort_capi import OrtEnvironment
     spent, sessions = {"files": 0.0, "graph_checks": 0.0, "sessions": 0.0}, {}
 
     def timed(key, function, per_call=None):
@@ -38,8 +38,8 @@ def one_open(artifact: str) -> dict:
         return wrapper
     ort_backend.check_files = timed("files", ort_backend.check_files)
     ort_backend.load_ort_graph = timed("graph_checks", ort_backend.load_ort_graph)
-    original = SharedSessions.session
-    SharedSessions.session = lambda self, model, arrays, config, threads, what: timed(
+    original = OrtEnvironment.open_graph
+    OrtEnvironment.open_graph = lambda self, model, arrays, config, threads, what: timed(
         "sessions", original, per_call=True)(self, model, arrays, config, threads, what)
     begin = time.perf_counter()
     backend = open_backend(artifact)

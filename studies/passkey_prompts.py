@@ -11,7 +11,7 @@ import json
 import random
 import sys
 
-from snapcompile.prompts import passkey_prompt
+from snapcompile.passkeys import passkey_prompt
 
 
 def main() -> int:

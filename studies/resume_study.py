@@ -457,8 +457,8 @@ def converse(loaded, case, variant: str, policy, recall: int = 2) -> list[dict]:
     """Greedy answers of every turn of `case` (an evaluation.conversations.Conversation) under
     `variant`, each within the turn's answer_tokens."""
     from snapcompile.config import PolicyConfig
+    from snapcompile.evaluation.conversation_eval import first_turn, next_turn_tokens
     from snapcompile.evaluation.conversations import TURNS
-    from snapcompile.evaluation.turns import first_turn, next_turn_tokens
     from snapcompile.export.dense import eos_ids
     from snapcompile.reference.oracle import ReferenceSequence
     tokenizer, chat, eos = loaded.tokenizer, loaded.chat, set(eos_ids(loaded.tokenizer))
@@ -571,8 +571,8 @@ def main() -> int:
     import torch
 
     from snapcompile.errors import SnapcompileError
+    from snapcompile.evaluation.conversation_eval import TurnsConfig, check_config
     from snapcompile.evaluation.conversations import TURNS
-    from snapcompile.evaluation.turns import TurnsConfig, check_config
     from snapcompile.models import load_model
     torch.manual_seed(0)
     config = TurnsConfig(args.model, lengths=(args.length,), samples=args.samples, seed=args.seed, part=args.part,

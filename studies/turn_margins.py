@@ -26,8 +26,8 @@ def dense_conversation(loaded, case, texts: list[str]):
     """Dense's conversation rebuilt from its answers `texts` (one per turn): the token ids of the
     whole conversation and, per turn, the span (start, end) of its answer in them. An answer that
     re-encodes to fewer than its turn's answer_tokens ended with EOS."""
+    from snapcompile.evaluation.conversation_eval import first_turn, next_turn_tokens
     from snapcompile.evaluation.conversations import TURNS
-    from snapcompile.evaluation.turns import first_turn, next_turn_tokens
     from snapcompile.export.dense import eos_ids
     from snapcompile.prompts import encode_text
     tokenizer, eos = loaded.tokenizer, eos_ids(loaded.tokenizer)[0]

@@ -153,7 +153,7 @@ def test_weight_formats_and_onnx_runtime_genai_peers(tiny_hf_dir, tmp_path):
 
 
 def test_a_killed_bench_resumes_from_its_finished_points(tmp_path):
-    from snapcompile.bench.store import PointStore, partial_path
+    from snapcompile.bench.partial_points import PointStore, partial_path
     config = BenchConfig("tiny-llama", contexts=(128, 256), slots=(2,), budget=64, new_tokens=4, repeats=1,
                          eager=False)
     output = tmp_path / "bench.json"

@@ -56,10 +56,10 @@ def test_convert_the_cache_and_export_plus_compress_give_the_same_bytes(tmp_path
 
 def test_the_measuring_tools_default_to_the_shapes_convert_writes():
     from snapcompile.bench.runner import BenchConfig
-    from snapcompile.bench.turns import TurnsBenchConfig
+    from snapcompile.bench.turn_latency import TurnsBenchConfig
     from snapcompile.evaluation.config import EvalConfig
+    from snapcompile.evaluation.conversation_eval import TurnsConfig
     from snapcompile.evaluation.ruler_run import RulerConfig
-    from snapcompile.evaluation.turns import TurnsConfig
     product = ExportConfig()
     for config in (BenchConfig, TurnsBenchConfig, EvalConfig, RulerConfig, TurnsConfig):
         assert config.__dataclass_fields__["chunk"].default == product.chunk, config.__name__

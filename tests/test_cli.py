@@ -148,12 +148,14 @@ def test_bad_field_in_prompts_file(tiny_dense_dir, tmp_path):
     assert_one_line_error(invoke("run", tiny_dense_dir, "--prompts", bad),
                       "p.jsonl line 1: max_new_tokens must be an integer >= 1, got 'many'")
     bad.write_text('{"prompt": "ok", "temperature": -2}\n')
-    assert_one_line_error(invoke("run", tiny_dense_dir, "--prompts", bad), "temperature must be a finite number >= 0")
+    assert_one_line_error(invoke("run", tiny_dense_dir, "--prompts", bad),
+                          "temperature must be a finite number in [0, 2]")
     bad.write_text('{"prompt": "ok", "logit_bias": {"a": 1}}\n')
     assert_one_line_error(invoke("run", tiny_dense_dir, "--prompts", bad), "p.jsonl line 1: logit_bias must be")
     bad.write_text('{"prompt": "ok", "logit_bias": {"100000": 1}}\n')
     assert_one_line_error(invoke("run", tiny_dense_dir, "--prompts", bad), "logit_bias token ids must be in [0, 320)")
-    assert_one_line_error(invoke("run", tiny_dense_dir, "--prompt", "ok", "--min-p", 3), "min_p must be a number")
+    assert_one_line_error(invoke("run", tiny_dense_dir, "--prompt", "ok", "--min-p", 3),
+                          "min_p must be a finite number")
 
 
 def test_run_takes_every_sampling_field(tiny_dense_dir, tmp_path):

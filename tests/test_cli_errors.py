@@ -10,10 +10,10 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize("args, fragment", [
-    (("--seed", -1, "--temperature", 0.7), "seed must be an integer in [0, 2**64), got -1"),
-    (("--temperature", "nan"), "temperature must be a finite number >= 0, got nan"),
+    (("--seed", -1, "--temperature", 0.7), "seed must be an integer in [0, 2**63), got -1"),
+    (("--temperature", "nan"), "temperature must be a finite number in [0, 2], got nan"),
     (("--temperature", "inf"), "temperature must be a finite number"),
-    (("--top-p", 0), "top_p must be a number in (0, 1]"),
+    (("--top-p", 0), "top_p must be a finite number in (0, 1]"),
     (("--max-new-tokens", 0), "0 is not in the range x>=1"),
     (("--stop", ""), "stop strings must not be empty"),
     (("--stop", "\udcff"), "a stop string is not valid UTF-8 text"),

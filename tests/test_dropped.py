@@ -50,7 +50,7 @@ def test_the_oldest_dropped_rows_go_first_past_the_bound():
 def test_quantized_keep_holds_the_slot_rows_in_8_bits_and_every_dropped_row_in_4(tiny_snap_dir):
     document, = random_prompts([160], seed=21)
     quantized = _engine(tiny_snap_dir, session_cache_bytes=2**26, session_keep="quantized")
-    compressed = _engine(tiny_snap_dir, session_cache_bytes=2**26, session_keep="compressed")
+    compressed = _engine(tiny_snap_dir, session_cache_bytes=2**26, session_keep="slot")
     for engine in (quantized, compressed):
         engine.generate([Request(document, max_new_tokens=4, ignore_eos=True)])
     held, slot = quantized.sessions.newest(), compressed.sessions.newest()

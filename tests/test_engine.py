@@ -283,7 +283,7 @@ def test_samples_that_share_one_prefill_equal_separate_requests(folder, request)
         made = [Request(prompt, max_new_tokens=12, request_id=f"s{seed}",
                         sampling=SamplingParams(temperature=1.0, seed=seed)) for seed in range(1, 5)]
         if shared:
-            made[1:] = [replace(r, shares_prefill_of="s1", cache_scope=None) for r in made[1:]]
+            made[1:] = [replace(r, shares_prefill_of="s1", cache_partition=None) for r in made[1:]]
         return made
     separate = _engine(artifact).generate(requests(False))
     engine = _engine(artifact)
@@ -300,7 +300,7 @@ def test_a_leader_that_ends_before_its_prefill_ends_its_followers(tiny_snap_dir)
     engine = _engine(tiny_snap_dir)
     prompt = random_prompts([150])[0]                     # three chunks: the first step prefills one
     engine.submit(Request(prompt, request_id="lead"))
-    engine.submit(Request(prompt, request_id="f", shares_prefill_of="lead", cache_scope=None))
+    engine.submit(Request(prompt, request_id="f", shares_prefill_of="lead", cache_partition=None))
     engine.step()
     assert engine.abort("lead")
     assert engine.result("f").finish_reason == "abort" and engine.scheduler.idle
@@ -432,3 +432,21 @@ def test_stop_strings_are_bounded():
     with pytest.raises(SnapcompileError, match="at most 16 stop strings"):
         Request([1], stop=tuple(str(i) for i in range(17)))
 
+
+
+@pytest.mark.parametrize(("name", "inside", "outside"), [
+    ("temperature", 2.0, 2.01), ("top_p", 1.0, 0.0), ("top_k", 0, -2), ("min_p", 1.0, 1.01),
+    ("repetition_penalty", 100.0, 100.5), ("presence_penalty", -2.0, -2.5), ("frequency_penalty", 2.0, 2.5),
+    ("seed", 2**63 - 1, 2**63)])
+def test_the_engine_and_the_api_accept_the_same_sampling_values(name, inside, outside):
+    """One home for the ranges (engine/sampling_bounds.py): what serve's wire format takes, the engine
+    takes, and what one refuses the other refuses."""
+    from pydantic import ValidationError
+
+    from snapcompile.serve.protocol import CompletionRequest
+    SamplingParams(**{name: inside})
+    CompletionRequest(model="m", prompt="x", **{name: inside})
+    with pytest.raises(SnapcompileError, match=name):
+        SamplingParams(**{name: outside})
+    with pytest.raises(ValidationError):
+        CompletionRequest(model="m", prompt="x", **{name: outside})

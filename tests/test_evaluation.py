@@ -132,7 +132,7 @@ def test_eval_cli_writes_json_markdown_and_plots(tmp_path):
     assert (tmp_path / "fid-length.png").stat().st_size > 1000, "--ratios rows get an accuracy-vs-length plot"
     assert not (tmp_path / "fid.json.partial.jsonl").exists(), "a finished run leaves only its results"
     from snapcompile.evaluation.config import EvalConfig
-    from snapcompile.evaluation.store import ResultStore
+    from snapcompile.evaluation.partial_results import ResultStore
     wider = EvalConfig("tiny-llama", "fidelity", ("snapstream",), (), (300,), (0.1, 0.5, 0.9), 2, seed=0, ratios=(3,))
     reused = ResultStore(out, wider).records
     assert sorted(reused) == sorted(r["id"] for r in payload["records"]), "a wider run starts from OUTPUT's cases"
@@ -180,7 +180,7 @@ def test_results_written_before_a_new_field_still_resume(tmp_path):
     import json as _json
     from dataclasses import asdict
 
-    from snapcompile.evaluation.store import ResultStore
+    from snapcompile.evaluation.partial_results import ResultStore
     config = EvalConfig("tiny-llama", "passkey", ("dense",), (128,), (400,), (0.5,), 1, seed=1)
     old = asdict(config)
     del old["scope"], old["kernel"]                    # as written before --scope and --kernel existed
@@ -257,7 +257,7 @@ def test_fidelity_text_is_shipped_data_not_this_interpreter_s_docstrings(tmp_pat
 
 
 def test_block_size_shapes_the_evaluated_artifacts_not_the_fp32_reference(tmp_path):
-    from snapcompile.evaluation.store import ResultStore
+    from snapcompile.evaluation.partial_results import ResultStore
     config = EvalConfig("tiny-llama", "fidelity", ("snapstream",), (), (300,), (0.5,), 1, seed=0, ratios=(3,),
                         weight_format="int4", block_size=64)
     assert (config.export.weight_format, config.export.block_size) == ("int4", 64)

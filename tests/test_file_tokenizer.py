@@ -11,7 +11,8 @@ from snapcompile.evaluation.conversations import KINDS, make_conversation
 from snapcompile.evaluation.tasks import fidelity_text, make_cases
 from snapcompile.models.file_tokenizer import FileTokenizer
 from snapcompile.models.tokenizer import load_tokenizer
-from snapcompile.prompts import demo_prompts, encode_messages, passkey_prompt
+from snapcompile.passkeys import demo_prompts, passkey_prompt
+from snapcompile.prompts import encode_messages
 
 FILES = ["tokenizer.json", "tokenizer_config.json", "chat_template.jinja"]
 CHATS = [

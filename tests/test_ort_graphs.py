@@ -7,10 +7,11 @@ import pytest
 
 from snapcompile.artifact.manifest import ORT_WEIGHTS, WEIGHTS, Manifest, read_manifest
 from snapcompile.artifact.naming import ort_graphs
-from snapcompile.config import FP16_TOLERANCE, ExportConfig, PolicyConfig
+from snapcompile.config import ExportConfig, PolicyConfig
 from snapcompile.errors import SnapcompileError
 from snapcompile.export.quantize import BlockQuantized
 from snapcompile.runtime.ort_backend import OrtDevice, OrtGraph
+from snapcompile.validate.tolerances import FP16_TOLERANCE
 from tests.conftest import TINY_SNAPSTREAM, build_artifact
 
 
@@ -75,7 +76,7 @@ def assert_members_match(folder) -> int:
                 else:
                     np.testing.assert_array_equal(ours[key], theirs[key], err_msg=f"{ort}: {name}: {key}")
             checked += 1
-    assert set(device.made) == set(manifest.ort_graphs)            # one session each
+    assert set(device.opened) == set(manifest.ort_graphs)            # one session each
     return checked
 
 
@@ -119,8 +120,8 @@ def test_the_export_writes_symbolic_sizes_ort_reads_off_the_input_shape(tiny_sna
 def test_one_session_is_made_for_each_ort_graph(tiny_snap_dir, monkeypatch):
     from snapcompile.runtime.ort_backend import OrtBackend
     made = []
-    original = OrtDevice._session
-    monkeypatch.setattr(OrtDevice, "_session", lambda self, model, name: made.append(name) or original(self, model,
+    original = OrtDevice._open
+    monkeypatch.setattr(OrtDevice, "_open", lambda self, model, name: made.append(name) or original(self, model,
                                                                                                         name))
     backend = OrtBackend(tiny_snap_dir)
     backend.make_graphs()

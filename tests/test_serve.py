@@ -385,7 +385,7 @@ def test_smollm2_answers_20_prompts_under_a_json_schema(smol_snap, tmp_path):
 
 @pytest.mark.slow
 def test_smollm2_through_the_server(smol_snap, tmp_path):
-    from snapcompile.prompts import passkey_prompt
+    from snapcompile.passkeys import passkey_prompt
     process = ServerProcess(smol_snap, model="smollm2", log=tmp_path / "server.log").wait_ready(300)
     try:
         client = openai.OpenAI(base_url=process.url + "/v1", api_key="unused", max_retries=0, timeout=600)
@@ -593,7 +593,7 @@ def test_session_keep_full_or_quantized_resumes_from_the_first_turn(snap_artifac
     the whole first prompt and answers as an engine with the same store does."""
     from snapcompile import Engine, Request
     bad = CliRunner().invoke(main, ["serve", str(snap_artifact), "--session-keep", "everything"])
-    assert bad.exit_code == 2 and "'full', 'compressed', 'quantized'" in bad.output
+    assert bad.exit_code == 2 and "'full', 'slot', 'quantized'" in bad.output
     engine = Engine.from_artifact(snap_artifact, session_cache_bytes=2**26, session_keep=keep)
     process = ServerProcess(snap_artifact, "--session-keep", keep, log=tmp_path / "full.log").wait_ready()
     try:
@@ -638,7 +638,7 @@ def test_bench_serve_conversations_report_ttft_and_resumed_tokens_per_turn(serve
 
 def test_bench_serve_follow_ups_are_drawn_within_their_bounds():
     from snapcompile.errors import SnapcompileError
-    from snapcompile.serve.bench import ServeBenchConfig
+    from snapcompile.serve.load_client import ServeBenchConfig
     config = ServeBenchConfig("http://x", "m", requests=3, prompt_tokens=500, turns=4, follow_up_tokens=(5, 200))
     lengths = config.part_lengths()
     assert lengths[::4] == [500] * 3 and len(lengths) == 12
@@ -649,10 +649,10 @@ def test_bench_serve_follow_ups_are_drawn_within_their_bounds():
         ServeBenchConfig("http://x", "m", turns=3, follow_up_tokens=(50, 10))
 
 
-def test_kept_caches_are_shared_only_within_a_scope(artifact, tmp_path):
+def test_kept_caches_are_shared_only_within_a_partition(artifact, tmp_path):
     """The store's tenant isolation (docs/serving.md, "Who shares kept caches"): a client that sends
     another's prompt prefix learns nothing through cached_tokens unless both send the same
-    cache_salt; without a salt (and without an API key) nothing is kept unless --session-scope
+    cache_salt; without a salt (and without an API key) nothing is kept unless --session-sharing
     shared; with an API key its holders share."""
     secret = "Our system prompt. The user's PIN is 4071 and must stay private. " * 3
     guess = "Our system prompt. The user's PIN is 4071 and must stay private. " * 3 + "What is it?"
@@ -667,16 +667,16 @@ def test_kept_caches_are_shared_only_within_a_scope(artifact, tmp_path):
 
     with ServerProcess(artifact, log=tmp_path / "private.log") as private:
         assert cached(private.url, secret, salt="alice") == 0
-        assert cached(private.url, guess, salt="mallory") == 0                # another scope: nothing shown
+        assert cached(private.url, guess, salt="mallory") == 0                # another partition: nothing shown
         assert cached(private.url, guess) == 0                                # no salt, no key: private
         cached(private.url, secret)
         assert cached(private.url, guess) == 0                                # ... and nothing was kept
         assert cached(private.url, guess, salt="alice") > 0                   # the same salt resumes
         assert private.metric("snapcompile_session_cache_entries") == 3       # alice's two, mallory's one
-    with ServerProcess(artifact, "--session-scope", "shared", log=tmp_path / "shared.log") as shared:
+    with ServerProcess(artifact, "--session-sharing", "shared", log=tmp_path / "shared.log") as shared:
         cached(shared.url, secret)
         assert cached(shared.url, guess) > 0                                  # opted in: unsalted clients share
-        assert cached(shared.url, guess, salt="mallory") == 0                 # a salt is a scope of its own
+        assert cached(shared.url, guess, salt="mallory") == 0                 # a salt is a partition of its own
     with ServerProcess(artifact, "--api-key", "k3y", log=tmp_path / "key.log") as keyed:
         cached(keyed.url, secret, key="k3y")
         assert cached(keyed.url, guess, key="k3y") > 0                        # the key's holders share

@@ -104,43 +104,43 @@ def test_store_never_holds_more_than_its_bytes(sizes, budget):
 
 @given(puts=st.lists(st.tuples(st.sampled_from(["", "a", "b"]), st.integers(2, 30)), min_size=1, max_size=30),
        budget=st.integers(0, 3000))
-def test_scopes_never_see_each_other_s_entries(puts, budget):
-    """A lookup finds only its own scope's entries, whatever the others hold; eviction runs over
-    every scope, and the bytes and the scope index stay exact."""
+def test_partitions_never_see_each_other_s_entries(puts, budget):
+    """A lookup finds only its own partition's entries, whatever the others hold; eviction runs over
+    every partition, and the bytes and the partition index stay exact."""
     store = SessionStore(max_bytes=budget, window=0, max_rows=100, max_entries=8)
-    for scope, rows in puts:
-        store.put(_kept([7] * rows, [list(range(rows))], layers=1, dim=2), scope)
+    for partition, rows in puts:
+        store.put(_kept([7] * rows, [list(range(rows))], layers=1, dim=2), partition)
         assert store.bytes == sum(e.nbytes for e in store._entries.values()) <= budget
-        assert sorted(store._entries) == sorted(key for keys in store._scopes.values() for key in keys)
-    for scope in ("", "a", "b", "c"):
-        plan = store.lookup([7] * 40, scope)
-        own = [kept for (where, _), kept in store._entries.items() if where == scope]
+        assert sorted(store._entries) == sorted(key for keys in store._partitions.values() for key in keys)
+    for partition in ("", "a", "b", "c"):
+        plan = store.lookup([7] * 40, partition)
+        own = [kept for (where, _), kept in store._entries.items() if where == partition]
         assert (plan is None) == (not own)
         assert plan is None or any(plan.kept is kept for kept in own)
 
 
-def test_a_request_without_a_scope_is_neither_resumed_nor_kept(tiny_snap_dir):
+def test_a_request_without_a_partition_is_neither_resumed_nor_kept(tiny_snap_dir):
     document, question = random_prompts([160, 70], seed=5)
     engine = _engine(tiny_snap_dir, session_cache_bytes=2**26)
-    first, = engine.generate([Request(document, max_new_tokens=4, ignore_eos=True, cache_scope="alice")])
+    first, = engine.generate([Request(document, max_new_tokens=4, ignore_eos=True, cache_partition="alice")])
     follow = document + first.output_ids[:-1] + question
-    other, = engine.generate([Request(follow, max_new_tokens=2, cache_scope=None)])
+    other, = engine.generate([Request(follow, max_new_tokens=2, cache_partition=None)])
     assert other.cached_tokens == 0 and len(engine.sessions) == 1
-    stranger, = engine.generate([Request(follow, max_new_tokens=2, cache_scope="mallory")])
-    same, = engine.generate([Request(follow, max_new_tokens=2, cache_scope="alice")])
+    stranger, = engine.generate([Request(follow, max_new_tokens=2, cache_partition="mallory")])
+    same, = engine.generate([Request(follow, max_new_tokens=2, cache_partition="alice")])
     assert stranger.cached_tokens == 0 and same.cached_tokens > 0 and len(engine.sessions) == 3
 
 
 @given(entries=st.lists(st.tuples(st.sampled_from(["", "a"]), st.lists(st.integers(0, 1), min_size=1, max_size=6),
                                   st.integers(0, 6)), min_size=1, max_size=12),
-       prompt=st.lists(st.integers(0, 1), min_size=1, max_size=7), scope=st.sampled_from(["", "a"]),
+       prompt=st.lists(st.integers(0, 1), min_size=1, max_size=7), partition=st.sampled_from(["", "a"]),
        window=st.integers(0, 60))
-@example(entries=[("", [0, 0], 0), ("", [0, 0, 0], 0)], prompt=[0, 0, 0], scope="", window=20)   # a tie across depths
-def test_the_prefix_index_finds_what_comparing_every_entry_finds(entries, prompt, scope, window):
+@example(entries=[("", [0, 0], 0), ("", [0, 0, 0], 0)], prompt=[0, 0, 0], partition="", window=20)   # a depths' tie
+def test_the_prefix_index_finds_what_comparing_every_entry_finds(entries, prompt, partition, window):
     """Token ids in blocks of 16 (each drawn digit a block, so prefixes collide often), entries whose
     rows were selected at some block (a resume before it is refused) and windows that cap the resume
     point (ties across depths): the indexed lookup returns the plan of the entry a scan of every entry
-    of the scope picks (the most tokens reused; ties to the least recently used)."""
+    of the partition picks (the most tokens reused; ties to the least recently used)."""
     def tokens(digits):
         return [d for d in digits for _ in range(16)]
     indexed = SessionStore(max_bytes=10**9, window=window, max_rows=10**4, min_tokens=16)
@@ -153,10 +153,10 @@ def test_the_prefix_index_finds_what_comparing_every_entry_finds(entries, prompt
         order.append((where, kept))
     ids, best = tokens(prompt) + [5], None
     for where, kept in order:                               # least recently used first
-        plan = plan_resume(kept, ids, window, 10**4, 16) if where == scope else None
+        plan = plan_resume(kept, ids, window, 10**4, 16) if where == partition else None
         if plan is not None and (best is None or plan.resume_at > best.resume_at):
             best = plan
-    found = indexed.lookup(ids, scope)
+    found = indexed.lookup(ids, partition)
     assert (found is None) == (best is None)
     assert found is None or (found.kept is best.kept and found.resume_at == best.resume_at)
 
@@ -188,7 +188,7 @@ def _oracle_conversation(model, policy, rows, turns, steps):
 @pytest.mark.parametrize("folder", ["tiny_dense_dir", "tiny_snap_dir", "tiny_summary_dir"])
 def test_resumed_turns_equal_the_oracle_multi_turn_policy(request, tiny_llama, folder):
     folder = request.getfixturevalue(folder)
-    engine = _engine(folder, session_cache_bytes=2**26, session_keep="compressed")
+    engine = _engine(folder, session_cache_bytes=2**26, session_keep="slot")
     turns = random_prompts([200, 30, 12], seed=5)
     steps = 40
     ids, outputs, cached = [], [], []
@@ -224,7 +224,7 @@ def _check_summaries(entries: list[KeptCache]) -> None:
 @pytest.mark.parametrize("folder", ["tiny_snap_dir", "tiny_summary_dir"])
 def test_one_entry_serves_concurrent_requests_unchanged(request, folder):
     folder = request.getfixturevalue(folder)
-    engine = _engine(folder, session_cache_bytes=2**26, session_keep="compressed")
+    engine = _engine(folder, session_cache_bytes=2**26, session_keep="slot")
     document, = random_prompts([300], seed=6)
     first, = engine.generate([Request(document, max_new_tokens=4, ignore_eos=True)])
     kept, = engine.sessions._entries.values()
@@ -235,7 +235,7 @@ def test_one_entry_serves_concurrent_requests_unchanged(request, folder):
     together = engine.generate(shared)
     assert [r.cached_tokens for r in together] == [300 + 3] * 3
     assert all(np.array_equal(a, b) for a, b in zip(snapshot, held))
-    alone = [_engine(folder, session_cache_bytes=2**26, session_keep="compressed") for _ in questions]
+    alone = [_engine(folder, session_cache_bytes=2**26, session_keep="slot") for _ in questions]
     for solo, request in zip(alone, shared):
         solo.generate([Request(document, max_new_tokens=4, ignore_eos=True)])
         again, = solo.generate([Request(request.prompt_ids, max_new_tokens=8, ignore_eos=True)])
@@ -244,14 +244,14 @@ def test_one_entry_serves_concurrent_requests_unchanged(request, folder):
 
 
 def test_a_conversation_may_pass_max_context_but_not_the_model_positions(tiny_snap_dir):
-    engine = _engine(tiny_snap_dir, session_cache_bytes=2**26, session_keep="compressed")
+    engine = _engine(tiny_snap_dir, session_cache_bytes=2**26, session_keep="slot")
     ids, = random_prompts([480], seed=8)
     first, = engine.generate([Request(ids, max_new_tokens=30, ignore_eos=True)])
     longer = ids + first.output_ids + random_prompts([60], seed=9)[0]      # 570 tokens > max_context 512
     engine.check_prompt(longer)
     result, = engine.generate([Request(longer, max_new_tokens=4, ignore_eos=True)])
     assert result.error is None and result.cached_tokens == 480 + 29
-    fresh = _engine(tiny_snap_dir, session_cache_bytes=2**26, session_keep="compressed")
+    fresh = _engine(tiny_snap_dir, session_cache_bytes=2**26, session_keep="slot")
     refused, = fresh.generate([Request(longer, max_new_tokens=4)])        # nothing to resume from
     assert "does not fit" in refused.error
     limit = engine.core.max_positions
@@ -354,7 +354,7 @@ def test_full_keep_follows_a_sequence_moved_to_a_lower_slot(tiny_snap_dir):
 
 def test_summaries_follow_a_sequence_moved_to_a_lower_slot(tiny_summary_dir):
     short, long = random_prompts([40, 150], seed=14)
-    together, alone = (_engine(tiny_summary_dir, session_cache_bytes=2**26, session_keep="compressed")
+    together, alone = (_engine(tiny_summary_dir, session_cache_bytes=2**26, session_keep="slot")
                        for _ in range(2))
     together.generate([Request(short, max_new_tokens=2, ignore_eos=True), Request(long, max_new_tokens=12,
                                                                                    ignore_eos=True)])
@@ -370,19 +370,19 @@ def test_summaries_follow_a_sequence_moved_to_a_lower_slot(tiny_summary_dir):
 
 def test_session_keep_is_checked_and_off_without_a_store(tiny_snap_dir):
     from snapcompile.errors import SnapcompileError
-    with pytest.raises(SnapcompileError, match="--session-keep must be one of full, compressed"):
+    with pytest.raises(SnapcompileError, match="--session-keep must be one of full, slot"):
         _engine(tiny_snap_dir, session_cache_bytes=2**26, session_keep="all")
     assert _engine(tiny_snap_dir, session_keep="full").core.keeper is None
     full = _engine(tiny_snap_dir, session_cache_bytes=2**26, session_keep="full")
     assert full.prompt_limit == full.backend.max_prompt_len(), "every row is kept: the conversation must fit"
-    with pytest.raises(PromptError, match="--session-keep compressed resumes one past it"):
+    with pytest.raises(PromptError, match="--session-keep slot resumes one past it"):
         full.check_prompt([1] * (full.prompt_limit + 1))
 
 
 def test_an_abandoned_resumed_prefill_leaves_no_summary_bias_behind(tiny_summary_dir):
     """A request cancelled while its resumed prefill attends over summaries: the next prompt's
     prefill sees plain rows."""
-    engine = _engine(tiny_summary_dir, session_cache_bytes=2**26, session_keep="compressed")
+    engine = _engine(tiny_summary_dir, session_cache_bytes=2**26, session_keep="slot")
     document, question, other = random_prompts([200, 150, 120], seed=21)
     first, = engine.generate([Request(document, max_new_tokens=4, ignore_eos=True)])
     ids = document + first.output_ids + question

@@ -5,7 +5,8 @@ from snapcompile.config import PolicyConfig
 from snapcompile.engine.engine import Engine
 from snapcompile.engine.request import Request
 from snapcompile.passes.pipeline import compress_artifact
-from snapcompile.prompts import encode, passkey_prompt
+from snapcompile.passkeys import passkey_prompt
+from snapcompile.prompts import encode
 from snapcompile.validate.parity import Validator, summarize
 
 pytestmark = pytest.mark.slow
@@ -106,6 +107,7 @@ def test_weight_formats_keep_parity(smollm2, tmp_path, weights, policy):
     from snapcompile.export import export_model
     from snapcompile.passes.pipeline import compress_graphs
     from snapcompile.validate.parity import oracle_model
+    from snapcompile.validate.tolerances import tie_gap, tolerance
     export = ExportConfig(slots=2, max_context=1280, chunk=256, weight_format=weights)
     config = PolicyConfig(policy=policy, budget=256)
     transform = (lambda graphs, m: compress_graphs(graphs, m, config)) if config.compressed else None
@@ -115,8 +117,8 @@ def test_weight_formats_keep_parity(smollm2, tmp_path, weights, policy):
         assert manifest.weights_report["requantized_blocks"] == 0 and manifest.weights_report["exact_blocks"] == 4202496
     prompts = [encode(smollm2.tokenizer, "What is the capital of France?", chat=True)] + \
         _prompts(smollm2.tokenizer, [(31337, 1100, 0.4)])
-    validator = Validator(tmp_path / weights, oracle_model(tmp_path / weights, manifest), tie_gap=export.tie_gap)
+    validator = Validator(tmp_path / weights, oracle_model(tmp_path / weights, manifest), tie_gap=tie_gap(export))
     summary = summarize(validator.run(prompts, 24), 24)
-    assert summary["max_abs_logit_diff"] <= export.tolerance
+    assert summary["max_abs_logit_diff"] <= tolerance(export)
     assert summary["greedy_agreement"] == 1.0
     assert not summary["selection_mismatches"]

@@ -217,7 +217,7 @@ def test_a_continued_text_resumes_the_instance_kept_cache(artifact, tmp_path):
             text += reply["text_output"] + more
         assert cached[0] == 0 and cached[1] >= 64, cached
         again = server.generate({"text_input": text, "max_tokens": 8, "temperature": 0}).json()
-        assert again["cached_tokens"] == 0, "without a salt a repository of private scope shares nothing"
+        assert again["cached_tokens"] == 0, "without a salt a repository of private sharing shares nothing"
         other = server.generate({"text_input": text, "max_tokens": 8, "cache_salt": "someone else"}).json()
         assert other["cached_tokens"] == 0
     finally:
@@ -252,7 +252,7 @@ def test_a_cancelled_request_frees_its_slot(artifact, tmp_path):
 @pytest.mark.slow
 def test_smollm2_on_triton(smol_snap, tmp_path):
     from snapcompile.models.tokenizer import load_tokenizer
-    from snapcompile.prompts import passkey_prompt
+    from snapcompile.passkeys import passkey_prompt
     write_repository(smol_snap, tmp_path / "repo", "tiny")
     server = TritonProcess(tmp_path / "repo", tmp_path / "work", tmp_path / "triton.log").wait_ready(600)
     chat = load_tokenizer(smol_snap).apply_chat_template(

@@ -5,7 +5,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from snapcompile.errors import SnapcompileError
-from snapcompile.evaluation.turns import TurnsConfig, TurnsStore, next_turn_tokens, retention
+from snapcompile.evaluation.conversation_eval import TurnsConfig, TurnsStore, next_turn_tokens, retention
 from snapcompile.prompts import encode_messages, encode_text
 from tests.cli_helpers import invoke
 
@@ -40,7 +40,7 @@ def test_retention_per_turn_against_dense():
 def test_rows_kept_of_counts_heads_holding_the_whole_span():
     import numpy as np
 
-    from snapcompile.evaluation.turns import rows_kept_of
+    from snapcompile.evaluation.conversation_eval import rows_kept_of
     from snapcompile.sessions.kept import KeptCache
     rows = np.zeros((2, 3, 1), np.float32)
     heads = [np.array([[0, 2, 3], [0, 1, 2]]), np.array([[2, 3, 4], [0, 1, 4]])]   # per layer [Hkv=2, 3]

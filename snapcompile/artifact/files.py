@@ -12,8 +12,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from snapcompile.artifact.manifest import MANIFEST, Manifest
-from snapcompile.config import cache_root
 from snapcompile.errors import SnapcompileError
+from snapcompile.paths import cache_root
 
 
 def check_files(folder: Path, manifest: Manifest, names: list[str] | None = None, checksums: bool = True,

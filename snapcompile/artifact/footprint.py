@@ -32,7 +32,7 @@ from snapcompile.config import HEAD_BITS, QUANT_BITS
 from snapcompile.memory import check_fits, gib
 
 RUNTIME_BYTES = 96 * 2**20              # `snapcompile run` before the artifact opens (~75-90 MB measured)
-SESSION_BYTES_PER_LAYER = 2**19         # a weight-bearing session: ~13-16 MiB at 30-32 layers
+GRAPH_BYTES_PER_LAYER = 2**19         # a weight-bearing session: ~13-16 MiB at 30-32 layers
 PACKED_BLOCK_BYTES = 12                 # MatMulNBits' pre-packed extra per block of weights
 PACKED_WEIGHT_EXTRA = 0.027             # and per weight: the fit of int4 0.90 / 0.71 / 0.62 and 8-bit
                                         # 1.40 / 1.21 / 1.12 bytes a weight at blocks of 32 / 64 / 128
@@ -56,7 +56,7 @@ def memory_needed(manifest: Manifest) -> dict[str, int]:
             "prefill_caches": prefill_rows * per_token,
             "packed_weights": _packed_weight_bytes(m),
             "resident_weights": _resident_weight_bytes(m),
-            "sessions": int(sessions * spec.num_layers * SESSION_BYTES_PER_LAYER),
+            "opened_graphs": int(sessions * spec.num_layers * GRAPH_BYTES_PER_LAYER),
             "work_space": _work_space_bytes(m),
             "runtime": RUNTIME_BYTES}
 
@@ -99,7 +99,7 @@ def check_memory(manifest: Manifest, available: int | None = None) -> None:
     what = (f"the artifact ({gib(needed['slot_caches'])} of KV cache for {manifest.export.slots} slots x "
             f"{manifest.rows_per_slot} rows, {gib(needed['prefill_caches'])} of one prompt's prefill caches for "
             f"{manifest.export.max_context} positions, {gib(needed['packed_weights'] + needed['resident_weights'])} "
-            f"of weights as the runtime holds them, {gib(needed['sessions'] + needed['work_space'])} of sessions "
-            "and work space)")
+            f"of weights as the runtime holds them, {gib(needed['opened_graphs'] + needed['work_space'])} of opened "
+            "graphs and work space)")
     check_fits(sum(needed.values()), what, "convert with fewer --slots (or --no-slot-buckets) or a smaller "
                "--budget / --max-context", available)

@@ -19,8 +19,8 @@ from snapcompile.artifact.manifest import MANIFEST, METADATA_KEY, ORT_WEIGHTS, W
 from snapcompile.artifact.naming import FAMILY_SIZES, ort_file, ort_graphs
 from snapcompile.artifact.static_sizes import check_family_sizes, check_static_sizes, max_elements
 from snapcompile.atomic import write_json_atomic
-from snapcompile.config import cache_root
 from snapcompile.errors import SnapcompileError, first_line
+from snapcompile.paths import cache_root
 
 EXTERNAL_MIN_BYTES = 1024
 

@@ -1,36 +1,24 @@
-"""Machine measurements: resident memory and memory bandwidth (Linux /proc, numpy)."""
+"""Machine measurements: resident memory and memory bandwidth (psutil, Linux /proc, numpy)."""
 from __future__ import annotations
 
 import os
 import time
 from pathlib import Path
 
+import psutil
+
 from snapcompile.memory import process_status_kib
 
 
 def rss_bytes() -> int:
-    """Current resident set size of this process, counted exactly (/proc/self/smaps_rollup walks the
-    mappings; VmRSS in /proc/self/status is a per-thread cache the kernel may sync late)."""
-    try:
-        for line in Path("/proc/self/smaps_rollup").read_text().splitlines():
-            if line.startswith("Rss:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return process_status_kib("VmRSS") * 1024
+    """Current resident set size of this process."""
+    return psutil.Process().memory_info().rss
 
 
 def file_rss_kib(path: Path) -> int:
-    """KiB of this process's RSS in its mappings of the file `path` (/proc/self/smaps)."""
-    suffix, total, inside = str(Path(path).resolve()), 0, False
-    with open("/proc/self/smaps") as smaps:
-        for line in smaps:
-            head = line.split(maxsplit=1)[0]
-            if "-" in head and not head.endswith(":"):        # a mapping's header: "start-end perms ..."
-                inside = line.rstrip().endswith(suffix)
-            elif inside and line.startswith("Rss:"):
-                total += int(line.split()[1])
-    return total
+    """KiB of this process's RSS in its mappings of the file `path`."""
+    target = str(Path(path).resolve())
+    return sum(m.rss for m in psutil.Process().memory_maps(grouped=True) if m.path == target) // 1024
 
 
 def peak_rss_bytes() -> int:

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from snapcompile.bench import machine, measure
-from snapcompile.bench.store import PointStore
+from snapcompile.bench.partial_points import PointStore
 from snapcompile.compiler.cache import ArtifactCache
 from snapcompile.config import ExportConfig, PolicyConfig
 from snapcompile.errors import SnapcompileError
@@ -90,7 +90,7 @@ def _open(folder: Path):
 
 def run_bench(config: BenchConfig, cache_dir: Path, progress: Callable[[int], None] | None = None,
               log: Callable[[str], None] = print, store: PointStore | None = None) -> dict:
-    """Measure every point of `config`; `store` (bench/store.py) keeps each finished point, and
+    """Measure every point of `config`; `store` (bench/partial_points.py) keeps each finished point, and
     the points it already holds, from a killed run of the same configuration, are not measured again."""
     store = store or PointStore(None, config)
     cpu = machine.cpu_description()

@@ -60,8 +60,8 @@ def bench(model, contexts, slots, budget, new_tokens, repeats, prefill_repeats, 
 
     from snapcompile.atomic import check_output_file
     from snapcompile.bench import report
+    from snapcompile.bench.partial_points import PointStore, partial_path
     from snapcompile.bench.runner import BenchConfig, run_bench
-    from snapcompile.bench.store import PointStore, partial_path
     from snapcompile.cli import progress_bar
     from snapcompile.models.loader import cache_root
     config = BenchConfig(model, contexts, slots, budget, new_tokens, repeats, eager=not no_eager,

@@ -64,8 +64,8 @@ def eval_command(model_or_dir, task, policies, budgets, ratios, lengths, depths,
     from snapcompile.atomic import check_output_file
     from snapcompile.cli import progress_bar
     from snapcompile.evaluation import report
+    from snapcompile.evaluation.partial_results import partial_path
     from snapcompile.evaluation.runner import run_eval
-    from snapcompile.evaluation.store import partial_path
     from snapcompile.models.loader import cache_root
     output = check_output_file(output, force=True,      # an existing results file is this run's to update
                                read_folders=(Path(model_or_dir),))

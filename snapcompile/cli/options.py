@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from snapcompile.config import DEFAULT_SESSION_KEEP, SESSION_KEEP, PolicyConfig
-from snapcompile.serve.scopes import SESSION_SCOPES
+from snapcompile.serve.partitions import SESSION_SHARING
 
 
 def csv_option(kind):
@@ -59,8 +59,6 @@ class FiniteRange(click.FloatRange):
         return number
 
 
-BYTE_UNITS = {"": 1, "k": 2**10, "kib": 2**10, "m": 2**20, "mib": 2**20, "g": 2**30, "gib": 2**30,
-              "kb": 10**3, "mb": 10**6, "gb": 10**9}      # KiB / MiB / GiB binary, kB / MB / GB decimal
 SESSION_CACHE_HELP = ("Keep finished conversations' caches in host memory up to this size (bytes, or with KiB / "
                       "MiB / GiB, or decimal kB / MB / GB), so that a request beginning with one (a chat client "
                       "resending its history, a shared document or system prompt) prefills only what is new. "
@@ -68,44 +66,54 @@ SESSION_CACHE_HELP = ("Keep finished conversations' caches in host memory up to 
 
 
 def parse_session_cache(ctx, param, value):
-    """A click callback: "auto" -> None (sized at load), "512MiB" / "2GiB" / "1000000" -> bytes."""
-    text = str(value).strip().lower().replace(" ", "")
-    if text == "auto":
+    """A click callback: "auto" -> None (sized at load), "512MiB" / "2GiB" / "2GB" / "1000000" -> bytes
+    (pydantic's ByteSize: KiB / MiB / GiB binary, kB / MB / GB decimal; k / m / g taken as binary)."""
+    import psutil
+    from pydantic import ByteSize, TypeAdapter, ValidationError
+    text = str(value).strip()
+    if text.lower() == "auto":
         return None
-    number = text.rstrip("kmgib")
-    unit = text[len(number):]
-    if not (number.isascii() and number.isdigit()) or unit not in BYTE_UNITS or len(number) > 15:
-        raise click.BadParameter(f"expected 'auto', 0 or a size such as 512MiB, 2GiB or 2GB, got {value!r}")
-    return int(number) * BYTE_UNITS[unit]
+    if text[-1:].lower() in ("k", "m", "g"):
+        text += "iB"
+    try:
+        size = int(TypeAdapter(ByteSize).validate_python(text))
+    except ValidationError:
+        size = -1
+    total = psutil.virtual_memory().total
+    if not 0 <= size <= total:
+        raise click.BadParameter(f"expected 'auto', 0 or a size such as 512MiB, 2GiB or 2GB (at most this machine's "
+                                 f"{total / 2**30:.0f} GiB of memory), got {value!r}")
+    return size
 
 
 SESSION_KEEP_HELP = ("What the store keeps of a compressed artifact's conversation. 'full' (the default, exact): "
                      "every prompt row, as a dense prefix cache does (memory grows with the conversation, which must "
                      "fit --max-context); a resumed turn prefills the last answer and its own tokens against them and "
-                     "re-selects, getting the answer prefilling the whole turn gets. 'compressed': the B rows per "
+                     "re-selects, getting the answer prefilling the whole turn gets. 'slot': the B rows per "
                      "layer (fixed memory, conversations may pass --max-context), at a loss: it kept 23 of the 39 "
                      "later answers that prefilling every turn whole got on held-out conversations. 'quantized': the "
                      "B rows in 8 bits and the dropped rows in 4, which a resumed turn's last tokens attend over (at "
                      "most the bytes of B float32 rows): also 23 of 39. Figures: docs/results/conversations.md.")
 
 
-SESSION_SCOPE_HELP = ("Who shares kept caches when a request carries neither a cache_salt nor the API key: "
+SESSION_SHARING_HELP = ("Who shares kept caches when a request carries neither a cache_salt nor the API key: "
                       "private, nobody (such a request is neither resumed nor kept); shared, every such client (a "
                       "client can then learn how much of its prompt another's began with, through cached_tokens and "
                       "the time to first token: for one user or mutually trusting ones). Requests with the same "
                       "cache_salt always share; so do the holders of the API key.")
 
 
-def session_cache_option(scope: bool = False):
-    """--session-cache-bytes and --session-keep (the engine's session store), and with `scope` the
-    --session-scope of a server."""
+def session_cache_option(sharing: bool = False):
+    """--session-cache-bytes and --session-keep (the engine's session store), and with `sharing` the
+    --session-sharing of a server (who shares its partitions of kept caches)."""
     options = [click.option("--session-cache-bytes", "session_cache_bytes", default="auto", show_default=True,
                             callback=parse_session_cache, help=SESSION_CACHE_HELP),
                click.option("--session-keep", type=click.Choice(SESSION_KEEP), default=DEFAULT_SESSION_KEEP,
                             show_default=True, help=SESSION_KEEP_HELP)]
-    if scope:
-        options.append(click.option("--session-scope", type=click.Choice(SESSION_SCOPES), default=SESSION_SCOPES[0],
-                                    show_default=True, help=SESSION_SCOPE_HELP))
+    if sharing:
+        options.append(click.option("--session-sharing", "--session-scope", "session_sharing",
+                                    type=click.Choice(SESSION_SHARING), default=SESSION_SHARING[0],
+                                    show_default=True, help=SESSION_SHARING_HELP))
     return option_group(*options)
 
 

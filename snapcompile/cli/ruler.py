@@ -53,8 +53,8 @@ def eval_ruler(model_or_dir, tasks, lengths, cells, weights, limit, slots, chunk
     from snapcompile.atomic import check_output_file
     from snapcompile.cli import progress_bar
     from snapcompile.evaluation import ruler_report
+    from snapcompile.evaluation.partial_results import partial_path
     from snapcompile.evaluation.ruler_run import run_ruler
-    from snapcompile.evaluation.store import partial_path
     from snapcompile.models.loader import cache_root
     _check_lm_eval()
     output = check_output_file(output, force=True, read_folders=(Path(model_or_dir),))

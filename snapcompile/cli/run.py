@@ -10,13 +10,14 @@ import click
 
 from snapcompile.bench.machine import cpu_description, describe_cpu
 from snapcompile.cli.options import FiniteRange, session_cache_option
-from snapcompile.config import DEFAULT_TIE_GAP, DEFAULT_TOLERANCE, FP16_TIE_GAP, FP16_TOLERANCE
 from snapcompile.errors import ParityError, SnapcompileError, check_text
 from snapcompile.runtime import BACKENDS, PROVIDERS
+from snapcompile.validate.tolerances import DEFAULT_TIE_GAP, DEFAULT_TOLERANCE, FP16_TIE_GAP, FP16_TOLERANCE
 
 
 def _load_prompt_records(prompt: tuple[str, ...], prompts_file: Path | None, demo: bool) -> list:
-    from snapcompile.prompts import PromptRecord, demo_prompts, read_prompts_file
+    from snapcompile.passkeys import demo_prompts
+    from snapcompile.prompts_file import PromptRecord, read_prompts_file
     sources = sum([bool(prompt), prompts_file is not None, demo])
     if sources != 1:
         raise SnapcompileError("give exactly one of --prompt (repeatable), --prompts FILE.jsonl or --demo")
@@ -309,12 +310,14 @@ def validate(artifact, prompt, prompts_file, demo, steps, raw, tolerance, min_ag
     from snapcompile.artifact.manifest import read_manifest
     from snapcompile.prompts import encode
     from snapcompile.validate.parity import Validator, oracle_model, summarize
+    from snapcompile.validate.tolerances import tie_gap as tie_gap_for
+    from snapcompile.validate.tolerances import tolerance as tolerance_for
     if not (prompt or prompts_file or demo):
         demo = True
     records = _load_prompt_records(prompt, prompts_file, demo)
     manifest = read_manifest(artifact)
-    tolerance = manifest.export.tolerance if tolerance is None else tolerance
-    tie_gap = manifest.export.tie_gap if tie_gap is None else tie_gap
+    tolerance = tolerance_for(manifest.export) if tolerance is None else tolerance
+    tie_gap = tie_gap_for(manifest.export) if tie_gap is None else tie_gap
     tokenizer = artifact_tokenizer(artifact, manifest)
     prompts = [encode(tokenizer, r.prompt, manifest.chat and not raw) for r in records]
     follow_ids = encode(tokenizer, check_text(follow_up, "--follow-up"), False) if turns > 1 else []

@@ -11,8 +11,8 @@ from pathlib import Path
 import click
 
 from snapcompile.cli.options import FiniteRange, config_default, csv_option, session_cache_option
-from snapcompile.config import MAX_WAITING, ServerLimits
 from snapcompile.runtime import BACKENDS
+from snapcompile.serve.bounds import MAX_WAITING, ServerLimits
 
 LOOPBACK = ("localhost",)
 
@@ -77,12 +77,12 @@ LOOPBACK = ("localhost",)
               help="Prompt tokens prefilled between two decode steps, in whole chunks (default: one chunk). "
                    "Fewer bound the inter-token latency of running requests; more shorten the time to a new "
                    "request's first token. A smaller --chunk at convert time makes the step finer.")
-@session_cache_option(scope=True)
+@session_cache_option(sharing=True)
 def serve(artifact, host, port, slots, max_waiting, api_key, served_model_name, backend, drain_timeout, log_level,
           max_body_bytes, body_timeout, head_timeout, keep_alive, max_connections, max_connections_per_client,
           max_requests_per_client, send_timeout, render_timeout, tokenizer_workers, max_prompts_per_request,
           prefill_tokens_per_step,
-          session_cache_bytes, session_keep, session_scope):
+          session_cache_bytes, session_keep, session_sharing):
     """Serve ARTIFACT over an OpenAI-compatible HTTP API.
 
     POST /v1/chat/completions and /v1/completions (streamed or not), GET /v1/models, /health
@@ -115,7 +115,7 @@ def serve(artifact, host, port, slots, max_waiting, api_key, served_model_name, 
                           max_prompts=max_prompts_per_request)
     settings = ServerSettings(Path(artifact), served_model_name or Path(artifact).resolve().name, api_key,
                               max_waiting, slots, backend, limits, prefill_tokens_per_step, session_cache_bytes,
-                              session_keep, session_scope)
+                              session_keep, session_sharing)
     run_server(settings, host, port, drain_timeout, log_level)
 
 
@@ -193,7 +193,7 @@ def bench_serve(url, model, num_requests, concurrency, prompt_tokens, output_tok
     """
     from snapcompile.atomic import check_output_file, write_json_atomic, write_text_atomic
     from snapcompile.cli import progress_bar
-    from snapcompile.serve.bench import (
+    from snapcompile.serve.load_client import (
         ServeBenchConfig,
         conversation_parts,
         make_prompts,

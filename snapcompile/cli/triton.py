@@ -29,9 +29,9 @@ from snapcompile.runtime import BACKENDS
 @click.option("--link", is_flag=True, help="Link to the artifact instead of copying it into the repository.")
 @click.option("--force", is_flag=True, help="Replace the output folder if snapcompile wrote it.")
 @click.option("--json", "as_json", is_flag=True, help="Print what was written as one JSON object.")
-@session_cache_option(scope=True)
+@session_cache_option(sharing=True)
 def triton_repo(artifact, output, model_name, instances, backend, slots, threads, link, force, session_cache_bytes,
-                session_keep, session_scope, as_json):
+                session_keep, session_sharing, as_json):
     """Write a Triton Inference Server model repository that serves ARTIFACT.
 
     The model is a decoupled Python-backend model: inputs text_input (BYTES) and optional
@@ -43,7 +43,7 @@ def triton_repo(artifact, output, model_name, instances, backend, slots, threads
     from snapcompile.tritonserver.repository import write_repository
     name = model_name or Path(artifact).resolve().name
     info = write_repository(artifact, output, name, instances, backend, slots, link, force, threads,
-                            session_cache_bytes, session_keep, session_scope)
+                            session_cache_bytes, session_keep, session_sharing)
     if as_json:
         click.echo(json.dumps(info))
     else:

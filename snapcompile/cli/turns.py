@@ -9,14 +9,14 @@ from pathlib import Path
 
 import click
 
-from snapcompile.bench.turns import DEFAULT_MODES as BENCH_DEFAULT_MODES
-from snapcompile.bench.turns import MODES as BENCH_MODES
-from snapcompile.bench.turns import TurnsBenchConfig
+from snapcompile.bench.turn_latency import DEFAULT_MODES as BENCH_DEFAULT_MODES
+from snapcompile.bench.turn_latency import MODES as BENCH_MODES
+from snapcompile.bench.turn_latency import TurnsBenchConfig
 from snapcompile.cli.options import config_default, csv_option, kernel_option, report_options
 from snapcompile.cli.reports import write_report
 from snapcompile.config import SCOPES, WEIGHT_FORMATS
+from snapcompile.evaluation.conversation_eval import DEFAULT_MODES, MODES, TurnsConfig
 from snapcompile.evaluation.conversations import KINDS, PARTS
-from snapcompile.evaluation.turns import DEFAULT_MODES, MODES, TurnsConfig
 
 
 @click.command(name="eval-turns")
@@ -63,7 +63,7 @@ def eval_turns(model_or_dir, lengths, samples, part, seed, kinds, ratio, policy,
     every turn sends the conversation so far. Modes: dense (every turn prefilled whole, the
     reference), reprefill (the compressed artifact, every turn prefilled whole), resume-full
     (serve's default --session-keep full: every prompt row kept, each turn re-selected as if
-    prefilled whole), resume (--session-keep compressed: the kept B rows), ring (each turn's
+    prefilled whole), resume (--session-keep slot: the kept B rows), ring (each turn's
     tokens fed through decode steps, no re-selection) and resume-quantized (not run by default:
     --session-keep quantized). Reports accuracy per mode and turn, and of the later answers dense
     and reprefill got right the share each mode kept, with dense's margins on the lost ones.
@@ -72,9 +72,9 @@ def eval_turns(model_or_dir, lengths, samples, part, seed, kinds, ratio, policy,
 
     from snapcompile.atomic import check_output_file
     from snapcompile.cli import progress_bar
-    from snapcompile.evaluation.store import partial_path
-    from snapcompile.evaluation.turns import check_config, later_turns, reference_records, retention
-    from snapcompile.evaluation.turns_run import run_turns
+    from snapcompile.evaluation.conversation_eval import check_config, later_turns, reference_records, retention
+    from snapcompile.evaluation.conversation_runs import run_turns
+    from snapcompile.evaluation.partial_results import partial_path
     from snapcompile.models.loader import cache_root
     output = check_output_file(output, force=True, read_folders=(Path(model_or_dir),))
     config = TurnsConfig(model_or_dir, tuple(lengths), samples, seed, part, tuple(kinds), ratio, policy, weights,
@@ -170,7 +170,7 @@ def bench_turns(model_or_dir, turns, turn_tokens, answer_tokens, repeats, ratio,
     from tqdm import tqdm
 
     from snapcompile.atomic import check_output_file
-    from snapcompile.bench import turns as bench
+    from snapcompile.bench import turn_latency as bench
     from snapcompile.bench.machine import cpu_description
     from snapcompile.cli import progress_bar
     from snapcompile.compiler.cache import ArtifactCache

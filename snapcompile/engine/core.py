@@ -59,7 +59,7 @@ class EngineCore:
         session_cache_bytes: keep finished sequences' caches up to this many bytes, so a request
         that begins with one resumes from it (0: off; None, the default as in `run` and `serve`: an eighth
         of the host memory available now).
-        session_keep (compressed artifacts): "compressed" keeps the slot's B rows; "full" keeps the
+        session_keep (compressed artifacts): "slot" keeps the slot's B rows; "full" keeps the
         whole prompt cache (every position, as a dense prefix cache does) plus the answer, so a
         resumed turn re-selects from the whole conversation; "quantized" keeps the slot's rows in 8
         bits and the rows its selections dropped in 4, which a resumed turn's new tokens attend over
@@ -105,7 +105,7 @@ class EngineCore:
                     and len(prompt_ids) > self.prompt_limit:
                 raise PromptError("too_long", len(prompt_ids), self.prompt_limit,
                                   "the artifact's --max-context (a conversation kept whole, --session-keep full, "
-                                  "must fit it; --session-keep compressed resumes one past it, at a loss)")
+                                  "must fit it; --session-keep slot resumes one past it, at a loss)")
             self.backend.check_prompt(prompt_ids)
         elif not prompt_ids or len(prompt_ids) > self.prompt_limit:
             raise PromptError("empty" if not prompt_ids else "too_long", len(prompt_ids), self.prompt_limit,
@@ -189,8 +189,8 @@ class EngineCore:
     def _prefill_of(self, seq: Sequence):
         """The prefill generator of an admitted sequence: resumed from the session store's best
         kept cache for its prompt, or the whole prompt."""
-        ids, scope = seq.request.prompt_ids, seq.request.cache_scope
-        seq.plan = self.sessions.lookup(ids, scope) if self.sessions is not None and scope is not None else None
+        ids, partition = seq.request.prompt_ids, seq.request.cache_partition
+        seq.plan = self.sessions.lookup(ids, partition) if self.sessions is not None and partition is not None else None
         if seq.plan is None:
             return self.backend.prefill_chunks(seq.slot, ids)
         seq.cached_tokens = seq.plan.resume_at
@@ -203,10 +203,10 @@ class EngineCore:
         seq.prefill, seq.layout = None, result.layout
         seq.kept_positions = kept_positions(seq.plan, len(ids), result)
         rows = prompt_rows(seq.slot, seq.plan, ids, result, spec.num_kv_heads, spec.num_layers)
-        if self.keeper is not None and rows is not None and seq.request.cache_scope is not None:
+        if self.keeper is not None and rows is not None and seq.request.cache_partition is not None:
             early = self.keeper.selected(rows)
             if early is not None:
-                self.sessions.put(early, seq.request.cache_scope)
+                self.sessions.put(early, seq.request.cache_partition)
 
     def _keep(self, seq: Sequence) -> None:
         """Put a finished sequence's cache into the session store (when its keeper keeps one at
@@ -216,7 +216,7 @@ class EngineCore:
                                                             seq.kept_positions, len(fed),
                                                             list(seq.request.prompt_ids) + fed))
         if kept is not None:
-            self.sessions.put(kept, seq.request.cache_scope)
+            self.sessions.put(kept, seq.request.cache_partition)
 
     def _advance_prefill(self, steps: list[TokenStep]) -> None:
         tokens_left = self.scheduler.prefill_tokens_per_step
@@ -321,7 +321,7 @@ class EngineCore:
     def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
         """End `seq` (and the followers still waiting for its prefill, the same way: their last steps
         go out with the step, abort or stop that ended it)."""
-        kept = self.sessions is not None and seq.request.cache_scope is not None \
+        kept = self.sessions is not None and seq.request.cache_partition is not None \
             and seq.request.shares_prefill_of is None
         if kept and reason in ("eos", "stop", "length", "context") and seq.slot is not None and seq.layout is not None:
             try:

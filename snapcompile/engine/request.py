@@ -7,6 +7,7 @@ import numbers
 from dataclasses import dataclass, field
 from enum import Enum
 
+from snapcompile.engine.sampling_bounds import BOUNDS, LogitBias, check
 from snapcompile.errors import SnapcompileError, check_text
 
 _ids = itertools.count()
@@ -36,23 +37,9 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self):
-        if not _real(self.temperature) or self.temperature < 0:
-            raise SnapcompileError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        if not _integer(self.top_k) or self.top_k < 0:
-            raise SnapcompileError(f"top_k must be an integer >= 0, got {self.top_k!r}")
-        if not _real(self.top_p) or not 0.0 < self.top_p <= 1.0:
-            raise SnapcompileError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
-        if self.seed is not None and (not _integer(self.seed) or not 0 <= self.seed < 2**64):
-            raise SnapcompileError(f"seed must be an integer in [0, 2**64), got {self.seed!r}")
-        if not _real(self.min_p) or not 0.0 <= self.min_p <= 1.0:
-            raise SnapcompileError(f"min_p must be a number in [0, 1], got {self.min_p!r}")
-        if not _real(self.repetition_penalty) or not 0.0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
-            raise SnapcompileError(f"repetition_penalty must be a number in (0, {MAX_REPETITION_PENALTY:g}], "
-                                   f"got {self.repetition_penalty!r}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            if not _real(value) or not -2.0 <= value <= 2.0:
-                raise SnapcompileError(f"{name} must be a number in [-2, 2], got {value!r}")
+        for name in BOUNDS:
+            if name != "seed" or self.seed is not None:
+                check(name, getattr(self, name))
         _check_logit_bias(self.logit_bias)
 
     @property
@@ -62,7 +49,6 @@ class SamplingParams:
             or bool(self.frequency_penalty)
 
 
-MAX_REPETITION_PENALTY = 100.0
 MAX_LOGIT_BIAS = 1024        # entries (OpenAI: 300)
 
 
@@ -81,10 +67,9 @@ def _check_logit_bias(pairs) -> None:
     if not isinstance(pairs, tuple) or len(pairs) > MAX_LOGIT_BIAS:
         raise SnapcompileError(f"logit_bias must hold at most {MAX_LOGIT_BIAS} (token id, bias) pairs")
     for pair in pairs:
-        if not (isinstance(pair, tuple) and len(pair) == 2 and _integer(pair[0]) and pair[0] >= 0
-                and _real(pair[1]) and -100.0 <= pair[1] <= 100.0):
-            raise SnapcompileError(f"logit_bias entries must be a token id >= 0 and a bias in [-100, 100], "
-                                   f"got {pair!r}")
+        if not (isinstance(pair, tuple) and len(pair) == 2 and _integer(pair[0]) and pair[0] >= 0):
+            raise SnapcompileError(f"logit_bias entries must be a token id >= 0 and a bias, got {pair!r}")
+        check("a logit_bias bias", pair[1], LogitBias)
     if len({token for token, _ in pairs}) != len(pairs):
         raise SnapcompileError("logit_bias names a token id twice")
 
@@ -120,9 +105,9 @@ class Request:
     top_logprobs: int = 0          # record this many most likely tokens per generated token
     logprobs: bool = False         # record the log probability of each generated token
     ignore_eos: bool = False       # generate past EOS until max_new_tokens (fixed-length benchmarks)
-    # the session store's scope: resumed only from, and kept only for, requests of the same scope
+    # the session store's partition: resumed only from, and kept only for, requests of the same partition
     # (None: neither resumed nor kept). `serve` derives it from the API key and cache_salt.
-    cache_scope: str | None = ""
+    cache_partition: str | None = ""
     # the id of a request submitted before this one with the same prompt: this one is not prefilled
     # but starts from a copy of that one's prefilled cache, admitted with it (one request's n samples).
     # It is never kept in the session store.
@@ -142,8 +127,9 @@ class Request:
             raise SnapcompileError("logprobs and ignore_eos must be true or false")
         if not isinstance(self.sampling, SamplingParams):
             raise SnapcompileError("sampling must be a SamplingParams")
-        if self.cache_scope is not None and (not isinstance(self.cache_scope, str) or len(self.cache_scope) > 256):
-            raise SnapcompileError("cache_scope must be None or a string of at most 256 characters")
+        partition = self.cache_partition
+        if partition is not None and (not isinstance(partition, str) or len(partition) > 256):
+            raise SnapcompileError("cache_partition must be None or a string of at most 256 characters")
         if not all(_integer(t) for t in self.prompt_ids):
             raise SnapcompileError("prompt_ids must be a list of integer token ids")
         if self.shares_prefill_of is not None and not isinstance(self.shares_prefill_of, str):

@@ -15,7 +15,7 @@ import numpy as np
 from snapcompile.compiler.cache import ArtifactCache
 from snapcompile.evaluation.config import RECALL_CUE, RECALL_TOKENS, EvalConfig, policy_for
 from snapcompile.evaluation.metrics import kl_divergence
-from snapcompile.evaluation.store import ResultStore
+from snapcompile.evaluation.partial_results import ResultStore
 from snapcompile.evaluation.tasks import Case
 
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from snapcompile.evaluation.config import ANSWER_TOKENS, TOP_LOGPROBS
 from snapcompile.evaluation.metrics import answer_margin
-from snapcompile.evaluation.store import ResultStore
+from snapcompile.evaluation.partial_results import ResultStore
 from snapcompile.evaluation.tasks import Case
 
 

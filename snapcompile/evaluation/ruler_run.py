@@ -22,9 +22,9 @@ from snapcompile.config import POLICIES, SCOPES, WEIGHT_FORMATS, ExportConfig, P
 from snapcompile.errors import SnapcompileError, first_line
 from snapcompile.evaluation import ruler
 from snapcompile.evaluation.config import policy_for
+from snapcompile.evaluation.partial_results import append_partial, config_defaults, read_partial, read_results
 from snapcompile.evaluation.ruler_margin import margin_id, measure, read_log
 from snapcompile.evaluation.ruler_report import lost_samples
-from snapcompile.evaluation.store import append_partial, config_defaults, read_partial, read_results
 
 DEFAULT_CELLS = ("dense", "snapstream/4", "snapstream/8", "streamingllm/4")
 CONTEXT_MARGIN = 64        # positions beyond the longest length: lm-eval's gen_prefix rides on RULER's sizing
@@ -104,7 +104,7 @@ class UnitStore:
     configuration's results are refused, not overwritten)."""
 
     def __init__(self, results_path: Path, config: RulerConfig):
-        from snapcompile.evaluation.store import partial_path
+        from snapcompile.evaluation.partial_results import partial_path
         self.path = partial_path(results_path)
         self.config_json = json.dumps(asdict(config), sort_keys=True)
         self.units: dict[str, dict] = {}

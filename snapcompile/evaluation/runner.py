@@ -13,8 +13,8 @@ from snapcompile.artifact.manifest import read_manifest
 from snapcompile.compiler.cache import ArtifactCache
 from snapcompile.evaluation.config import EvalConfig, policy_for
 from snapcompile.evaluation.fidelity import run_fidelity
+from snapcompile.evaluation.partial_results import ResultStore
 from snapcompile.evaluation.retrieval import run_retrieval
-from snapcompile.evaluation.store import ResultStore
 from snapcompile.evaluation.tasks import make_cases
 
 

@@ -14,7 +14,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from snapcompile.errors import SnapcompileError
-from snapcompile.prompts import FILLER, INTRO, encode, passkey_text
+from snapcompile.passkeys import FILLER, INTRO, passkey_text
+from snapcompile.prompts import encode
 
 TASKS = ("passkey", "multikey", "fidelity")
 WORDS = ("apple", "river", "candle", "falcon", "marble", "violet", "harbor", "copper", "meadow", "lantern",

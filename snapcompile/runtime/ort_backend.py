@@ -14,7 +14,7 @@ from snapcompile.errors import SnapcompileError
 from snapcompile.memory import available_host_memory
 from snapcompile.runtime import PROVIDERS
 from snapcompile.runtime.backend import SlotBackend
-from snapcompile.runtime.ort_capi import CSession, SharedSessions
+from snapcompile.runtime.ort_capi import BoundGraph, OrtEnvironment
 from snapcompile.runtime.weight_maps import WeightArrays
 
 
@@ -23,7 +23,7 @@ class OrtGraph:
 
     def __init__(self, path: Path, providers: list[str], threads: int | None, custom_ops: bool,
                  quantized_matmul: str | None = None):
-        """A session of its own (plugin-lowered graphs, GPU providers; CPU graphs use CSession).
+        """A session of its own (plugin-lowered graphs, GPU providers; CPU graphs use BoundGraph).
         quantized_matmul (graphs with int8/int4 weights): "int8" lets ORT fuse each DequantizeLinear
         + MatMul into its MatMulNBits kernel computing with int8 activations (accuracy level 4);
         "fp32" fuses it too, multiplying in float32 (level 1)."""
@@ -44,11 +44,11 @@ class OrtGraph:
         if threads:
             options.intra_op_num_threads = threads
         try:
-            self.session = ort.InferenceSession(str(path), options, providers=providers,
+            self.ort_session = ort.InferenceSession(str(path), options, providers=providers,
                                                 disabled_optimizers=disabled)
         except Exception as err:  # ORT raises its own exception types for bad or missing data
             raise SnapcompileError(f"ONNX Runtime cannot load {path}: {str(err).splitlines()[0]}") from None
-        self.binding = self.session.io_binding()
+        self.binding = self.ort_session.io_binding()
 
     def bind(self, name: str, array: np.ndarray, output: bool = False) -> None:
         """Bind a C-contiguous numpy array by pointer (no copy; it must outlive the binding)."""
@@ -58,7 +58,7 @@ class OrtGraph:
         bind(name, "cpu", 0, array.dtype, list(array.shape), array.ctypes.data)
 
     def run(self) -> None:
-        self.session.run_with_iobinding(self.binding)
+        self.ort_session.run_with_iobinding(self.binding)
 
 
 class OrtDevice:
@@ -69,15 +69,15 @@ class OrtDevice:
         self.folder, self.threads, self.exact_matmul = Path(folder), threads, exact_matmul
         self.providers = _providers(provider)
         self.weights = WeightArrays(self.folder) if provider == "cpu" else None
-        self.sessions = SharedSessions() if provider == "cpu" else None
+        self.environment = OrtEnvironment() if provider == "cpu" else None
         self.models: dict[str, onnx.ModelProto] = {}    # ONNX Runtime graph -> its model, checked, until made
-        self.made: dict[str, CSession] = {}             # ONNX Runtime graph -> its session
+        self.opened: dict[str, BoundGraph] = {}             # ONNX Runtime graph -> its opened graph
 
     def check(self, folder: Path, manifest: Manifest) -> None:
         """Every file's size and sha256, then fingerprint, I/O and allocation checks of every graph
         this device runs (SlotBackend calls it before `graph`)."""
         check_files(folder, manifest)
-        if self.sessions is None:
+        if self.environment is None:
             for name in manifest.graphs:
                 load_graph(folder, manifest, name)
             return
@@ -93,25 +93,25 @@ class OrtDevice:
     def zeros(self, shape, dtype: str) -> np.ndarray:
         return np.zeros(shape, np.dtype(dtype))
 
-    def graph(self, name: str, manifest: Manifest) -> OrtGraph | CSession:
+    def graph(self, name: str, manifest: Manifest) -> OrtGraph | BoundGraph:
         """Static graph `name` bound to buffers of its own: on the CPU a binding of its ONNX Runtime
         graph's session (made at the first of its members), sharing the process's weights and their
         pre-packed copies (ort_capi.py); the plugin lowering's custom-op graphs and other providers
         get a session of their own on the static file."""
-        ort = manifest.ort_graph_of(name) if self.sessions is not None else None
+        ort = manifest.ort_graph_of(name) if self.environment is not None else None
         if ort is None:
             quantized = manifest.export.quantized
             matmul = None if not quantized else "fp32" if self.exact_matmul else "int8"
             return OrtGraph(self.folder / manifest.graphs[name]["file"], self.providers, self.threads,
                             custom_ops=manifest.lowering == "plugin" and not is_prefill_graph(name),
                             quantized_matmul=matmul)
-        if ort in self.made:
-            return self.made[ort].another_binding(name)
+        if ort in self.opened:
+            return self.opened[ort].another_binding(name)
         model = self.models.pop(ort, None) or load_ort_graph(self.folder, manifest, ort)
-        self.made[ort] = self._session(model, ort)
-        return self.made[ort]
+        self.opened[ort] = self._open(model, ort)
+        return self.opened[ort]
 
-    def _session(self, model: onnx.ModelProto, name: str) -> CSession:
+    def _open(self, model: onnx.ModelProto, name: str) -> BoundGraph:
         """A session of ONNX Runtime graph `model` (loaded without its weights) given every external
         initializer as the process's shared array."""
         if self.exact_matmul:
@@ -120,7 +120,7 @@ class OrtDevice:
                   if tensor.data_location == onnx.TensorProto.EXTERNAL}
         config = {"session.model_external_initializers_file_folder_path": str(self.folder)}
         with self.weights.pages_released_while():
-            return self.sessions.session(model.SerializeToString(), arrays, config, self.threads, name)
+            return self.environment.open_graph(model.SerializeToString(), arrays, config, self.threads, name)
 
     def kernels(self, manifest: Manifest) -> str:
         """What multiplies the linear layers, for run summaries (MLAS picks its AVX2 / AVX-512 /

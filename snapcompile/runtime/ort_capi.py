@@ -1,5 +1,6 @@
-"""ONNX Runtime's C API through ctypes, for what its Python API lacks: sessions that share one
-PrepackedWeightsContainer.
+"""ONNX Runtime's C API through ctypes, for what its Python API lacks: ONNX Runtime sessions (the
+graphs it runs) that share one PrepackedWeightsContainer. "Session" in this module is always ONNX
+Runtime's (a kept conversation is the session store's, snapcompile.sessions).
 
 An ONNX Runtime CPU kernel pre-packs its constant weights into its own layout when a session is
 created (MatMul into MLAS's GEMM layout, MatMulNBits into its int4/int8 kernels' layout), and each
@@ -174,7 +175,7 @@ class TensorValues:
             self.api.ReleaseMemoryInfo(self.memory)
 
 
-class SharedSessions:
+class OrtEnvironment:
     """Sessions of one process that pre-pack each shared weight once (one PrepackedWeightsContainer),
     on the CPU execution provider."""
 
@@ -199,8 +200,8 @@ class SharedSessions:
             self._initializers[key] = self.values.value(array, keep=True)
         return self._initializers[key]
 
-    def session(self, model_bytes: bytes, initializers: dict[str, np.ndarray], config: dict[str, str],
-                threads: int | None, what: str) -> CSession:
+    def open_graph(self, model_bytes: bytes, initializers: dict[str, np.ndarray], config: dict[str, str],
+                threads: int | None, what: str) -> BoundGraph:
         """A session on a serialized ONNX model whose external initializers are all in `initializers`
         (name -> array, shared with every other session given the same array)."""
         api = self.api
@@ -218,10 +219,10 @@ class SharedSessions:
                              len(model_bytes), options, self.container, what=what)
         finally:
             api.ReleaseSessionOptions(options)
-        return CSession(self, handle, what)
+        return BoundGraph(self, handle, what)
 
     def __del__(self):
-        """Runs once every CSession (each holds this object) is gone: the container and the
+        """Runs once every BoundGraph (each holds this object) is gone: the container and the
         shared values can go."""
         api = getattr(self, "api", None)
         if api is None:
@@ -233,29 +234,29 @@ class SharedSessions:
 
 
 class _Handle:
-    """An OrtSession, released when the last CSession bound to it goes."""
+    """An OrtSession, released when the last BoundGraph bound to it goes."""
 
-    def __init__(self, owner: SharedSessions, handle: int):
+    def __init__(self, owner: OrtEnvironment, handle: int):
         self.owner, self.handle = owner, handle
 
     def __del__(self):
         self.owner.api.ReleaseSession(self.handle)
 
 
-class CSession:
-    """A session and one IoBinding of it: inputs and outputs bound to numpy arrays by address.
+class BoundGraph:
+    """An ONNX Runtime session and one IoBinding of it: inputs and outputs bound to numpy arrays by address.
     `another_binding` gives the same session with a binding of its own (graphs of one family,
     naming.ort_graphs, bound to buffers of their own sizes)."""
 
-    def __init__(self, owner: SharedSessions, handle: int | _Handle, what: str):
-        self.session = handle if isinstance(handle, _Handle) else _Handle(owner, handle)
+    def __init__(self, owner: OrtEnvironment, handle: int | _Handle, what: str):
+        self.ort_session = handle if isinstance(handle, _Handle) else _Handle(owner, handle)
         self.owner, self.api, self.values, self.what = owner, owner.api, owner.values, what
-        self.handle = self.session.handle
+        self.handle = self.ort_session.handle
         self.binding = None
         self.binding = self.api.new("CreateIoBinding", self.handle, what=what)
 
-    def another_binding(self, what: str) -> CSession:
-        return CSession(self.owner, self.session, what)
+    def another_binding(self, what: str) -> BoundGraph:
+        return BoundGraph(self.owner, self.ort_session, what)
 
     def __del__(self):
         if self.binding:

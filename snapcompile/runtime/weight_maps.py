@@ -4,7 +4,7 @@ their pages let go when no run needs them resident.
 ONNX Runtime's graphs (naming.ort_graphs) read their weights from weights.bin (norms, the embedding,
 float linear layers) and ort_weights.bin (the forms only ONNX Runtime reads: MatMulNBits' layout,
 float32 forms of float16 weights), both written by the export. Every session is given the same
-arrays (ort_capi.SharedSessions), so each weight is pre-packed once; nothing is converted here.
+arrays (ort_capi.OrtEnvironment), so each weight is pre-packed once; nothing is converted here.
 """
 from __future__ import annotations
 

@@ -16,15 +16,16 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from snapcompile.config import DEFAULT_SESSION_KEEP, MAX_WAITING, ServerLimits
+from snapcompile.config import DEFAULT_SESSION_KEEP
 from snapcompile.engine.loop import EngineLoop
 from snapcompile.serve import protocol
 from snapcompile.serve.bodies import BodyParser, max_values
+from snapcompile.serve.bounds import MAX_WAITING, ServerLimits
 from snapcompile.serve.completions import OpenAIServing
 from snapcompile.serve.limits import PeerBudget, PeerRequests, read_json_body
 from snapcompile.serve.metrics import CONTENT_TYPE, Metrics
+from snapcompile.serve.partitions import cache_partition
 from snapcompile.serve.protocol import ApiError, ChatRequest, CompletionRequest, now, parse
-from snapcompile.serve.scopes import cache_scope
 from snapcompile.serve.tokenizer_pool import TokenizerPool
 
 log = logging.getLogger("snapcompile.serve")
@@ -43,7 +44,7 @@ class ServerSettings:
     prefill_tokens_per_step: int | None = None   # prompt tokens between two decode steps (None: one chunk)
     session_cache_bytes: int | None = None       # kept conversations' caches (None: sized at load; 0: off)
     session_keep: str = DEFAULT_SESSION_KEEP     # what the store keeps of a compressed sequence (Engine)
-    session_scope: str = "private"               # who shares kept caches without a key or salt (scope_of)
+    session_sharing: str = "private"               # who shares kept caches without a key or salt (partition_of)
 
 
 @dataclass
@@ -52,7 +53,7 @@ class ServerState:
 
     settings: ServerSettings
     metrics: Metrics = field(default_factory=Metrics)
-    scope_secret: bytes = field(default_factory=lambda: secrets.token_bytes(32))   # this process's, never shown
+    partition_secret: bytes = field(default_factory=lambda: secrets.token_bytes(32))   # this process's, never shown
     peer_requests: PeerBudget = field(init=False)       # engine requests in flight per client address
     serving: OpenAIServing | None = None
     engine_loop: EngineLoop | None = None
@@ -178,7 +179,7 @@ async def _accept_body(state: ServerState, request: Request, model):
 
 async def _complete(state: ServerState, request: Request, kind: str, model):
     serving, params = await _accept_body(state, request, model)
-    call = await serving.accept(kind, params, scope_of(state, params.cache_salt))
+    call = await serving.accept(kind, params, partition_of(state, params.cache_salt))
     _admit(state, len(call.requests))
     PeerRequests.hold(state.peer_requests, request, len(call.requests))
     if call.params.stream:
@@ -186,10 +187,10 @@ async def _complete(state: ServerState, request: Request, kind: str, model):
     return JSONResponse(await serving.complete(call, request.is_disconnected))
 
 
-def scope_of(state: ServerState, cache_salt: str | None) -> str | None:
-    """The session-store scope of an authenticated request (serve.scopes.cache_scope)."""
-    return cache_scope(state.scope_secret, cache_salt, state.settings.api_key is not None,
-                       state.settings.session_scope)
+def partition_of(state: ServerState, cache_salt: str | None) -> str | None:
+    """The session-store partition of an authenticated request (serve.partitions.cache_partition)."""
+    return cache_partition(state.partition_secret, cache_salt, state.settings.api_key is not None,
+                       state.settings.session_sharing)
 
 
 def _authenticate(request: Request, api_key: str | None) -> None:

@@ -59,9 +59,9 @@ class OpenAIServing:
         return tokenizer
 
     # ------------------------------------------------------------------ requests
-    async def accept(self, kind: str, params: ChatRequest | CompletionRequest, scope: str | None = None) -> Call:
+    async def accept(self, kind: str, params: ChatRequest | CompletionRequest, partition: str | None = None) -> Call:
         """Check `params` against this model and build the engine request (400s name the field),
-        in the session store's `scope` (`scope_of`).
+        in the session store's `partition` (`partition_of`).
         The prompt is tokenized (and the chat template rendered) in a worker process, within a time
         and memory bound, after its size was checked: the event loop never waits on it."""
         params.unsupported()
@@ -74,7 +74,7 @@ class OpenAIServing:
                 prompts = [await asyncio.to_thread(self._raw_prompt, item) for item in params.prompts(self.max_prompts)]
         except SnapcompileError as err:
             raise ApiError(400, str(err), param=param) from None
-        requests = await asyncio.to_thread(self._engine_requests, params, prompts, param, scope)
+        requests = await asyncio.to_thread(self._engine_requests, params, prompts, param, partition)
         echo = kind == "completion" and params.echo
         echoes = await asyncio.to_thread(self._echoes, [request.prompt_ids for request in requests]) if echo else ()
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
@@ -84,7 +84,7 @@ class OpenAIServing:
         return tuple(self._thread_tokenizer().decode(prompt) for prompt in prompts)
 
     def _engine_requests(self, params: ChatRequest | CompletionRequest, prompts: list[list[int]], param: str,
-                         scope: str | None) -> tuple[Request, ...]:
+                         partition: str | None) -> tuple[Request, ...]:
         """The prompts checked and made engine requests, on a worker thread (client-sized work)."""
         for prompt in prompts:
             self._check_prompt(prompt, param=param)
@@ -99,17 +99,17 @@ class OpenAIServing:
         grammar = self._grammar(params)
         try:
             return tuple(request for prompt in prompts
-                         for request in self._samples(params, sampling, grammar, prompt, scope))
+                         for request in self._samples(params, sampling, grammar, prompt, partition))
         except SnapcompileError as err:
             raise ApiError(400, str(err)) from None
 
     def _samples(self, params: ChatRequest | CompletionRequest, sampling: SamplingParams, grammar: JsonGrammar | None,
-                 prompt: list[int], scope: str | None) -> list[Request]:
+                 prompt: list[int], partition: str | None) -> list[Request]:
         """The n engine requests of one prompt: the first prefills it, the others start from a copy
         of its prefilled cache (never kept), each drawing with its own seed (seed + j when given)."""
-        first = self._engine_request(params, sampling, grammar, prompt, scope)
+        first = self._engine_request(params, sampling, grammar, prompt, partition)
         rest = [replace(self._engine_request(params, replace(sampling, seed=None if sampling.seed is None
-                                                             else (sampling.seed + j) % 2**64), grammar, prompt,
+                                                             else (sampling.seed + j) % 2**63), grammar, prompt,
                                              None), shares_prefill_of=first.request_id) for j in range(1, params.n)]
         return [first, *rest]
 
@@ -136,11 +136,11 @@ class OpenAIServing:
             raise ApiError(400, str(err), param="response_format") from None
 
     def _engine_request(self, params: ChatRequest | CompletionRequest, sampling: SamplingParams,
-                        grammar: JsonGrammar | None, prompt: list[int], scope: str | None) -> Request:
+                        grammar: JsonGrammar | None, prompt: list[int], partition: str | None) -> Request:
         logprobs, top = params.logprob_counts()
         return Request(prompt, max_new_tokens=params.max_new_tokens(max(1, self.max_context - len(prompt))),
                        stop=tuple(params.stop), sampling=sampling, request_id=new_id("req"),
-                       top_logprobs=top, logprobs=logprobs, ignore_eos=params.ignore_eos, cache_scope=scope,
+                       top_logprobs=top, logprobs=logprobs, ignore_eos=params.ignore_eos, cache_partition=partition,
                        constraint=grammar.constraint() if grammar is not None else None)
 
     def _check_prompt(self, prompt: list[int], param: str) -> None:

@@ -19,9 +19,9 @@ from collections import Counter
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from snapcompile.config import ServerLimits
 from snapcompile.errors import SnapcompileError
 from snapcompile.serve.bodies import BodyParser
+from snapcompile.serve.bounds import ServerLimits
 from snapcompile.serve.protocol import ApiError
 
 

@@ -15,8 +15,18 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from snapcompile.engine.request import SamplingParams, check_stop_strings, logit_bias_pairs
+from snapcompile.engine.sampling_bounds import (
+    LogitBias,
+    MinP,
+    Penalty,
+    RepetitionPenalty,
+    Seed,
+    Temperature,
+    TopK,
+    TopP,
+)
 from snapcompile.errors import SnapcompileError
-from snapcompile.serve.scopes import MAX_SALT_CHARS
+from snapcompile.serve.partitions import MAX_SALT_CHARS
 
 MAX_TOP_LOGPROBS = 20
 MAX_N = 16                 # samples per prompt (each needs a slot of its own at once)
@@ -62,15 +72,15 @@ class _Sampling(BaseModel):
     model: str
     stream: bool = False
     stream_options: StreamOptions | None = None
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=-1)                     # vLLM's: 0 or -1 keeps every token
-    min_p: float = Field(0.0, ge=0.0, le=1.0)
-    repetition_penalty: float = Field(1.0, gt=0.0, le=100.0)
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    logit_bias: dict[str, float] | None = None      # token id (as a string, OpenAI's form) -> bias in [-100, 100]
-    seed: int | None = Field(None, ge=0, lt=2**63)
+    temperature: Temperature = 1.0                  # every range: engine/sampling_bounds.py
+    top_p: TopP = 1.0
+    top_k: TopK | Literal[-1] = 0                   # vLLM's: 0 or -1 keeps every token
+    min_p: MinP = 0.0
+    repetition_penalty: RepetitionPenalty = 1.0
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    logit_bias: dict[str, LogitBias] | None = None   # token id (as a string, OpenAI's form) -> bias
+    seed: Seed | None = None
     stop: str | list[str] | None = Field(None, validate_default=True)
     n: int = Field(1, ge=1, le=MAX_N)         # samples of each prompt, sharing its prefill
     ignore_eos: bool = False               # vLLM's extension, for fixed-length benchmarks

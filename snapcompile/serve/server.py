@@ -111,7 +111,7 @@ def ready_line(state, host: str, port: int) -> str:
     cache = f"{policy.policy} B={policy.budget}" if policy.compressed else "dense"
     sessions = "no session store"
     if store is not None:
-        scope = state.settings.session_scope
-        sessions = f"session store {store.max_bytes / 2**20:.0f} MiB ({engine.session_keep}, {scope})"
+        partition = state.settings.session_sharing
+        sessions = f"session store {store.max_bytes / 2**20:.0f} MiB ({engine.session_keep}, {partition})"
     return (f"ready: serving {state.settings.model_name} at http://{host}:{port}/v1 ({manifest.model_name}, {cache}, "
             f"{engine.scheduler.pool.num_slots} slots, max context {manifest.export.max_context}, {sessions})")

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 
-from snapcompile.memory import process_status_kib
+import psutil
 
 PARENT_POLL_S = 1.0
 
@@ -48,8 +48,8 @@ def _limit_memory(headroom_bytes: int) -> None:
     """RLIMIT_AS = the address space held now + headroom: work that allocates more gets
     MemoryError (Python) or dies (native code), never the machine's memory."""
     try:
-        held = process_status_kib("VmSize") * 1024
-    except OSError:             # no /proc: no bound (the time bound still holds)
+        held = psutil.Process().memory_info().vms
+    except psutil.Error:        # no process table: no bound (the time bound still holds)
         return
     resource.setrlimit(resource.RLIMIT_AS, (held + headroom_bytes, held + headroom_bytes))
 

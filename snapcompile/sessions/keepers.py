@@ -6,7 +6,7 @@ prompt's rows after each selection (`PromptRows`) and, at the end, the slot's en
 
 | mode | entry | a resumed turn's new tokens also see |
 |---|---|---|
-| `compressed` | the slot's rows (B) in float32 | the summaries, on an artifact converted with them |
+| `slot` | the slot's rows (B) in float32 | the summaries, on an artifact converted with them |
 | `full` (default) | every prompt position in float32 (the answer is prefilled again) | (nothing: every row is kept) |
 | `quantized` | the slot's rows in 8 bits, every dropped row in 4 | the dropped rows (the last tail tokens) |
 """
@@ -67,7 +67,7 @@ class ResumeRows:
 
 
 class Keeper:
-    """`compressed`: an entry is the slot's rows; on an artifact with summaries (policy.summaries
+    """`slot`: an entry is the slot's rows; on an artifact with summaries (policy.summaries
     rows) a resumed turn sees the entry's summaries (empty ones for an entry without). Per-slot
     state follows the sequence (`move`) and is dropped with it (`forget`)."""
 
@@ -79,7 +79,7 @@ class Keeper:
 
     def selected(self, rows: PromptRows) -> KeptCache | None:
         """A compressed prompt's rows were just selected into its slot; returns an entry to keep
-        now (the engine stores it in the request's scope), or None."""
+        now (the engine stores it in the request's partition), or None."""
         return None
 
     def keep(self, slot: int, entry: Callable[[], KeptCache]) -> KeptCache | None:
@@ -106,7 +106,7 @@ class Keeper:
 
 
 class SummaryKeeper(Keeper):
-    """`compressed` on an artifact with summaries: each selection's dropped rows are summed into
+    """`slot` on an artifact with summaries: each selection's dropped rows are summed into
     the entry's summaries (sessions/summaries.py)."""
 
     def selected(self, rows: PromptRows) -> None:
@@ -193,7 +193,7 @@ def keeper_for(manifest, mode: str) -> Keeper:
     if mode == "quantized" and manifest.policy.summaries:
         raise SnapcompileError("--session-keep quantized keeps the dropped rows themselves: it does not go with "
                                "an artifact converted with --summaries (their rows take the same place)")
-    if not manifest.policy.compressed or mode == "compressed":
+    if not manifest.policy.compressed or mode == "slot":
         return SummaryKeeper(manifest) if manifest.policy.summaries else Keeper(manifest)
     return FullKeeper(manifest) if mode == "full" else QuantizedKeeper(manifest)
 

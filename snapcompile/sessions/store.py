@@ -1,6 +1,6 @@
 """The session store: finished sequences' caches kept in host memory, least recently used first
 out, bounded by bytes (`--session-cache-bytes`). A request that begins with a kept sequence's
-tokens resumes from it (`sessions/kept.py`), but only from an entry kept in its own scope: scopes
+tokens resumes from it (`sessions/kept.py`), but only from an entry kept in its own partition: partitions
 never see each other's entries, so what a lookup finds (and `cached_tokens`, which says how much it
 found) reveals nothing across them (docs/serving.md, "Who shares kept caches"). Entries are never
 changed; the engine thread is the only one that touches the store."""
@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from snapcompile.sessions.kept import KeptCache, ResumePlan, plan_resume
 from snapcompile.sessions.prefix_index import PrefixIndex
 
-MAX_ENTRIES = 1024        # entries of all scopes together
-INDEX_MIN_BLOCK = 16      # a resume of fewer tokens than this compares the prompt with every entry of its scope
+MAX_ENTRIES = 1024        # entries of all partitions together
+INDEX_MIN_BLOCK = 16      # a resume of fewer tokens than this compares the prompt with every entry of its partition
 
 
 @dataclass
@@ -36,9 +36,9 @@ class SessionStore:
             raise ValueError("max_bytes must be >= 0 and max_entries >= 1")
         self.max_bytes, self.window, self.max_rows, self.max_entries = max_bytes, window, max_rows, max_entries
         self.min_tokens = min_tokens
-        # (scope, token-id bytes) -> entry, least recently used first; and each scope's keys
+        # (partition, token-id bytes) -> entry, least recently used first; and each partition's keys
         self._entries: OrderedDict[tuple[str, bytes], KeptCache] = OrderedDict()
-        self._scopes: dict[str, dict[tuple[str, bytes], None]] = {}
+        self._partitions: dict[str, dict[tuple[str, bytes], None]] = {}
         self._ticks: dict[tuple[str, bytes], int] = {}          # key -> when it was last kept or used
         self._clock = itertools.count()
         # entries by their token prefixes of min_tokens-token blocks: a lookup costs O(prompt)
@@ -57,23 +57,23 @@ class SessionStore:
         """The entry kept or used most recently (None when the store is empty)."""
         return next(reversed(self._entries.values()), None)
 
-    def put(self, kept: KeptCache, scope: str = "") -> None:
-        """Keep `kept` in `scope` (replacing an entry of the same tokens there), evicting the least
-        recently used entries of any scope until it fits; an entry larger than the store is not kept."""
+    def put(self, kept: KeptCache, partition: str = "") -> None:
+        """Keep `kept` in `partition` (replacing an entry of the same tokens there), evicting the least
+        recently used entries of any partition until it fits; an entry larger than the store is not kept."""
         if kept.nbytes > self.max_bytes:
             self.counters.refused += 1
             return
-        key = (scope, kept.token_ids.tobytes())
+        key = (partition, kept.token_ids.tobytes())
         if key in self._entries:
             self._remove(key)
         while self._entries and (self.bytes + kept.nbytes > self.max_bytes or len(self._entries) >= self.max_entries):
             self._remove(next(iter(self._entries)))
             self.counters.evictions += 1
         self._entries[key] = kept
-        self._scopes.setdefault(scope, {})[key] = None
+        self._partitions.setdefault(partition, {})[key] = None
         self._ticks[key] = next(self._clock)
         if self._index is not None:
-            self._index.add(key, scope, kept.token_ids)
+            self._index.add(key, partition, kept.token_ids)
         self.bytes += kept.nbytes
 
     def _remove(self, key: tuple[str, bytes]) -> None:
@@ -81,19 +81,19 @@ class SessionStore:
         del self._ticks[key]
         if self._index is not None:
             self._index.remove(key)
-        keys = self._scopes[key[0]]
+        keys = self._partitions[key[0]]
         del keys[key]
         if not keys:
-            del self._scopes[key[0]]
+            del self._partitions[key[0]]
 
-    def lookup(self, token_ids: list[int], scope: str = "") -> ResumePlan | None:
-        """The plan that reuses the most of `token_ids` over the entries of `scope` (ties: the least
+    def lookup(self, token_ids: list[int], partition: str = "") -> ResumePlan | None:
+        """The plan that reuses the most of `token_ids` over the entries of `partition` (ties: the least
         recently used entry; it becomes the most recently used), or None; counted as a hit or a miss.
         Only entries sharing a whole block with the prompt are compared (`PrefixIndex`), deepest first,
         until no shallower one could reach the best resume point."""
         best = None                      # (resume_at, tick, key, plan)
         seen = set()
-        for bound, keys in self._candidates(scope, token_ids):
+        for bound, keys in self._candidates(partition, token_ids):
             if best is not None and best[0] >= bound:
                 break
             for key in keys - seen:
@@ -111,13 +111,13 @@ class SessionStore:
         self.counters.tokens_reused += plan.resume_at
         return plan
 
-    def _candidates(self, scope: str, token_ids: list[int]):
+    def _candidates(self, partition: str, token_ids: list[int]):
         """(bound, keys) groups to compare, as PrefixIndex.levels gives them; without an index every
-        key of the scope whose first token matches, unbounded."""
-        if len(token_ids) <= 1 or scope not in self._scopes:
+        key of the partition whose first token matches, unbounded."""
+        if len(token_ids) <= 1 or partition not in self._partitions:
             return
         if self._index is not None:
-            yield from self._index.levels(scope, token_ids)
+            yield from self._index.levels(partition, token_ids)
             return
         first = token_ids[0]
-        yield float("inf"), {key for key in self._scopes[scope] if self._entries[key].token_ids[0] == first}
+        yield float("inf"), {key for key in self._partitions[partition] if self._entries[key].token_ids[0] == first}

@@ -39,7 +39,7 @@ class TritonPythonModel:
         self.worker = TritonWorker(pb_utils, folder, params["fingerprint"], slots, params.get("backend", "ort"),
                                    threads, None if cache == "auto" else int(cache),
                                    params.get("session_keep", DEFAULT_SESSION_KEEP),
-                                   params.get("session_scope", "private"))
+                                   params.get("session_sharing", "private"))
 
     def execute(self, requests):
         for request in requests:

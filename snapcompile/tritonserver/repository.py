@@ -21,7 +21,7 @@ from snapcompile.atomic import atomic_directory
 from snapcompile.config import DEFAULT_SESSION_KEEP
 from snapcompile.errors import SnapcompileError
 from snapcompile.memory import check_fits, gib
-from snapcompile.serve.scopes import SESSION_SCOPES
+from snapcompile.serve.partitions import SESSION_SHARING
 
 MARKER = "snapcompile.json"
 MODEL_FILE = Path(__file__).with_name("model.py")
@@ -58,13 +58,13 @@ def config_pbtxt(name: str, instances: int, parameters: dict[str, str]) -> str:
 def write_repository(artifact: Path, output: Path, name: str, instances: int = 1, backend: str = "ort",
                      slots: int | None = None, link: bool = False, force: bool = False,
                      threads: int | None = None, session_cache_bytes: int | None = None,
-                     session_keep: str = DEFAULT_SESSION_KEEP, session_scope: str = "private") -> dict:
+                     session_keep: str = DEFAULT_SESSION_KEEP, session_sharing: str = "private") -> dict:
     """Write the repository atomically; returns what was written (for the CLI and tests).
     session_cache_bytes: each instance's store of kept conversations (None: sized at load; 0: off);
-    session_keep: what it keeps of a compressed sequence (Engine); session_scope: who shares kept
+    session_keep: what it keeps of a compressed sequence (Engine); session_sharing: who shares kept
     caches without a cache_salt ("private": nobody; "shared": every client, as `serve` says)."""
-    if session_scope not in SESSION_SCOPES:
-        raise SnapcompileError(f"--session-scope must be one of {', '.join(SESSION_SCOPES)}")
+    if session_sharing not in SESSION_SHARING:
+        raise SnapcompileError(f"--session-sharing must be one of {', '.join(SESSION_SHARING)}")
     if not NAME_RULE.fullmatch(name) or len(name) > MAX_NAME_CHARS:
         raise SnapcompileError(f"model name {name[:40]!r}{'...' if len(name) > 40 else ''} must be 1 to "
                                f"{MAX_NAME_CHARS} letters, digits, '_', '-' or '.', starting with a letter or digit")
@@ -82,7 +82,7 @@ def write_repository(artifact: Path, output: Path, name: str, instances: int = 1
     params = {"artifact": "artifact", "fingerprint": manifest.fingerprint(), "backend": backend,
               "slots": "" if slots is None else str(slots), "threads": "" if threads is None else str(threads),
               "session_cache_bytes": "auto" if session_cache_bytes is None else str(session_cache_bytes),
-              "session_keep": session_keep, "session_scope": session_scope}
+              "session_keep": session_keep, "session_sharing": session_sharing}
     with atomic_directory(Path(output), force=force, marker=MARKER) as staging:
         version = staging / name / "1"
         version.mkdir(parents=True)
@@ -92,7 +92,7 @@ def write_repository(artifact: Path, output: Path, name: str, instances: int = 1
         info = {"model": name, "artifact": str(artifact), "artifact_placed": "linked" if link else "copied",
                 "instances": instances, "backend": backend, "slots": slots, "threads": threads,
                 "session_cache_bytes": session_cache_bytes, "session_keep": session_keep,
-                "session_scope": session_scope}
+                "session_sharing": session_sharing}
         (staging / MARKER).write_text(json.dumps(info, indent=2) + "\n")
     return info
 

@@ -23,7 +23,7 @@ from snapcompile.engine.request import Request, SamplingParams, logit_bias_pairs
 from snapcompile.errors import JsonTooDeep, PromptError, SnapcompileError, check_text, first_line, parse_json
 from snapcompile.prompts import max_prompt_chars
 from snapcompile.serve.metrics import Metrics
-from snapcompile.serve.scopes import cache_scope
+from snapcompile.serve.partitions import cache_partition
 
 FLOAT_INPUTS = (("temperature", 0.0), ("top_p", 1.0), ("min_p", 0.0), ("repetition_penalty", 1.0),
                 ("presence_penalty", 0.0), ("frequency_penalty", 0.0))   # SamplingParams' defaults
@@ -48,16 +48,16 @@ class _Pending:
 class TritonWorker:
     def __init__(self, pb_utils, artifact: Path, fingerprint: str, slots: int | None, backend: str = "ort",
                  threads: int | None = None, session_cache_bytes: int | None = None,
-                 session_keep: str = DEFAULT_SESSION_KEEP, session_scope: str = "private"):
+                 session_keep: str = DEFAULT_SESSION_KEEP, session_sharing: str = "private"):
         """pb_utils: the Python backend's `triton_python_backend_utils` module. threads: ONNX Runtime
         intra-op threads of this instance (default: all cores; size K instances x threads to the cores).
         session_cache_bytes: this instance's store of kept conversations (None: sized at load; 0: off);
-        session_keep: what it keeps of a compressed sequence (Engine); session_scope: who shares kept
+        session_keep: what it keeps of a compressed sequence (Engine); session_sharing: who shares kept
         caches without a cache_salt input ("private": nobody; "shared": every client)."""
         from snapcompile.artifact.manifest import read_manifest
         from snapcompile.engine.engine import Engine
-        self.pb, self.session_scope = pb_utils, session_scope
-        self.scope_secret = secrets.token_bytes(32)      # this instance's: scopes name no salt
+        self.pb, self.session_sharing = pb_utils, session_sharing
+        self.partition_secret = secrets.token_bytes(32)      # this instance's: partitions name no salt
         manifest = read_manifest(artifact)
         if manifest.fingerprint() != fingerprint:
             raise SnapcompileError(f"{artifact} is not the artifact this repository was written for "
@@ -121,7 +121,7 @@ class TritonWorker:
         request = Request(prompt, max_new_tokens=int(self._scalar(triton_request, "max_tokens", DEFAULT_MAX_TOKENS)),
                           stop=self._stops(triton_request), sampling=sampling, request_id=f"triton-{next(_ids)}",
                           ignore_eos=bool(self._scalar(triton_request, "ignore_eos", False)),
-                          cache_scope=self._scope(self._scalar(triton_request, "cache_salt", None)))
+                          cache_partition=self._partition(self._scalar(triton_request, "cache_salt", None)))
         return request, bool(self._scalar(triton_request, "stream", False))
 
     def _logit_bias(self, triton_request) -> tuple[tuple[int, float], ...]:
@@ -134,10 +134,10 @@ class TritonWorker:
             raise SnapcompileError(f"logit_bias has more than {MAX_LOGIT_BIAS_CHARS} characters")
         return logit_bias_pairs(parse_json(text, "logit_bias"))     # ids past the vocabulary: Engine.submit
 
-    def _scope(self, salt) -> str | None:
-        """The session-store scope of a request (serve.scopes.cache_scope; Triton has no API key)."""
-        return cache_scope(self.scope_secret, None if salt is None else _text(salt, "cache_salt"), False,
-                           self.session_scope)
+    def _partition(self, salt) -> str | None:
+        """The session-store partition of a request (serve.partitions.cache_partition; Triton has no API key)."""
+        return cache_partition(self.partition_secret, None if salt is None else _text(salt, "cache_salt"), False,
+                           self.session_sharing)
 
     def _scalar(self, triton_request, name: str, default):
         tensor = self.pb.get_input_tensor_by_name(triton_request, name)

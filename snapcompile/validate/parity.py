@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from snapcompile.config import DEFAULT_TIE_GAP, PolicyConfig
+from snapcompile.config import PolicyConfig
 from snapcompile.errors import SnapcompileError
 from snapcompile.reference.oracle import ReferenceSequence
 from snapcompile.runtime import open_backend
@@ -20,6 +20,7 @@ from snapcompile.runtime.backend import drain
 from snapcompile.sessions.keepers import keeper_for
 from snapcompile.sessions.kept import plan_resume
 from snapcompile.sessions.restore import kept_positions, prompt_rows, resumed_prefill, slot_entry
+from snapcompile.validate.tolerances import DEFAULT_TIE_GAP
 
 
 @dataclass
@@ -148,7 +149,7 @@ class Validator:
             total = len(ids) + turns * (steps + 1 + len(follow_up))
             ref = self._reference(total, 0)
             result, logits, resumed, plan = self.backend.prefill(0, ids), ref.feed(ids), 0, None
-            keeper, spec = keeper_for(self.manifest, "compressed"), self.manifest.spec
+            keeper, spec = keeper_for(self.manifest, "slot"), self.manifest.spec
             for turn in range(1, turns + 1):
                 report = PromptReport(len(ids), result.layout.compressed, turn=turn, resumed_tokens=resumed)
                 positions = kept_positions(plan, len(ids), result)

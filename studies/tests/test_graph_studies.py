@@ -103,9 +103,9 @@ def test_prefill_kernels_times_each_kernel_and_a_chunk_by_op(tiny_snap_dir):
 
 
 def test_session_cost_reports_every_graph_and_the_synthetic_chains(tiny_snap_dir):
-    """studies/session_cost.py: one line for opening, one per other graph with its node counts, and
+    """studies/graph_cost.py: one line for opening, one per other graph with its node counts, and
     the synthetic chains, where kept nodes cost more than nodes the optimizer removes."""
-    done = _study("session_cost.py", tiny_snap_dir, "--synthetic", "2000")
+    done = _study("graph_cost.py", tiny_snap_dir, "--synthetic", "2000")
     assert done.returncode == 0, done.stderr
     lines = [json.loads(line) for line in done.stdout.splitlines()]
     assert [line["graph"] for line in lines if "graph" in line][0] == "open"

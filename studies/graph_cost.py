@@ -3,7 +3,7 @@ shared (memory.md: "~12 MiB a weight-bearing session"), beside the graph's node 
 after ONNX Runtime's optimizations, and the same for synthetic graphs of N kept nodes (a chain of
 Adds) and N removed ones (Identities), which separate what a node costs from what a weight does.
 
-    .venv/bin/python studies/session_cost.py ARTIFACT [--synthetic 1000,3000]
+    .venv/bin/python studies/graph_cost.py ARTIFACT [--synthetic 1000,3000]
 
 Prints one JSON line for opening (which makes the decode graph and the weights' packed copy), then
 one per other ONNX Runtime graph of the artifact (naming.ort_graphs: one a family): anonymous RSS
@@ -56,7 +56,7 @@ def artifact_sessions(folder: str) -> None:
     print(json.dumps({"graph": "open", "added_mib": round(anonymous_mib() - before, 1), "note": note}), flush=True)
     device, manifest, rows = backend.device, backend.manifest, []
     for graph in backend._graphs():
-        if graph.graph is not None or manifest.ort_graph_of(graph.name) in device.made:
+        if graph.graph is not None or manifest.ort_graph_of(graph.name) in device.opened:
             graph.make()        # another binding of a session made already
             continue
         gc.collect()
@@ -77,7 +77,7 @@ def synthetic_sessions(count: int, op: str) -> float:
     """Median MiB a session of a chain of `count` `op` nodes adds (4 sessions, one shared container)."""
     from onnx import TensorProto, helper, numpy_helper
 
-    from snapcompile.runtime.ort_capi import SharedSessions
+    from snapcompile.runtime.ort_capi import OrtEnvironment
     nodes, previous = [], "x"
     for i in range(count):
         inputs = [previous] if op == "Identity" else [previous, "c"]
@@ -88,10 +88,10 @@ def synthetic_sessions(count: int, op: str) -> float:
                               [value(previous, TensorProto.FLOAT, [1, 64])],
                               [numpy_helper.from_array(np.ones((1, 64), np.float32), "c")])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)]).SerializeToString()
-    shared, kept, added = SharedSessions(), [], []
+    shared, kept, added = OrtEnvironment(), [], []
     for i in range(4):
         before = anonymous_mib()
-        kept.append(shared.session(model, {}, {}, 1, f"chain {i}"))
+        kept.append(shared.open_graph(model, {}, {}, 1, f"chain {i}"))
         added.append(anonymous_mib() - before)
     return statistics.median(added)
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from snapcompile.config import ExportConfig, PolicyConfig
 from snapcompile.errors import SnapcompileError
-from snapcompile.evaluation.turns import engine_turns, session_keep_of
+from snapcompile.evaluation.conversation_eval import engine_turns, session_keep_of
 from snapcompile.prompts import encode, encode_text
 
 MODES = ("dense", "dense-resume", "reprefill", "resume", "resume-full", "resume-quantized")

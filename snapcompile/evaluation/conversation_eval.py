@@ -12,7 +12,7 @@ and the chat template's tokens of the next user message. How each turn reaches t
              (`--session-keep full`, the default of `serve` and `run`): each turn prefills the
              last answer and its own tokens against them and re-selects, as reprefill does
   resume     each turn resumed from the kept B rows of the one before and re-selected with the
-             new turn's window (`--session-keep compressed`)
+             new turn's window (`--session-keep slot`)
   ring       the compressed artifact, each turn's new tokens fed through decode steps after the
              kept cache, as generated tokens are (the ring; no re-selection)
   resume-quantized  resumed from a store that keeps the B rows in 8 bits and the dropped rows in
@@ -30,7 +30,7 @@ from snapcompile.config import ExportConfig, PolicyConfig
 from snapcompile.errors import SnapcompileError
 from snapcompile.evaluation.config import policy_for
 from snapcompile.evaluation.conversations import KINDS, PARTS, Conversation, make_conversation, max_tokens
-from snapcompile.evaluation.store import append_partial, partial_path, read_partial
+from snapcompile.evaluation.partial_results import append_partial, partial_path, read_partial
 from snapcompile.prompts import encode, encode_text
 
 MODES = ("dense", "reprefill", "resume-full", "resume", "ring", "resume-quantized")
@@ -40,7 +40,7 @@ MARK = "\u2063"           # stands for an answer while the template renders the 
 
 def session_keep_of(mode: str) -> str:
     """The engine's --session-keep for a mode (resume-full -> full; compressed otherwise)."""
-    return {"resume-full": "full", "resume-quantized": "quantized"}.get(mode, "compressed")
+    return {"resume-full": "full", "resume-quantized": "quantized"}.get(mode, "slot")
 
 
 def first_turn(tokenizer, case: Conversation, chat: bool) -> list[int]:
@@ -195,7 +195,7 @@ SAME_CONVERSATIONS = ("source", "lengths", "samples", "seed", "part", "kinds", "
 def reference_records(path: Path, config: TurnsConfig) -> list[dict]:
     """The dense records of an earlier eval-turns run on the same conversations (the dense mode
     does not depend on the compression policy), so a policy variant need not rerun them."""
-    from snapcompile.evaluation.store import read_results
+    from snapcompile.evaluation.partial_results import read_results
     stored, records = read_results(path, "eval-turns", "records")
     current = asdict(config)
     differ = [k for k in SAME_CONVERSATIONS if json.dumps(stored.get(k)) != json.dumps(current[k])]

@@ -7,7 +7,7 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
-from snapcompile.evaluation.store import append_partial, partial_path, read_partial
+from snapcompile.evaluation.partial_results import append_partial, partial_path, read_partial
 
 
 class PointStore:

@@ -1,5 +1,5 @@
 """Runs `eval-turns`: every (mode, conversation) through the artifacts, one conversation at a time
-(turn k+1 needs turn k's answer), resumable per conversation (`turns.TurnsStore`)."""
+(turn k+1 needs turn k's answer), resumable per conversation (`conversation_eval.TurnsStore`)."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -9,9 +9,7 @@ import numpy as np
 
 from snapcompile.config import ExportConfig
 from snapcompile.evaluation.config import TOP_LOGPROBS
-from snapcompile.evaluation.conversations import TURNS, Conversation
-from snapcompile.evaluation.metrics import answer_margin
-from snapcompile.evaluation.turns import (
+from snapcompile.evaluation.conversation_eval import (
     MODES,
     TurnsConfig,
     TurnsStore,
@@ -21,6 +19,8 @@ from snapcompile.evaluation.turns import (
     rows_kept_of,
     session_keep_of,
 )
+from snapcompile.evaluation.conversations import TURNS, Conversation
+from snapcompile.evaluation.metrics import answer_margin
 from snapcompile.prompts import encode_text
 
 STORE_BYTES = 2**30        # the resume mode's session store (one conversation's entries at a time)
@@ -84,7 +84,7 @@ def _engine_runner(folder: Path, tokenizer, chat: bool, session_bytes: int, sess
 
     def asked_kept(case: Conversation, turn: int, ids: list[int]) -> float | None:
         kept = engine.sessions.newest() if engine.sessions is not None else None
-        if kept is None or not engine.backend.manifest.policy.compressed or session_keep != "compressed":
+        if kept is None or not engine.backend.manifest.policy.compressed or session_keep != "slot":
             return None
         return rows_kept_of(kept, ids, encode_text(tokenizer, case.answers[turn][0]))
 

@@ -1,5 +1,5 @@
-"""Who shares kept caches: the session-store scope of a request (docs/serving.md, "Who shares kept
-caches"). The store never lets one scope resume from, or learn of, another's entries."""
+"""Who shares kept caches: the session-store partition of a request (docs/serving.md, "Who shares kept
+caches"). The store never lets one partition resume from, or learn of, another's entries."""
 from __future__ import annotations
 
 import hashlib
@@ -7,14 +7,14 @@ import hmac
 
 from snapcompile.errors import SnapcompileError
 
-SESSION_SCOPES = ("private", "shared")     # what a request with neither a cache_salt nor an API key gets
+SESSION_SHARING = ("private", "shared")     # what a request with neither a cache_salt nor an API key gets
 MAX_SALT_CHARS = 256
 
 
-def cache_scope(secret: bytes, cache_salt: str | None, api_key_used: bool, session_scope: str) -> str | None:
+def cache_partition(secret: bytes, cache_salt: str | None, api_key_used: bool, session_sharing: str) -> str | None:
     """Requests with the same cache_salt share (under the same server and API key); without a salt the
     holders of the API key share; without either, nobody does (None: neither resumed nor kept) unless
-    session_scope is "shared". A scope is a keyed hash under `secret` (one per process, never shown),
+    session_sharing is "shared". A partition is a keyed hash under `secret` (one per process, never shown),
     so its name tells nothing about the salt."""
     if cache_salt is not None:
         if not isinstance(cache_salt, str) or not 1 <= len(cache_salt) <= MAX_SALT_CHARS:
@@ -22,7 +22,7 @@ def cache_scope(secret: bytes, cache_salt: str | None, api_key_used: bool, sessi
         material = b"salt\0" + (b"key\0" if api_key_used else b"") + cache_salt.encode("utf-8", "surrogatepass")
     elif api_key_used:
         material = b"api-key"
-    elif session_scope == "shared":
+    elif session_sharing == "shared":
         material = b"shared"
     else:
         return None
