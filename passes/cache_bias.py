@@ -22,12 +22,14 @@ from snapcompile.passes.match import MatchFailure, find_attention_blocks
 INPUT = "cache_bias.{}"
 
 
-def add_cache_bias(model: onnx.ModelProto, spec: ModelSpec, name: str = "prefill") -> tuple[onnx.ModelProto, dict]:
-    """Rewrite the prefill graph `name` (the full one or a bucket)."""
+def add_cache_bias(model: onnx.ModelProto, spec: ModelSpec, name: str = "prefill",
+                   layers: int | None = None) -> tuple[onnx.ModelProto, dict]:
+    """Rewrite the prefill graph `name` (the full one or a bucket; of `layers` decoder layers, default
+    every one: 1 for a layer of the layer-by-layer prefill)."""
     graph = gs.import_onnx(model)
-    blocks = find_attention_blocks(graph, spec.num_layers, name)
+    blocks = find_attention_blocks(graph, layers or spec.num_layers, name)
     edit = GraphEditor(graph, "add_cache_bias")
-    rows, chunk, hkv = edit.input("past_key.0").shape[2], edit.input("input_ids").shape[1], spec.num_kv_heads
+    rows, chunk, hkv = edit.input("past_key.0").shape[2], edit.chunk(), spec.num_kv_heads
     zeros = edit.const(np.zeros((1, hkv, 1, 1, chunk)), np.float32)
     for i, block in enumerate(blocks):
         if not block.joined:

@@ -7,7 +7,16 @@ from pathlib import Path
 
 from snapcompile.artifact.files import check_files, copy_support_files
 from snapcompile.artifact.manifest import ORT_WEIGHTS, WEIGHTS, Manifest, read_manifest
-from snapcompile.artifact.naming import FAMILY_SIZES, graph_name, is_decode_graph, is_prefill_graph, select_rows
+from snapcompile.artifact.naming import (
+    FAMILY_SIZES,
+    SELECT_LAYER,
+    graph_name,
+    is_decode_graph,
+    is_prefill_graph,
+    ort_graphs,
+    prefill_layer,
+    select_rows,
+)
 from snapcompile.artifact.onnx_io import GraphSet, load_graph, load_ort_graph, save_graphs
 from snapcompile.atomic import atomic_directory
 from snapcompile.config import LOWERINGS, PolicyConfig
@@ -65,7 +74,8 @@ def compress_graphs(graphs: GraphSet, manifest: Manifest, policy: PolicyConfig,
     except MatchFailure as failure:
         raise SnapcompileError(f"cannot compress: {failure}") from None
     manifest.policy, manifest.lowering = policy, lowering
-    return out
+    wanted = ort_graphs(manifest.export, policy, lowering, manifest.spec.num_layers)
+    return GraphSet(out.static, {name: model for name, model in out.ort.items() if name in wanted})
 
 
 def _compress_decode(graphs: GraphSet, manifest: Manifest, policy: PolicyConfig, lowering: str) -> None:
@@ -93,8 +103,16 @@ def _add_cache_bias(graphs: GraphSet, manifest: Manifest) -> None:
     for name in filter(is_prefill_graph, list(graphs.static)):
         graphs.static[name], report = add_cache_bias(graphs.static[name], manifest.spec, name)
         manifest.passes.append(report)
-    for name in filter(is_prefill_graph, list(graphs.ort)):
-        graphs.ort[name], _ = add_cache_bias(graphs.ort[name], manifest.spec, f"ONNX Runtime's {name}")
+    for name, layers in _ort_prefill_graphs(graphs, manifest):
+        graphs.ort[name], _ = add_cache_bias(graphs.ort[name], manifest.spec, f"ONNX Runtime's {name}", layers)
+
+
+def _ort_prefill_graphs(graphs: GraphSet, manifest: Manifest) -> list[tuple[str, int]]:
+    """(name, decoder layers) of ONNX Runtime's prefill graphs: the whole model's, and one layer's
+    for the layer-by-layer prefill."""
+    layers = manifest.spec.num_layers
+    return [(name, layers if is_prefill_graph(name) else 1) for name in graphs.ort
+            if is_prefill_graph(name) or name in map(prefill_layer, range(layers))]
 
 
 def _add_selection(graphs: GraphSet, manifest: Manifest, policy: PolicyConfig, lowering: str) -> None:
@@ -104,8 +122,9 @@ def _add_selection(graphs: GraphSet, manifest: Manifest, policy: PolicyConfig, l
     for name in filter(is_prefill_graph, list(graphs.static)):
         graphs.static[name], report = add_window_queries(graphs.static[name], spec, policy.window, name)
         manifest.passes.append(report)
-    for name in filter(is_prefill_graph, list(graphs.ort)):
-        graphs.ort[name], _ = add_window_queries(graphs.ort[name], spec, policy.window, f"ONNX Runtime's {name}")
+    for name, layers in _ort_prefill_graphs(graphs, manifest):
+        graphs.ort[name], _ = add_window_queries(graphs.ort[name], spec, policy.window, f"ONNX Runtime's {name}",
+                                                 layers)
     for rows in select_rows(manifest.export, policy):
         name = graph_name("select", rows, manifest.export.max_context)
         if lowering == "plugin":
@@ -119,3 +138,4 @@ def _add_selection(graphs: GraphSet, manifest: Manifest, policy: PolicyConfig, l
         size = FAMILY_SIZES["select"]
         rows = SymbolicSize(size.name, size.source, size.axis, manifest.export.max_context)
         graphs.ort["select"] = SelectionWriter(spec, policy, rows, "select").build()
+        graphs.ort[SELECT_LAYER] = SelectionWriter(spec, policy, rows, SELECT_LAYER, layers=1).build()

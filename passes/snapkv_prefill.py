@@ -16,13 +16,14 @@ from snapcompile.models.spec import ModelSpec
 from snapcompile.passes.match import find_attention_blocks
 
 
-def add_window_queries(model: onnx.ModelProto, spec: ModelSpec, window: int,
-                       name: str = "prefill") -> tuple[onnx.ModelProto, dict]:
-    """Rewrite the prefill graph `name` (the full one or a bucket)."""
+def add_window_queries(model: onnx.ModelProto, spec: ModelSpec, window: int, name: str = "prefill",
+                       layers: int | None = None) -> tuple[onnx.ModelProto, dict]:
+    """Rewrite the prefill graph `name` (the full one or a bucket; of `layers` decoder layers, default
+    every one: 1 for a layer of the layer-by-layer prefill)."""
     graph = gs.import_onnx(model)
-    blocks = find_attention_blocks(graph, spec.num_layers, name)
+    blocks = find_attention_blocks(graph, layers or spec.num_layers, name)
     edit = GraphEditor(graph, "add_window_queries")
-    chunk = edit.input("input_ids").shape[1]
+    chunk = edit.chunk()
     first = edit.op("Sub", edit.input("chunk_len"), edit.const([window]))
     rows = edit.op("Max", edit.op("Add", first, edit.const(np.arange(window))), edit.const([0]))
     shape = [1, spec.num_heads, window, spec.head_dim]

@@ -89,11 +89,13 @@ def test_compile_reports_each_dense_graph_as_it_is_built(tmp_path):
     from snapcompile.artifact.naming import expected_graphs, ort_graphs
     from snapcompile.compiler.route import compile_artifact
     from snapcompile.export.dense import ORT_LABEL
-    export, built = ExportConfig(slots=2, max_context=512, chunk=64), []
-    manifest = compile_artifact("tiny-llama", export, PolicyConfig(budget=128), tmp_path / "a", progress=built.append)
+    export, built, totals = ExportConfig(slots=2, max_context=512, chunk=64), [], set()
+    manifest = compile_artifact("tiny-llama", export, PolicyConfig(budget=128), tmp_path / "a",
+                                progress=lambda name, total: (built.append(name), totals.add(total)))
     dense = PolicyConfig(policy="dense")
     ort = [name.removeprefix(ORT_LABEL) for name in built if name.startswith(ORT_LABEL)]
     assert sorted(set(built) - {ORT_LABEL + name for name in ort}) == sorted(expected_graphs(export, dense))
-    assert sorted(ort) == sorted(ort_graphs(export, dense))
+    assert sorted(ort) == sorted(ort_graphs(export, dense, "standard", manifest.spec.num_layers))
+    assert totals == {len(built)}
     assert set(built) - {ORT_LABEL + name for name in ort} < set(manifest.graphs)   # select comes from the passes
     assert set(ort) < set(manifest.ort_graphs)

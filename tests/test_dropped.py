@@ -7,6 +7,7 @@ import torch
 from snapcompile.engine.request import Request
 from snapcompile.errors import SnapcompileError
 from snapcompile.reference import oracle
+from snapcompile.runtime.ort_backend import OrtBackend
 from snapcompile.sessions.dropped import DroppedChunk, DroppedRows
 from snapcompile.sessions.kept import KeptCache, plan_resume
 from snapcompile.sessions.kv_quant import QuantizedRows
@@ -128,7 +129,7 @@ def test_the_backend_refuses_a_plan_whose_dropped_rows_would_not_fit(tiny_snap_d
     too_many = replace(plan, dropped_rows=backend.max_resume_rows())
     with pytest.raises(SnapcompileError, match="dropped ones: .* rows, the artifact's resumed prefill takes"):
         drain(resumed_prefill(backend, 0, too_many, document + question))
-    without_tail = _engine(tiny_snap_dir).backend                   # no quantized store: no tail graph loaded
+    without_tail = OrtBackend(tiny_snap_dir, prefill_order="chunks")    # no quantized store: no tail graph loaded
     with pytest.raises(SnapcompileError, match="dropped rows but 0 were given"):
         drain(resumed_prefill(without_tail, 0, plan, document + question))
     with pytest.raises(SnapcompileError, match="runs on the tail graph: call load_tail_graph first"):
@@ -146,8 +147,10 @@ def test_quantized_keep_is_refused_with_summaries_and_off_without_a_store(tiny_s
 def test_quantized_keep_needs_the_tail_graph(tiny_llama, tmp_path):
     from dataclasses import replace
     folder = build_artifact(tiny_llama, tmp_path / "no-tail", replace(TINY_EXPORT, tail=0), TINY_SNAPSTREAM)
-    with pytest.raises(SnapcompileError, match="graph prefill_tail, which this artifact lacks .* convert it again"):
+    with pytest.raises(SnapcompileError, match="converted with --tail 0.* convert it again"):
         _engine(folder, session_cache_bytes=2**26, session_keep="quantized")
+    with pytest.raises(SnapcompileError, match="graph prefill_tail, which this artifact lacks .* convert it again"):
+        OrtBackend(folder, prefill_order="chunks").load_tail_graph()
     assert _engine(folder, session_cache_bytes=2**26).sessions is not None     # the other modes do without it
 
 

@@ -289,7 +289,7 @@ def test_samples_that_share_one_prefill_equal_separate_requests(folder, request)
     engine = _engine(artifact)
     prefills = []
     real = engine.backend.prefill_chunks
-    engine.backend.prefill_chunks = lambda slot, ids: prefills.append(slot) or real(slot, ids)
+    engine.backend.prefill_chunks = lambda slot, ids, **rows_to: prefills.append(slot) or real(slot, ids, **rows_to)
     shared = engine.generate(requests(True))
     assert [r.output_ids for r in shared] == [r.output_ids for r in separate]
     assert engine.scheduler.pool.num_slots == 3

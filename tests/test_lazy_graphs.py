@@ -4,6 +4,7 @@ it runs, `make_graphs` makes the rest with the same bindings, and `run` says wha
 import json
 
 import numpy as np
+import pytest
 
 from snapcompile.artifact.files import artifact_tokenizer
 from snapcompile.engine.engine import Engine
@@ -63,22 +64,34 @@ def _generate(backend, prompts):
     return [r.output_ids for r in done]
 
 
-def test_opening_makes_one_graph_and_a_short_prompt_makes_only_those_it_runs(tiny_snap_dir):
+def _layers(rows: int) -> set[str]:
+    return {f"prefill_layer_0_{rows}", f"prefill_layer_1_{rows}"}
+
+
+SHORT_PROMPT_GRAPHS = {"layers": {"prefill_embed", *_layers(128), "prefill_head"}, "chunks": {"prefill_128"}}
+LONG_PROMPT_GRAPHS = {"layers": SHORT_PROMPT_GRAPHS["layers"] | _layers(256) | {"select_layer_256", "select_layer_384"},
+                      "chunks": {"prefill_128", "prefill_256", "select_256", "select_384"}}
+
+
+@pytest.mark.parametrize("order", ["layers", "chunks"])
+def test_opening_makes_one_graph_and_a_short_prompt_makes_only_those_it_runs(tiny_snap_dir, order):
     """tiny_snap_dir: 3 slots, max_context 512, buckets of 128..384 rows, budget 64."""
-    lazy = OrtBackend(tiny_snap_dir)
+    lazy = OrtBackend(tiny_snap_dir, prefill_order=order)
     assert _made(lazy) == {"decode_1"} and lazy.graphs_made_on_use() == (0, 0)
     prompt = random_prompts([20], seed=3)
     short = _generate(lazy, prompt)
-    assert _made(lazy) == {"prefill_128", "decode_1"}
+    assert _made(lazy) == SHORT_PROMPT_GRAPHS[order] | {"decode_1"}
     count, seconds = lazy.graphs_made_on_use()
-    assert count == 1 and seconds > 0
-    eager = OrtBackend(tiny_snap_dir)
+    assert count == len(SHORT_PROMPT_GRAPHS[order]) and seconds > 0
+    eager = OrtBackend(tiny_snap_dir, prefill_order=order)
     eager.make_graphs()
-    assert _made(eager) == set(eager.manifest.graphs) - {"prefill_tail"}
+    assert _made(eager) == {g.name for g in eager.prefills.graphs()} | {"decode_1", "decode_2", "decode"}
+    if order == "chunks":
+        assert _made(eager) == set(eager.manifest.graphs) - {"prefill_tail"}
     assert _generate(eager, prompt) == short
     long = random_prompts([300, 200], seed=4)     # compressed: chunks over up to 256 rows, selections over 384, 256
     assert _generate(lazy, long) == _generate(eager, long)
-    assert _made(lazy) == {"prefill_128", "prefill_256", "select_256", "select_384", "decode_1", "decode_2"}
+    assert _made(lazy) == LONG_PROMPT_GRAPHS[order] | {"decode_1", "decode_2"}
 
 
 def test_run_reports_the_graphs_made_at_first_use(tiny_snap_dir):
@@ -88,5 +101,6 @@ def test_run_reports_the_graphs_made_at_first_use(tiny_snap_dir):
     from snapcompile.cli import main
     args = ["run", str(tiny_snap_dir), "--prompt", "hi", "--max-new-tokens", "3"]
     summary = json.loads(CliRunner().invoke(main, [*args, "--json"]).output.strip().splitlines()[-1])["summary"]
-    assert summary["graphs_made_on_use"] == 1 and summary["graphs_made_on_use_s"] > 0
-    assert "| 1 graph made at first use in " in CliRunner().invoke(main, args).output
+    made = len(SHORT_PROMPT_GRAPHS["layers"])          # a layer-by-layer artifact's prefill of a short prompt
+    assert summary["graphs_made_on_use"] == made and summary["graphs_made_on_use_s"] > 0
+    assert f"| {made} graphs made at first use in " in CliRunner().invoke(main, args).output

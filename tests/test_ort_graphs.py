@@ -63,7 +63,9 @@ def assert_members_match(folder) -> int:
     half = manifest.export.weight_format == "fp16"
     device, checked = OrtDevice(folder), 0
     device.check(folder, manifest)
-    for ort, entry in manifest.ort_graphs.items():
+    static = {ort: entry for ort, entry in manifest.ort_graphs.items()      # the layer-by-layer prefill's
+              if set(entry["members"]) <= set(manifest.graphs)}             # graphs have none (test_layer_prefill)
+    for ort, entry in static.items():
         for name, size in entry["members"].items():
             feeds = random_feeds(manifest.graphs[name], np.random.default_rng(size or 0))
             ours = run_bound(device.graph(name, manifest), manifest, name, feeds)
@@ -76,7 +78,7 @@ def assert_members_match(folder) -> int:
                 else:
                     np.testing.assert_array_equal(ours[key], theirs[key], err_msg=f"{ort}: {name}: {key}")
             checked += 1
-    assert set(device.opened) == set(manifest.ort_graphs)            # one session each
+    assert set(device.opened) == set(static)            # one session each
     return checked
 
 
@@ -101,12 +103,17 @@ def test_every_weight_format_runs_the_same_numbers_on_its_family_graphs(fmt, for
 
 def test_ort_graphs_are_written_with_their_size_symbolic_and_name_their_members():
     export, policy = ExportConfig(slots=4, max_context=1024), PolicyConfig(budget=256)
-    graphs = ort_graphs(export, policy)
-    assert set(graphs) == {"prefill", "decode", "select", "prefill_tail"}
+    graphs = ort_graphs(export, policy, "standard", layers=2)
+    layer_major = {"prefill_embed", "prefill_layer_0", "prefill_layer_1", "prefill_head"}
+    assert set(graphs) == {"prefill", "decode", "select", "prefill_tail", "select_layer"} | layer_major
     assert graphs["decode"] == {"decode": 4, "decode_1": 1, "decode_2": 2}
     assert graphs["prefill"]["prefill"] == 1024 and graphs["prefill_tail"] == {"prefill_tail": None}
-    assert set(ort_graphs(export, policy, "plugin")) == {"prefill", "prefill_tail"}   # custom ops run static
-    assert set(ort_graphs(export, PolicyConfig(policy="dense"))) == {"prefill", "decode", "prefill_tail"}
+    assert graphs["prefill_layer_1"]["prefill_layer_1"] == 1024
+    assert graphs["prefill_layer_1"]["prefill_layer_1_128"] == 128
+    assert set(graphs["select_layer"].values()) == set(graphs["select"].values())
+    assert set(ort_graphs(export, policy, "plugin", 2)) == {"prefill", "prefill_tail"}   # custom ops run static
+    assert set(ort_graphs(export, PolicyConfig(policy="dense"), "standard", 2)) == \
+        {"prefill", "decode", "prefill_tail"} | layer_major
 
 
 def test_the_export_writes_symbolic_sizes_ort_reads_off_the_input_shape(tiny_snap_dir):
@@ -125,7 +132,12 @@ def test_one_session_is_made_for_each_ort_graph(tiny_snap_dir, monkeypatch):
                                                                                                         name))
     backend = OrtBackend(tiny_snap_dir)
     backend.make_graphs()
-    assert len(read_manifest(tiny_snap_dir).graphs) > 3 * 2       # several members a family
+    manifest = read_manifest(tiny_snap_dir)
+    assert len(manifest.graphs) > 3 * 2 and len(manifest.ort_graphs["prefill_layer_0"]["members"]) > 2
+    layers = [f"prefill_layer_{i}" for i in range(manifest.spec.num_layers)]
+    assert sorted(made) == sorted(["decode", "prefill_embed", "prefill_head", "select_layer", *layers])
+    made.clear()
+    OrtBackend(tiny_snap_dir, prefill_order="chunks").make_graphs()
     assert sorted(made) == ["decode", "prefill", "select"]          # the tail is loaded on demand
 
 

@@ -63,18 +63,24 @@ def test_backend_selection_equals_reference(tiny_llama, tiny_snap_dir):
     assert result.layout.kept == backend.manifest.policy.resolved_prompt_share
 
 
-def test_select_buckets_equal_the_full_select_graph(tiny_snap_dir):
+@pytest.mark.parametrize("order", ["layers", "chunks"])
+def test_select_buckets_equal_the_full_select_graph(tiny_snap_dir, order):
     """A prompt prefilled on a bucket is selected from the bucket's cache; the result must be
     what the max_context select graph gives."""
     import numpy as np
 
     from snapcompile.runtime.ort_backend import OrtBackend
-    bucketed, full = OrtBackend(tiny_snap_dir), OrtBackend(tiny_snap_dir)
-    full.prefills.select_buckets = {}
-    assert sorted(bucketed.prefills.select_buckets) == [128, 256, 384]
+    bucketed, full = OrtBackend(tiny_snap_dir, prefill_order=order), OrtBackend(tiny_snap_dir, prefill_order=order)
+    if order == "chunks":
+        full.prefills.select_buckets = {}
+        buckets = bucketed.prefills.select_buckets
+    else:
+        full.prefills.select_graphs = {512: full.prefills.select_graphs[512]}
+        buckets = {rows: g for rows, g in bucketed.prefills.select_graphs.items() if rows < 512}
+    assert sorted(buckets) == [128, 256, 384]
     for length in (100, 200, 300, 450):          # selected from each bucket and from the full cache
         prompt = random_prompts([length], seed=length)[0]
-        assert bucketed.prefill_rows(length) in [*bucketed.prefills.select_buckets, 512]
+        assert bucketed.prefill_rows(length) in [*buckets, 512]
         ours, theirs = bucketed.prefill(0, prompt), full.prefill(0, prompt)
         for mine, other in zip(ours.kept_rows, theirs.kept_rows):
             assert (mine == other).all()

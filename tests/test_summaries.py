@@ -34,7 +34,9 @@ def test_summaries_sum_each_dropped_row_into_its_segment():
     positions = np.array([[0, 1, 2, 5, 6, 9]] * 2)
     dropped = np.array([[0, 1, 1, 0, 1, 1], [0, 0, 0, 0, 0, 1]], bool)
     policy = PolicyConfig(budget=64, summaries=2, summary_segment=4)      # positions 0-3, then 4 onwards
-    summaries = RowSummaries.empty(1, 2, 2, 3).with_dropped(policy.summary_index, [(keys, values, positions, dropped)])
+    empty = RowSummaries.empty(1, 2, 2, 3)
+    summaries = RowSummaries.of_layers([empty.layer_with_dropped(policy.summary_index, 0, keys, values, positions,
+                                                                 dropped)])
     assert summaries.counts[0].tolist() == [[2, 2], [0, 1]]
     np.testing.assert_allclose(summaries.key_sums[0][0, 0], keys[0, 1] + keys[0, 2], rtol=1e-6)
     np.testing.assert_allclose(summaries.value_sums[0][0, 1], values[0, 4] + values[0, 5], rtol=1e-6)

@@ -4,7 +4,8 @@ The figure is the resident memory (RSS) of a process running the artifact on ONN
 provider at its worst: every slot full, a prompt of max_context tokens. Its parts, in bytes:
 
 - slot_caches, prefill_caches: the backend's float32 cache arrays (runtime/backend.py, prefill.py,
-  prompt_cache.py);
+  prompt_cache.py; a layer-by-layer prefill's one layer of prompt rows and the prompt's hidden
+  states, runtime/layer_prefill.py);
 - packed_weights: the linear layers and the LM head in the layout ONNX Runtime's kernels pre-pack
   them to, once per process whatever the number of graphs (runtime/ort_capi.py). Measured on
   MatMulNBits at accuracy level 4 (`studies/open_memory.py`, docs/results/memory.md): bits/8 bytes
@@ -16,8 +17,9 @@ provider at its worst: every slot full, a prompt of max_context tokens. Its part
   released as each session is made, and weights.bin's again after every prefill chunk and every 32
   decode steps): the embedding rows read since, each with the 64 KiB the kernel maps around a
   faulting page;
-- sessions: each weight-bearing session (kernels, execution plan), per layer: one for each of ONNX
-  Runtime's graphs (naming.ort_graphs: a family of bucket graphs each, and the tail);
+- opened_graphs: each weight-bearing session (kernels, execution plan), per layer: one for each of ONNX
+  Runtime's graphs the process opens (naming.ort_graphs: a family of bucket graphs each, and the
+  tail; layer by layer, one session a layer);
 - work_space: the shared arena, set by the attention of a chunk over max_context rows (the full
   prefill graph runs a long prompt's last chunks): the joined key / value rows and the scores, about
   twice over, and twice that again because the arena grows in doubling steps (ONNX Runtime's
@@ -27,7 +29,6 @@ provider at its worst: every slot full, a prompt of max_context tokens. Its part
 from __future__ import annotations
 
 from snapcompile.artifact.manifest import Manifest
-from snapcompile.artifact.naming import ort_graphs
 from snapcompile.config import HEAD_BITS, QUANT_BITS
 from snapcompile.memory import check_fits, gib
 
@@ -45,20 +46,36 @@ def memory_needed(manifest: Manifest) -> dict[str, int]:
     """Bytes of RSS a process running the artifact reaches at most, by purpose (module docstring).
     `convert`'s check uses the same figure from the manifest it is about to write."""
     m, spec, export = manifest, manifest.spec, manifest.export
-    per_token = spec.kv_bytes_per_token
-    buckets = export.prefill_buckets()
-    # a compressed prompt's rows, once for every graph (runtime/prompt_cache.py); a dense prompt is
-    # prefilled into its slot, and a bucket graph reads a copy of the slot's first rows
-    prefill_rows = export.max_context if m.policy.compressed else max(buckets, default=0)
-    sessions = len(ort_graphs(export, m.policy, m.lowering))
-    sessions -= 4 / 5 if m.policy.compressed else 0      # the select graphs' session: no weights, ~1/5 of one
-    return {"slot_caches": export.slots * m.rows_per_slot * per_token,
-            "prefill_caches": prefill_rows * per_token,
+    return {"slot_caches": export.slots * m.rows_per_slot * spec.kv_bytes_per_token,
+            "prefill_caches": _prefill_bytes(m),
             "packed_weights": _packed_weight_bytes(m),
             "resident_weights": _resident_weight_bytes(m),
-            "opened_graphs": int(sessions * spec.num_layers * GRAPH_BYTES_PER_LAYER),
+            "opened_graphs": int(_opened_layers(m) * GRAPH_BYTES_PER_LAYER),
             "work_space": _work_space_bytes(m),
             "runtime": RUNTIME_BYTES}
+
+
+def _prefill_bytes(manifest: Manifest) -> int:
+    """A prompt's caches while it is prefilled: layer by layer, one layer's rows of a max_context
+    prompt and the prompt's hidden states (runtime/layer_prefill.py); chunk by chunk, every layer's
+    rows of a compressed prompt (runtime/prompt_cache.py), and for a dense one (prefilled into its
+    slot) a copy of the slot's first rows for the bucket graphs."""
+    spec, export = manifest.spec, manifest.export
+    if manifest.prefill_order == "layers":
+        rows = export.max_context + export.chunk
+        return export.max_context * spec.kv_bytes_per_token // spec.num_layers + rows * spec.hidden_size * 4
+    rows = export.max_context if manifest.policy.compressed else max(export.prefill_buckets(), default=0)
+    return rows * spec.kv_bytes_per_token
+
+
+def _opened_layers(manifest: Manifest) -> float:
+    """Decoder layers of the weight-bearing sessions a process opens (each costs GRAPH_BYTES_PER_LAYER):
+    the decode graph's and the prefill's (one session of every layer, or one a layer, and the
+    embedding's and head's), the tail's; a select graph's (no weights) about a fifth of one."""
+    layers, select = manifest.spec.num_layers, (1 / 5 if manifest.policy.policy == "snapstream" else 0)
+    if manifest.prefill_order == "layers":
+        return 2 * layers + 2 + select
+    return layers * (2 + bool(manifest.export.tail) + select)
 
 
 def _linear_and_head_weights(manifest: Manifest) -> tuple[int, int]:

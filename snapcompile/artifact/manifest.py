@@ -13,7 +13,7 @@ from importlib import metadata
 from pathlib import Path
 
 from snapcompile import __version__
-from snapcompile.artifact.naming import FAMILY_SIZES, expected_graphs, ort_file, ort_graphs
+from snapcompile.artifact.naming import expected_graphs, layer_major, ort_file, ort_graphs, ort_size
 from snapcompile.config import ExportConfig, PolicyConfig
 from snapcompile.errors import SnapcompileError, parse_json
 from snapcompile.models.spec import ModelSpec
@@ -21,13 +21,15 @@ from snapcompile.models.spec import ModelSpec
 MANIFEST = "manifest.json"
 WEIGHTS = "weights.bin"
 ORT_WEIGHTS = "ort_weights.bin"    # the weights in the forms ONNX Runtime's graphs read (export/weights.py)
-FORMAT_VERSION = 6      # 2: every file's size and sha256 in the manifest; 3: export.weight_format;
+FORMAT_VERSION = 7      # 2: every file's size and sha256 in the manifest; 3: export.weight_format;
                         # 4: prefill graphs take `position` apart from `start` (resumed conversations);
                         # 5: prefill buckets step by L/8 above the doubling ones (another set of graphs);
-                        # 6: the graphs ONNX Runtime opens (ort_graphs) and their weights
-GRAPHS_REVISION = 9     # bumped whenever the artifacts change (2: prefill buckets, 3: select buckets, 4: checksums,
+                        # 6: the graphs ONNX Runtime opens (ort_graphs) and their weights;
+                        # 7: the layer-by-layer prefill's graphs, prefill_order
+GRAPHS_REVISION = 10    # bumped whenever the artifacts change (2: prefill buckets, 3: select buckets, 4: checksums,
                         # 5: opset 21, --weights, 6: deterministic node names, 7: decode slot buckets,
-                        # 8: joined prefill attention, finer prefill buckets, 9: ONNX Runtime's graphs)
+                        # 8: joined prefill attention, finer prefill buckets, 9: ONNX Runtime's graphs,
+                        # 10: the layer-by-layer prefill)
 METADATA_KEY = "snapcompile.config"
 
 
@@ -61,6 +63,12 @@ class Manifest:
         when dense."""
         return self.policy.slot_rows if self.policy.compressed else self.export.max_context
 
+    @property
+    def prefill_order(self) -> str:
+        """"layers": ONNX Runtime prefills a prompt one decoder layer at a time, holding one layer's prompt
+        KV (naming.layer_major); "chunks": chunk by chunk through the whole model, every layer's KV held."""
+        return "layers" if layer_major(self.lowering, self.policy.compressed) else "chunks"
+
     def kv_bytes_per_slot(self) -> int:
         return self.rows_per_slot * self.spec.kv_bytes_per_token
 
@@ -71,7 +79,8 @@ class Manifest:
         return {"format_version": FORMAT_VERSION, "snapcompile_version": __version__,
                 "model": {"name": self.model_name, "source": self.source, **self.spec.to_dict()},
                 "export": self.export.to_dict(), "policy": self.policy.to_dict(),
-                "lowering": self.lowering, "chat": self.chat, "eos_token_ids": self.eos_token_ids,
+                "lowering": self.lowering, "prefill_order": self.prefill_order, "chat": self.chat,
+                "eos_token_ids": self.eos_token_ids,
                 "graphs": self.graphs, "ort_graphs": self.ort_graphs, "weights_file": WEIGHTS, "passes": self.passes,
                 "files": self.files,
                 "weights_report": self.weights_report,
@@ -134,6 +143,9 @@ def read_manifest(folder: Path) -> Manifest:
     except (KeyError, TypeError, AttributeError) as err:
         raise SnapcompileError(f"{path} is missing or has malformed field {err}") from None
     _check_consistent(manifest, path)
+    if raw.get("prefill_order") != manifest.prefill_order:
+        raise SnapcompileError(f"{path}: prefill_order {raw.get('prefill_order')!r} does not match its policy and "
+                               f"lowering ({manifest.prefill_order!r}); convert it again")
     return manifest
 
 
@@ -163,13 +175,13 @@ def _check_consistent(manifest: Manifest, path: Path) -> None:
 def _check_ort_graphs(manifest: Manifest, path: Path) -> None:
     """The ONNX Runtime graphs are exactly those of the shapes, policy and lowering (naming.ort_graphs),
     each in its listed file, with its members and the size they differ in."""
-    expected = ort_graphs(manifest.export, manifest.policy, manifest.lowering)
+    expected = ort_graphs(manifest.export, manifest.policy, manifest.lowering, manifest.spec.num_layers)
     if not isinstance(manifest.ort_graphs, dict) or set(manifest.ort_graphs) != set(expected):
         raise SnapcompileError(f"{path}: the ONNX Runtime graphs of this artifact are {', '.join(sorted(expected))}; "
                                "convert it again")
     for name, members in expected.items():
         entry = manifest.ort_graphs[name]
-        size = FAMILY_SIZES.get(name)
+        size = ort_size(name)
         wanted = {"file": ort_file(name), "members": members,
                   "size": None if size is None else {"name": size.name, "source": size.source, "axis": size.axis}}
         if not isinstance(entry, dict) or {key: entry.get(key) for key in wanted} != wanted \

@@ -96,21 +96,62 @@ class FamilySize:
 
 FAMILY_SIZES = {"prefill": FamilySize("rows", "past_key.0", 2), "select": FamilySize("rows", "key.0", 2),
                 "decode": FamilySize("slots", "cache_len", 0)}
+PREFILL_EMBED, PREFILL_HEAD, SELECT_LAYER = "prefill_embed", "prefill_head", "select_layer"
 
 
-def ort_graphs(export: ExportConfig, policy: PolicyConfig, lowering: str = "standard") -> dict[str, dict]:
-    """ONNX Runtime graph name -> {static member name: its size} (None: the graph is its one member's, not
-    symbolic). A family's members run on its one graph; the plugin lowering's decode and select graphs
-    (custom ops) are not among them and run on their own static files."""
+def prefill_layer(layer: int) -> str:
+    """The ONNX Runtime graph of decoder layer `layer` of the layer-major prefill."""
+    return f"prefill_layer_{layer}"
+
+
+def ort_size(name: str) -> FamilySize | None:
+    """The symbolic size of ONNX Runtime graph `name` (None: a graph of static shapes)."""
+    if name == SELECT_LAYER:
+        return FAMILY_SIZES["select"]
+    if name.startswith("prefill_layer_"):
+        return FAMILY_SIZES["prefill"]
+    return FAMILY_SIZES.get(name)
+
+
+def layer_major(lowering: str, compressed: bool) -> bool:
+    """Whether ONNX Runtime prefills a compressed prompt a layer at a time (every layer's graph of its
+    own; one layer's prompt KV held at once): with the standard lowering. The plugin lowering's
+    select graphs are one custom-op graph for every layer, and a dense prompt is prefilled into its
+    slot, so those prefill chunk by chunk through the whole model."""
+    return lowering == "standard" and compressed
+
+
+def ort_graphs(export: ExportConfig, policy: PolicyConfig, lowering: str, layers: int) -> dict[str, dict]:
+    """ONNX Runtime graph name -> {member name: its size} (None: the graph is its one member's, not
+    symbolic). A family's members (static graphs, or for the layer graphs the names "<graph>_<rows>"
+    of the prefill buckets and max_context) run on its one graph; the plugin lowering's decode and
+    select graphs (custom ops) are not among them and run on their own static files.
+
+    The chunk-by-chunk prefill: the prefill family, the tail, and for snapstream the select family.
+    With the standard lowering also the layer-by-layer one (`layer_major`): prefill_embed, one
+    prefill_layer_<i> for each of the `layers` decoder layers, prefill_head, and for snapstream
+    select_layer (one layer's selection). A dense artifact, the passes' input, holds the layer graphs
+    too: the lowering is chosen when it is compressed."""
     static = expected_graphs(export, policy)
-    families = ["prefill"] + (["decode"] if lowering == "standard" else [])
-    if policy.policy == "snapstream" and lowering == "standard":
-        families.append("select")
-    graphs = {family: {name: size for size, name in family_members(family, static, export).items()}
-              for family in families}
+    graphs = {"prefill": _members("prefill", static, export)}
     if TAIL_GRAPH in static:
         graphs[TAIL_GRAPH] = {TAIL_GRAPH: None}
+    if lowering != "standard":
+        return graphs
+    graphs["decode"] = _members("decode", static, export)
+    if policy.policy == "snapstream":
+        graphs["select"] = _members("select", static, export)
+    rows = [*export.prefill_buckets(), export.max_context]
+    graphs[PREFILL_EMBED], graphs[PREFILL_HEAD] = {PREFILL_EMBED: None}, {PREFILL_HEAD: None}
+    for layer in range(layers):
+        graphs[prefill_layer(layer)] = {graph_name(prefill_layer(layer), r, export.max_context): r for r in rows}
+    if policy.policy == "snapstream":
+        graphs[SELECT_LAYER] = {graph_name(SELECT_LAYER, r, export.max_context): r for r in select_rows(export, policy)}
     return graphs
+
+
+def _members(family: str, static, export: ExportConfig) -> dict[str, int]:
+    return {name: size for size, name in family_members(family, static, export).items()}
 
 
 def ort_file(name: str) -> str:

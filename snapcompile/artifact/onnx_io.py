@@ -16,7 +16,7 @@ from onnx import TensorProto, external_data_helper, numpy_helper
 from snapcompile import __version__
 from snapcompile.artifact.files import record_files
 from snapcompile.artifact.manifest import MANIFEST, METADATA_KEY, ORT_WEIGHTS, WEIGHTS, Manifest
-from snapcompile.artifact.naming import FAMILY_SIZES, ort_file, ort_graphs
+from snapcompile.artifact.naming import ort_file, ort_graphs, ort_size
 from snapcompile.artifact.static_sizes import check_family_sizes, check_static_sizes, max_elements
 from snapcompile.atomic import write_json_atomic
 from snapcompile.errors import SnapcompileError, first_line
@@ -72,10 +72,10 @@ def save_graphs(folder: Path, graphs: GraphSet, manifest: Manifest, weights_sour
     for name, model in graphs.static.items():
         _save(model, folder / f"{name}.onnx", fingerprint)
         manifest.graphs[name] = {"file": f"{name}.onnx", **graph_io(model)}
-    members = ort_graphs(manifest.export, manifest.policy, manifest.lowering)
+    members = ort_graphs(manifest.export, manifest.policy, manifest.lowering, manifest.spec.num_layers)
     for name, model in graphs.ort.items():
         _save(model, folder / ort_file(name), fingerprint)
-        size = FAMILY_SIZES.get(name)
+        size = ort_size(name)
         manifest.ort_graphs[name] = {"file": ort_file(name), "members": members[name],
                                      "size": None if size is None else vars(size).copy(), **graph_io(model)}
     record_files(folder, manifest)

@@ -91,7 +91,7 @@ def export(model, output, force, **export_args):
     from snapcompile.compiler.route import compile_artifact
     export_cfg = _export_config(**export_args)
     refuse_existing(output, force)
-    with export_progress(export_cfg) as (progress, on_tensor):
+    with export_progress() as (progress, on_tensor):
         manifest = compile_artifact(model, export_cfg, PolicyConfig(policy="dense"), output, force=force,
                                     progress=progress, on_tensor=on_tensor)
     click.echo(f"wrote {output} ({', '.join(manifest.graphs)} graphs); {peak_memory()}")
@@ -114,7 +114,7 @@ def convert(model, output, force, lowering, slots, max_context, chunk, weight_fo
     policy = PolicyConfig(**policy_args)
     policy.check_against(export_cfg)
     refuse_existing(output, force)
-    with export_progress(export_cfg) as (progress, on_tensor):
+    with export_progress() as (progress, on_tensor):
         manifest = compile_artifact(model, export_cfg, policy, output, lowering, force=force, progress=progress,
                                     on_tensor=on_tensor)
     click.echo(f"wrote {output}: policy {policy.policy}, {decode_blocks(manifest)} attention blocks rewritten; "
@@ -136,15 +136,12 @@ def compress(dense_dir, output, force, lowering, **policy_args):
 
 
 @contextmanager
-def export_progress(export: ExportConfig):
+def export_progress():
     """Progress bars on stderr over the model's tensors (read, converted and written one at a time) and
     then the dense graphs an export builds (the passes and the save follow); yields the two callbacks
     `compile_artifact` takes. Each bar is drawn at its first update, so a refusal before the work
     (memory, bad arguments) prints its error alone."""
-    from snapcompile.artifact.naming import expected_graphs, ort_graphs
     from snapcompile.cli import progress_bar
-    dense = PolicyConfig(policy="dense")
-    total = len(expected_graphs(export, dense)) + len(ort_graphs(export, dense))
     with ExitStack() as stack:
         bars = {}
 
@@ -158,7 +155,7 @@ def export_progress(export: ExportConfig):
             tensors.set_postfix_str(name, refresh=False)
             tensors.update(done - tensors.n)
 
-        def progress(name: str) -> None:
+        def progress(name: str, total: int) -> None:
             graphs = bar("building graphs", "graph", total)
             graphs.set_postfix_str(name, refresh=False)
             graphs.update(1)

@@ -15,7 +15,7 @@ def compile_artifact(model, export: ExportConfig, policy: PolicyConfig, output: 
     graphs, rewritten by the passes before they are saved when the policy compresses.
 
     model: a loaded model (snapcompile.models.LoadedModel) or what `load_model` takes (a built-in
-    name, a Hugging Face folder, a .gguf file). progress(name), on_tensor(name, done, total): called as
+    name, a Hugging Face folder, a .gguf file). progress(name, graphs), on_tensor(name, done, total): called as
     each dense graph is built and as each of the model's tensors is read."""
     from snapcompile.export import export_model
     from snapcompile.models import load_model

@@ -24,7 +24,7 @@ from snapcompile.engine.scheduler import Scheduler
 from snapcompile.errors import PromptError, SnapcompileError, first_line
 from snapcompile.memory import available_host_memory
 from snapcompile.sessions.keepers import keeper_for
-from snapcompile.sessions.restore import kept_positions, prompt_rows, resumed_prefill, slot_entry
+from snapcompile.sessions.restore import kept_positions, prompt_reading, resumed_prefill, slot_entry
 from snapcompile.sessions.store import SessionStore
 
 log = logging.getLogger("snapcompile.engine")
@@ -81,7 +81,8 @@ class EngineCore:
         self.sessions = SessionStore(session_cache_bytes, policy.selection_window, backend.max_resume_rows(),
                                      backend.chunk) if session_cache_bytes else None
         self.session_keep = session_keep
-        keeper = keeper_for(backend.manifest, session_keep)      # checks the mode whether the store is on or not
+        keeper = keeper_for(backend.manifest, session_keep,       # checks the mode whether the store is on or not
+                            session_cache_bytes or None)
         self.keeper = keeper if self.sessions is not None else None
         if self.keeper is not None and self.keeper.needs_tail:
             backend.load_tail_graph()
@@ -191,22 +192,26 @@ class EngineCore:
         kept cache for its prompt, or the whole prompt."""
         ids, partition = seq.request.prompt_ids, seq.request.cache_partition
         seq.plan = self.sessions.lookup(ids, partition) if self.sessions is not None and partition is not None else None
+        seq.reading = None
+        if self.keeper is not None and partition is not None:
+            seq.reading = prompt_reading(self.keeper, self.backend.manifest, seq.slot, seq.plan, ids)
+        rows_to = seq.reading.layer if seq.reading is not None else None
         if seq.plan is None:
-            return self.backend.prefill_chunks(seq.slot, ids)
+            return self.backend.prefill_chunks(seq.slot, ids, rows_to=rows_to)
         seq.cached_tokens = seq.plan.resume_at
-        return resumed_prefill(self.backend, seq.slot, seq.plan, ids, self.keeper.resume_rows(seq.plan))
+        return resumed_prefill(self.backend, seq.slot, seq.plan, ids, self.keeper.resume_rows(seq.plan), rows_to)
 
     def _prefilled(self, seq: Sequence, result) -> None:
         """`seq`'s prefill ended with the runtime's `result`: its layout, the positions its slot
         holds, and what the keeper keeps of its selection at once."""
-        ids, spec = seq.request.prompt_ids, self.backend.manifest.spec
         seq.prefill, seq.layout = None, result.layout
-        seq.kept_positions = kept_positions(seq.plan, len(ids), result)
-        rows = prompt_rows(seq.slot, seq.plan, ids, result, spec.num_kv_heads, spec.num_layers)
-        if self.keeper is not None and rows is not None and seq.request.cache_partition is not None:
-            early = self.keeper.selected(rows)
-            if early is not None:
-                self.sessions.put(early, seq.request.cache_partition)
+        seq.kept_positions = kept_positions(seq.plan, len(seq.request.prompt_ids), result)
+        reading, seq.reading = seq.reading, None
+        early = reading.done() if reading is not None else None
+        if early is not None:
+            self.sessions.put(early, seq.request.cache_partition)
+        elif reading is not None and reading.oversized:
+            self.sessions.refuse()
 
     def _keep(self, seq: Sequence) -> None:
         """Put a finished sequence's cache into the session store (when its keeper keeps one at

@@ -163,6 +163,7 @@ class Sequence:
     layout: object = None          # SlotLayout once prefilled
     kept_positions: object = None  # per layer the prompt positions its slot holds (restore.kept_positions)
     plan: object = None            # the ResumePlan it resumed from (None: prefilled whole)
+    reading: object = None         # while it prefills: the keeper's reading of its rows (restore.prompt_reading)
     cached_tokens: int = 0         # prompt tokens resumed from a kept cache
     prompt_error: object = None    # the PromptError it failed with (a prompt longer than a fresh prefill takes)
     prefill: object = None         # the backend's prefill generator while PREFILLING

@@ -7,12 +7,18 @@ from pathlib import Path
 
 from snapcompile.artifact.footprint import check_memory
 from snapcompile.artifact.manifest import ORT_WEIGHTS, WEIGHTS, Manifest
-from snapcompile.artifact.naming import FAMILY_SIZES, TAIL_GRAPH, graph_name
+from snapcompile.artifact.naming import FAMILY_SIZES, PREFILL_EMBED, PREFILL_HEAD, TAIL_GRAPH, graph_name, prefill_layer
 from snapcompile.artifact.onnx_io import GraphSet, WeightsFile, WeightStores, save_graphs
 from snapcompile.atomic import atomic_directory
 from snapcompile.config import ExportConfig, PolicyConfig
 from snapcompile.errors import SnapcompileError
-from snapcompile.export.llama_graph import DecodeWriter, PrefillWriter
+from snapcompile.export.llama_graph import (
+    DecodeWriter,
+    PrefillEmbedWriter,
+    PrefillHeadWriter,
+    PrefillLayerWriter,
+    PrefillWriter,
+)
 from snapcompile.export.weights import Quantizer, Weights
 from snapcompile.graphs.builder import SymbolicSize
 from snapcompile.graphs.checks import check_graph
@@ -34,7 +40,7 @@ def check_export_config(loaded: LoadedModel, export: ExportConfig) -> None:
 def build_dense_graphs(loaded: LoadedModel, export: ExportConfig, store: WeightsFile | None = None,
                        progress=None, on_tensor=None, ort_store: WeightsFile | None = None) -> tuple[GraphSet, dict]:
     """The dense graphs (static and ONNX Runtime's), and the quantization report (empty for fp32
-    weights). progress(name), when given, is called as each graph is built; on_tensor(name, done,
+    weights). progress(name, total), when given, is called as each of the total graphs is built; on_tensor(name, done,
     total) as each of the model's tensors is read (the weights are read, converted and written one
     tensor at a time, before the graphs).
 
@@ -51,8 +57,12 @@ def build_dense_graphs(loaded: LoadedModel, export: ExportConfig, store: Weights
         quantizer = Quantizer(export, gguf)
     weights = Weights(loaded.tensors, loaded.spec, loaded.config, quantizer, half=export.weight_format == "fp16",
                       store=store, progress=on_tensor, ort_store=ort_store)
-    graphs = GraphSet(_build(_static_writers(loaded.spec, weights, export, store), progress),
-                      _build(_ort_writers(loaded.spec, weights, export, store, ort_store), progress, ORT_LABEL))
+    static = _static_writers(loaded.spec, weights, export, store)
+    ort = {ORT_LABEL + name: writer for name, writer in _ort_writers(loaded.spec, weights, export, store,
+                                                                      ort_store).items()}
+    built = _build({**static, **ort}, progress)
+    graphs = GraphSet({name: built[name] for name in static},
+                      {name.removeprefix(ORT_LABEL): built[name] for name in ort})
     for name, model in graphs.static.items():
         check_graph(model, name)
     for name, model in graphs.ort.items():
@@ -65,13 +75,14 @@ def build_dense_graphs(loaded: LoadedModel, export: ExportConfig, store: Weights
 ORT_LABEL = "ONNX Runtime's "      # progress and errors name ONNX Runtime's graphs so
 
 
-def _build(writers: dict, progress, label: str = "") -> dict:
-    """name -> model of each writer's graph (ONNX Runtime's keep only the weights they read)."""
+def _build(writers: dict, progress) -> dict:
+    """name -> model of each writer's graph (ONNX Runtime's, named with ORT_LABEL, keep only the
+    weights they read); progress(name, total) after each."""
     graphs = {}
     for name, writer in writers.items():
-        graphs[name] = writer().build().model(used_only=bool(label))
+        graphs[name] = writer().build().model(used_only=name.startswith(ORT_LABEL))
         if progress is not None:
-            progress(label + name)
+            progress(name, len(writers))
     return graphs
 
 
@@ -91,7 +102,8 @@ def _static_writers(spec, weights: Weights, export: ExportConfig, store) -> dict
 
 def _ort_writers(spec, weights: Weights, export: ExportConfig, store, ort_store) -> dict:
     """Graph name -> writer of ONNX Runtime's graphs: the prefill and decode families (their size
-    symbolic) and the tail. The passes add the select family."""
+    symbolic), the tail, and the layer-by-layer prefill's embeddings, layers (each a family over the
+    prefill buckets' rows) and head (naming.ort_graphs). The passes add the select graphs."""
     stores = None if store is None else WeightStores(store, *(() if ort_store is None else (ort_store,)))
     rows = family_size("prefill", export.max_context)
     writers = {"prefill": partial(PrefillWriter, spec, weights, export, rows, stores, target="ort"),
@@ -100,6 +112,10 @@ def _ort_writers(spec, weights: Weights, export: ExportConfig, store, ort_store)
     if export.tail:
         writers[TAIL_GRAPH] = partial(PrefillWriter, spec, weights, export, store=stores, chunk=export.tail,
                                       name=TAIL_GRAPH, target="ort")
+    writers[PREFILL_EMBED] = partial(PrefillEmbedWriter, spec, weights, export, stores, target="ort")
+    for layer in range(spec.num_layers):
+        writers[prefill_layer(layer)] = partial(PrefillLayerWriter, spec, weights, export, layer, rows, stores)
+    writers[PREFILL_HEAD] = partial(PrefillHeadWriter, spec, weights, export, stores, target="ort")
     return writers
 
 
@@ -129,7 +145,7 @@ def export_model(loaded: LoadedModel, export: ExportConfig, out_dir: Path, force
 
     transform(graphs, manifest), when given, rewrites the graphs before they are saved (the
     passes use it so `convert` writes one artifact instead of a dense one then a compressed one).
-    progress(name), on_tensor(name, done, total): called as each dense graph is built and each of the
+    progress(name, graphs), on_tensor(name, done, total): called as each dense graph is built and each of the
     model's tensors is read (`build_dense_graphs`).
     """
     policy = policy or PolicyConfig(policy="dense")

@@ -18,7 +18,9 @@ decode (N slots, one token each):
   outputs logits [N, V]; key.{i}, value.{i} [N, Hkv, 1, D] (to be written by the caller)
 
 Each writer writes a static graph (R and N numbers: the artifact's members, which TensorRT builds) or,
-given a SymbolicSize for R or N, one graph for every member of its family. Target "ort" writes the
+given a SymbolicSize for R or N, one graph for every member of its family; the layer-by-layer
+prefill's graphs (embeddings, one decoder layer, the head) are written for ONNX Runtime only.
+Target "ort" writes the
 form ONNX Runtime opens: quantized layers as MatMulNBits, float16 products in float32
 (`export/weights.py`); "static" the standard form (blocked DequantizeLinear -> MatMul).
 """
@@ -28,7 +30,7 @@ from functools import partial
 
 import numpy as np
 
-from snapcompile.artifact.naming import graph_name
+from snapcompile.artifact.naming import PREFILL_EMBED, PREFILL_HEAD, graph_name, prefill_layer
 from snapcompile.config import ExportConfig
 from snapcompile.export.quantize import emit_matmul, emit_nbits_matmul
 from snapcompile.export.weights import Weights, float32_name
@@ -114,10 +116,12 @@ class LlamaGraphWriter:
             return self._matmul(b, normed, self.w.lm_head)
         return self._matmul(b, normed, self.w.lm_head, "Gemm", transB=1)
 
-    def _cache_inputs(self, b: GraphBuilder, batch: Size, length: Size) -> list[tuple[str, str]]:
+    def _cache_inputs(self, b: GraphBuilder, batch: Size, length: Size,
+                      layers: int | None = None) -> list[tuple[str, str]]:
+        """past_key.{i}, past_value.{i} [batch, Hkv, length, D] of the first `layers` (default: every) layers."""
         shape = [batch, self.spec.num_kv_heads, length, self.spec.head_dim]
         return [(b.input(f"past_key.{i}", np.float32, shape), b.input(f"past_value.{i}", np.float32, shape))
-                for i in range(self.spec.num_layers)]
+                for i in range(layers or self.spec.num_layers)]
 
 
 class PrefillWriter(LlamaGraphWriter):
@@ -135,7 +139,7 @@ class PrefillWriter(LlamaGraphWriter):
 
     def build(self) -> GraphBuilder:
         s, c, L = self.spec, self.chunk, self.cache_rows
-        hkv, g, d = s.num_kv_heads, s.group_size, s.head_dim
+        hkv, d = s.num_kv_heads, s.head_dim
         b = GraphBuilder(self.name, self.store)
         self._attach_weights(b)
         ids = b.input("input_ids", np.int64, [1, c])
@@ -143,33 +147,105 @@ class PrefillWriter(LlamaGraphWriter):
         first_position = b.input("position", np.int64, [1])
         chunk_len = b.input("chunk_len", np.int64, [1])
         caches = self._cache_inputs(b, 1, L)
-        positions = b.op("Add", b.op("Unsqueeze", b.const(np.arange(c)), b.const([0])), first_position)  # [1, C]
-        cos, sin = self._rope_tables(b, positions, [1, 1, c, d // 2])
-        mask = joined_mask(b, b.op("Less", b.arange(L), start), L, c)                    # [C, L + C]
+        cos, sin, mask = self._rope_and_mask(b, start, first_position)
         x = self._embed(b, ids)                                                          # [1, C, hidden]
         for i, layer in enumerate(self.w.layers):
-            h = self._rms_norm(b, x, layer["in_norm"])
-            q = self._heads(b, self._linear(b, h, layer, "q"), s.num_heads, cos, sin)    # [1, H, C, D]
-            k = self._heads(b, self._linear(b, h, layer, "k"), hkv, cos, sin)            # [1, Hkv, C, D]
-            v = self._heads(b, self._linear(b, h, layer, "v"), hkv, None, None)
-            q = b.op("Reshape", q, b.const([1, hkv, g, c, d]))
-            attn = emit_joined_attention(b, q, k, v, *caches[i], mask, s.head_dim ** -0.5)  # [1,Hkv,G,C,D]
-            attn = b.op("Reshape", attn, b.const([1, s.num_heads, c, d]))
-            attn = b.op("Reshape", b.op("Transpose", attn, perm=[0, 2, 1, 3]), b.const([1, c, s.num_heads * d]))
-            x = b.op("Add", x, self._linear(b, attn, layer, "o"))
-            x = b.op("Add", x, self._mlp(b, self._rms_norm(b, x, layer["post_norm"]), layer))
+            x, k, v = self._layer(b, x, layer, cos, sin, caches[i], mask)
             b.output(k, f"key.{i}", np.float32, [1, hkv, c, d])
             b.output(v, f"value.{i}", np.float32, [1, hkv, c, d])
-        last = b.op("Gather", b.op("Reshape", x, b.const([c, s.hidden_size])),
-                    b.op("Sub", chunk_len, b.const([1])), axis=0)                        # [1, hidden]
-        b.output(self._logits(b, last), "logits", np.float32, [1, s.vocab_size])
+        b.output(self._last_logits(b, x, chunk_len), "logits", np.float32, [1, s.vocab_size])
         return b
+
+    def _rope_and_mask(self, b: GraphBuilder, start: str, first_position: str) -> tuple[str, str, str]:
+        """cos, sin of the chunk's positions and the joined mask [C, R + C] over the cache rows."""
+        c, L, d = self.chunk, self.cache_rows, self.spec.head_dim
+        positions = b.op("Add", b.op("Unsqueeze", b.const(np.arange(c)), b.const([0])), first_position)  # [1, C]
+        cos, sin = self._rope_tables(b, positions, [1, 1, c, d // 2])
+        return cos, sin, joined_mask(b, b.op("Less", b.arange(L), start), L, c)          # [C, L + C]
+
+    def _layer(self, b: GraphBuilder, x: str, layer: dict, cos: str, sin: str, cache: tuple[str, str],
+               mask: str) -> tuple[str, str, str]:
+        """One decoder layer on the chunk's hidden states x [1, C, hidden]: (x after it, the chunk's K and
+        V [1, Hkv, C, D]), attending over `cache` (its keys and values [1, Hkv, R, D]) and causally."""
+        s, c = self.spec, self.chunk
+        hkv, g, d = s.num_kv_heads, s.group_size, s.head_dim
+        h = self._rms_norm(b, x, layer["in_norm"])
+        q = self._heads(b, self._linear(b, h, layer, "q"), s.num_heads, cos, sin)    # [1, H, C, D]
+        k = self._heads(b, self._linear(b, h, layer, "k"), hkv, cos, sin)            # [1, Hkv, C, D]
+        v = self._heads(b, self._linear(b, h, layer, "v"), hkv, None, None)
+        q = b.op("Reshape", q, b.const([1, hkv, g, c, d]))
+        attn = emit_joined_attention(b, q, k, v, *cache, mask, s.head_dim ** -0.5)   # [1,Hkv,G,C,D]
+        attn = b.op("Reshape", attn, b.const([1, s.num_heads, c, d]))
+        attn = b.op("Reshape", b.op("Transpose", attn, perm=[0, 2, 1, 3]), b.const([1, c, s.num_heads * d]))
+        x = b.op("Add", x, self._linear(b, attn, layer, "o"))
+        x = b.op("Add", x, self._mlp(b, self._rms_norm(b, x, layer["post_norm"]), layer))
+        return x, k, v
+
+    def _last_logits(self, b: GraphBuilder, x: str, chunk_len: str) -> str:
+        """logits [1, V] of the chunk's last valid token."""
+        last = b.op("Gather", b.op("Reshape", x, b.const([self.chunk, self.spec.hidden_size])),
+                    b.op("Sub", chunk_len, b.const([1])), axis=0)                        # [1, hidden]
+        return self._logits(b, last)
 
     def _heads(self, b: GraphBuilder, x: str, heads: int, cos: str | None, sin: str | None) -> str:
         """[1, C, heads*D] -> [1, heads, C, D], rotated when cos/sin are given."""
         x = b.op("Transpose", b.op("Reshape", x, b.const([1, self.chunk, heads, self.spec.head_dim])),
                  perm=[0, 2, 1, 3])
         return x if cos is None else self._rotate(b, x, cos, sin)
+
+
+class PrefillEmbedWriter(LlamaGraphWriter):
+    """prefill_embed (layer by layer, target "ort"): input_ids [1, C] int64 -> hidden [1, C, hidden]
+    float32, a chunk's embeddings."""
+
+    def build(self) -> GraphBuilder:
+        c, hidden = self.export.chunk, self.spec.hidden_size
+        b = GraphBuilder(PREFILL_EMBED, self.store)
+        self._attach_weights(b)
+        b.output(self._embed(b, b.input("input_ids", np.int64, [1, c])), "hidden", np.float32, [1, c, hidden])
+        return b
+
+
+class PrefillLayerWriter(PrefillWriter):
+    """prefill_layer_<i> (layer by layer, target "ort"): decoder layer `layer` on a chunk's hidden
+    states against a cache of R rows (a SymbolicSize: every prefill bucket and max_context). The
+    prefill contract of one layer, its index 0 in every name: inputs hidden [1, C, hidden] (the
+    layer's input), start, position, chunk_len, past_key.0, past_value.0 [1, Hkv, R, D]; outputs
+    key.0, value.0 [1, Hkv, C, D], hidden_out [1, C, hidden] (the layer's output). The same nodes
+    as the layer's in the whole-model prefill graph (`PrefillWriter._layer`)."""
+
+    def __init__(self, spec: ModelSpec, weights: Weights, export: ExportConfig, layer: int, cache_rows: Size,
+                 store=None):
+        super().__init__(spec, weights, export, cache_rows, store, name=prefill_layer(layer), target="ort")
+        self.layer = layer
+
+    def build(self) -> GraphBuilder:
+        s, c = self.spec, self.chunk
+        b = GraphBuilder(self.name, self.store)
+        self._attach_weights(b)
+        x = b.input("hidden", np.float32, [1, c, s.hidden_size])
+        start, first_position = b.input("start", np.int64, [1]), b.input("position", np.int64, [1])
+        b.input("chunk_len", np.int64, [1])      # read by the passes' window queries
+        cache = self._cache_inputs(b, 1, self.cache_rows, layers=1)[0]
+        cos, sin, mask = self._rope_and_mask(b, start, first_position)
+        x, k, v = self._layer(b, x, self.w.layers[self.layer], cos, sin, cache, mask)
+        shape = [1, s.num_kv_heads, c, s.head_dim]
+        b.output(k, "key.0", np.float32, shape)
+        b.output(v, "value.0", np.float32, shape)
+        b.output(x, "hidden_out", np.float32, [1, c, s.hidden_size])
+        return b
+
+
+class PrefillHeadWriter(LlamaGraphWriter):
+    """prefill_head (layer by layer, target "ort"): hidden [1, hidden] (the last layer's output at
+    the prompt's last token) -> logits [1, V]."""
+
+    def build(self) -> GraphBuilder:
+        b = GraphBuilder(PREFILL_HEAD, self.store)
+        self._attach_weights(b)
+        hidden = b.input("hidden", np.float32, [1, self.spec.hidden_size])
+        b.output(self._logits(b, hidden), "logits", np.float32, [1, self.spec.vocab_size])
+        return b
 
 
 class DecodeWriter(LlamaGraphWriter):

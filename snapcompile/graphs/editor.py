@@ -32,6 +32,12 @@ class GraphEditor:
                 return tensor
         raise ValueError(f"graph {self.graph.name!r} has no input {name!r}")
 
+    def chunk(self) -> int:
+        """C, the tokens a prefill graph runs on: input_ids [1, C] (the whole model's), or hidden
+        [1, C, hidden] (one layer's, the layer-by-layer prefill)."""
+        names = {tensor.name for tensor in self.graph.inputs}
+        return self.input("hidden" if "hidden" in names else "input_ids").shape[1]
+
     def const(self, value, dtype=np.int64) -> gs.Constant:
         return gs.Constant(self.fresh("const"), np.asarray(value, dtype=dtype))
 

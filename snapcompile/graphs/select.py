@@ -22,8 +22,13 @@ from snapcompile.plugins.contracts import DOMAIN, SELECT
 
 
 class SelectionWriter:
-    def __init__(self, spec: ModelSpec, policy: PolicyConfig, cache_rows: Size, name: str = "select"):
+    """The selection of `layers` layers (default: every one; 1 for the layer-by-layer prefill's
+    select_layer, which selects one layer's rows as soon as they are prefilled)."""
+
+    def __init__(self, spec: ModelSpec, policy: PolicyConfig, cache_rows: Size, name: str = "select",
+                 layers: int | None = None):
         self.spec, self.policy, self.length, self.name = spec, policy, cache_rows, name
+        self.layers = layers or spec.num_layers
 
     def build(self) -> onnx.ModelProto:
         s, p, L = self.spec, self.policy, self.length
@@ -35,7 +40,7 @@ class SelectionWriter:
         fixed = b.op("Or", b.op("Less", positions, b.const([p.sinks])),
                      b.op("And", b.op("Not", prefix), b.op("Less", positions, prompt_len)))
         candidate = b.op("And", prefix, b.op("GreaterOrEqual", positions, b.const([p.sinks])))
-        for i in range(s.num_layers):
+        for i in range(self.layers):
             q = b.input(f"window_query.{i}", np.float32, [1, s.num_heads, p.window, s.head_dim])
             k = b.input(f"key.{i}", np.float32, [1, s.num_kv_heads, L, s.head_dim])
             v = b.input(f"value.{i}", np.float32, [1, s.num_kv_heads, L, s.head_dim])

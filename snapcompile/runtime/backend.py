@@ -21,7 +21,8 @@ from snapcompile.artifact.manifest import Manifest, read_manifest
 from snapcompile.artifact.naming import decode_graph_size, graph_name
 from snapcompile.errors import PromptError
 from snapcompile.layout import DecodeStep
-from snapcompile.runtime.device import Device, LazyGraph, PrefillResult, ResumeFrom, chunk_starts, drain
+from snapcompile.runtime.device import Device, LazyGraph, PrefillResult, ResumeFrom, RowsTo, chunk_starts, drain
+from snapcompile.runtime.layer_prefill import LayerPrefill
 from snapcompile.runtime.prefill import PrefillRunner
 
 __all__ = ["PrefillResult", "ResumeFrom", "SlotBackend", "chunk_starts", "drain"]
@@ -30,7 +31,10 @@ __all__ = ["PrefillResult", "ResumeFrom", "SlotBackend", "chunk_starts", "drain"
 class SlotBackend:
     """Runs an artifact's graphs on a Device. Slot state (layouts, positions) is the caller's."""
 
-    def __init__(self, folder: Path, device: Device):
+    def __init__(self, folder: Path, device: Device, prefill_order: str | None = None):
+        """prefill_order: "chunks" runs a layer-by-layer artifact's prefill chunk by chunk through the
+        whole model (its other graphs; to compare the two); None: the artifact's own, where the
+        device runs ONNX Runtime's graphs (`Device.runs_ort_graphs`)."""
         self.folder, self.device = Path(folder), device
         self.manifest: Manifest = read_manifest(self.folder)
         m = self.manifest
@@ -41,7 +45,8 @@ class SlotBackend:
         self._layers = range(self.num_layers)
         self.keys = [self._kv(self.slots, self.rows_per_slot) for _ in self._layers]
         self.values = [self._kv(self.slots, self.rows_per_slot) for _ in self._layers]
-        self.prefills = PrefillRunner(self.folder, m, device, self.keys, self.values)
+        layers = m.prefill_order == "layers" and device.runs_ort_graphs and prefill_order != "chunks"
+        self.prefills = (LayerPrefill if layers else PrefillRunner)(self.folder, m, device, self.keys, self.values)
         self.decode_sizes = m.export.decode_sizes()
         self.decode_graphs = {k: LazyGraph(device, graph_name("decode", k, self.slots), m)   # slots -> graph
                               for k in self.decode_sizes}
@@ -130,14 +135,16 @@ class SlotBackend:
         if len(token_ids) > self.max_prompt_len():
             raise PromptError("too_long", len(token_ids), self.max_prompt_len())
 
-    def prefill_chunks(self, slot: int, token_ids: list[int], resume: ResumeFrom | None = None):
-        """Generator form of `prefill`: yields the tokens of each chunk once it ran (so an engine can
-        interleave decode steps) and returns the PrefillResult. With `resume` the prompt's first
-        `resume.position` tokens are the rows it loads (sessions/restore.py checks they fit:
-        `max_resume_rows`); without, the whole prompt is prefilled (`check_prompt`)."""
+    def prefill_chunks(self, slot: int, token_ids: list[int], resume: ResumeFrom | None = None,
+                       rows_to: RowsTo | None = None):
+        """Generator form of `prefill`: yields the tokens each run covered (a chunk's, or its share of
+        one layer) so an engine can interleave decode steps, and returns the PrefillResult. With
+        `resume` the prompt's first `resume.position` tokens are the rows it loads (sessions/restore.py
+        checks they fit: `max_resume_rows`); without, the whole prompt is prefilled (`check_prompt`).
+        rows_to: handed a compressed prompt's rows a layer at a time (device.RowsTo)."""
         if resume is None:
             self.check_prompt(token_ids)
-        return (yield from self.prefills.chunks(slot, token_ids, resume))
+        return (yield from self.prefills.chunks(slot, token_ids, resume, rows_to))
 
     def prefill(self, slot: int, token_ids: list[int]) -> PrefillResult:
         return drain(self.prefill_chunks(slot, token_ids))

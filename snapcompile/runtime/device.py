@@ -24,6 +24,8 @@ class Device(Protocol):
     lets file pages that runs mapped leave the process's memory (called after each prefill chunk
     and every few decode steps)."""
 
+    runs_ort_graphs: bool      # runs ONNX Runtime's graphs (naming.ort_graphs), not only the static ones
+
     def check(self, folder: Path, manifest: Manifest) -> None: ...
     def available_bytes(self) -> int: ...
     def zeros(self, shape: tuple[int, ...], dtype: str): ...
@@ -75,14 +77,21 @@ class PrefillResult:
     """logits: [V] float32 for the prompt's last token. filled: the prompt's cache rows prefilled
     (a resumed prompt's loaded rows, then its new tokens'). kept_rows: per layer [Hkv, kept] the
     filled rows the selection moved into the slot, ascending (None: rows 0 .. kept-1, all of them).
-    read_rows(layer): a compressed prompt's filled rows, keys and values [Hkv, filled, D] float32 on
-    the host, readable until the next prefill (None: a dense prompt, prefilled into its slot)."""
+    compressed: the prompt was prefilled into a prompt cache and compressed into its slot (False: a
+    dense prompt, prefilled into its slot)."""
 
     logits: np.ndarray
     layout: SlotLayout
     kept_rows: list[np.ndarray] | None
     filled: int = 0
-    read_rows: Callable[[int], tuple[np.ndarray, np.ndarray]] | None = None
+    compressed: bool = False
+
+
+RowsTo = Callable[[int, np.ndarray, np.ndarray, "np.ndarray | None"], None]
+"""rows_to(layer, keys, values, kept) of a compressed prefill: `layer`'s filled rows, keys and values
+[Hkv, filled, D] float32 on the host, valid during the call only, and kept, [Hkv, kept] the rows its
+selection moved into the slot (None: rows [0, kept)); called once a layer, in order, after the
+layer's selection (a keeper reads a prompt's rows so, sessions/keepers.py)."""
 
 
 @dataclass(frozen=True)

@@ -73,6 +73,10 @@ class OrtDevice:
         self.models: dict[str, onnx.ModelProto] = {}    # ONNX Runtime graph -> its model, checked, until made
         self.opened: dict[str, BoundGraph] = {}             # ONNX Runtime graph -> its opened graph
 
+    @property
+    def runs_ort_graphs(self) -> bool:
+        return self.environment is not None
+
     def check(self, folder: Path, manifest: Manifest) -> None:
         """Every file's size and sha256, then fingerprint, I/O and allocation checks of every graph
         this device runs (SlotBackend calls it before `graph`)."""
@@ -152,8 +156,9 @@ class OrtDevice:
 class OrtBackend(SlotBackend):
     """SlotBackend on ONNX Runtime (CPUExecutionProvider by default)."""
 
-    def __init__(self, folder: Path, provider: str = "cpu", threads: int | None = None, exact_matmul: bool = False):
-        super().__init__(folder, OrtDevice(folder, provider, threads, exact_matmul))
+    def __init__(self, folder: Path, provider: str = "cpu", threads: int | None = None, exact_matmul: bool = False,
+                 prefill_order: str | None = None):
+        super().__init__(folder, OrtDevice(folder, provider, threads, exact_matmul), prefill_order)
 
 
 EXACT_ACCURACY_LEVEL = 1     # MatMulNBits multiplying in float32: the graph's exact arithmetic (validate)

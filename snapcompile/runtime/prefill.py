@@ -19,7 +19,7 @@ from snapcompile.artifact.manifest import Manifest
 from snapcompile.artifact.naming import TAIL_GRAPH, bucket_rows
 from snapcompile.errors import SnapcompileError
 from snapcompile.layout import SlotLayout
-from snapcompile.runtime.device import Device, LazyGraph, PrefillResult, ResumeFrom, chunk_spans
+from snapcompile.runtime.device import Device, LazyGraph, PrefillResult, ResumeFrom, RowsTo, chunk_spans
 from snapcompile.runtime.prompt_cache import PromptCache
 
 
@@ -177,9 +177,10 @@ class PrefillRunner:
         follow the causal triangle in bucket steps instead of all paying the whole prompt's bucket."""
         return self.prefill_rows(start)
 
-    def chunks(self, slot: int, token_ids: list[int], resume: ResumeFrom | None):
+    def chunks(self, slot: int, token_ids: list[int], resume: ResumeFrom | None, rows_to: RowsTo | None = None):
         """Prefill `token_ids` for `slot` (from the rows `resume` loads, or whole): a generator that
-        yields each chunk's token count and returns the PrefillResult.
+        yields each chunk's token count and returns the PrefillResult. rows_to: given every layer's
+        rows of a compressed prompt once they are selected (device.RowsTo).
 
         Every chunk's K/V goes to the targets: the slot (a bucket's own cache is a copy of its
         first rows, filled when a chunk moves to that bucket; the buckets share one buffer, so one
@@ -207,6 +208,8 @@ class PrefillRunner:
         if extra_rows:
             self._drop_extra_rows(targets, base + early, extra_rows, len(new) - early)
         result = self._select(slot, targets, len(token_ids), base + len(new))
+        if rows_to is not None and result.compressed:
+            self._hand_rows(rows_to, result)
         self.last_seconds = {"chunks": chunks_done - began, "select": time.perf_counter() - chunks_done}
         return result
 
@@ -268,10 +271,14 @@ class PrefillRunner:
         if not policy.compressed:
             return PrefillResult(logits, layout, None, filled)
         kept_rows = self._compress_into_slot(slot, layout, filled, self.prefill_rows(filled))
-        download = self.device.download
-        keys, values = list(self.prompt.keys), list(self.prompt.values)     # the final layout's views
-        return PrefillResult(logits, layout, kept_rows, filled,
-                             lambda i: (download(keys[i][0, :, :filled]), download(values[i][0, :, :filled])))
+        return PrefillResult(logits, layout, kept_rows, filled, compressed=True)
+
+    def _hand_rows(self, rows_to: RowsTo, result: PrefillResult) -> None:
+        """Every layer's filled rows of the PromptCache to rows_to, with the rows its selection kept."""
+        for i in self._layers:
+            keys, values = (self.device.download(cache[i][0, :, :result.filled])
+                            for cache in (self.prompt.keys, self.prompt.values))
+            rows_to(i, keys, values, None if result.kept_rows is None else result.kept_rows[i])
 
     def _load_rows(self, targets, resume: ResumeFrom, extra_at: int) -> None:
         """The rows `resume` loads into rows [0, resume.rows) of the prompt's cache, and its extra

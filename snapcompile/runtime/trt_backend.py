@@ -110,6 +110,8 @@ class TrtGraph:
 
 
 class TrtDevice:
+    runs_ort_graphs = False          # the engines are built from the static graphs
+
     def __init__(self, folder: Path):
         self.trt = require_tensorrt()
         import torch

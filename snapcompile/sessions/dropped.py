@@ -32,12 +32,21 @@ class DroppedChunk:
         for array in self.positions:
             array.flags.writeable = False
 
+    @staticmethod
+    def of_layer(keys: np.ndarray, values: np.ndarray, positions: np.ndarray) -> tuple:
+        """One layer's part, from its float32 keys, values [Hkv, m, D] and positions [Hkv, m]."""
+        return (quantize_rows(keys, DROPPED_BITS, KEY_AXIS), quantize_rows(values, DROPPED_BITS, VALUE_AXIS),
+                positions.astype(np.int32))
+
+    @classmethod
+    def of_layers(cls, layers: list[tuple]) -> DroppedChunk:
+        """From every layer's part (`of_layer`, m >= 1)."""
+        return cls(*(tuple(layer[part] for layer in layers) for part in range(3)))
+
     @classmethod
     def of(cls, layers: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> DroppedChunk:
         """From per-layer float32 keys, values [Hkv, m, D] and positions [Hkv, m] (m >= 1)."""
-        return cls(tuple(quantize_rows(k, DROPPED_BITS, KEY_AXIS) for k, _, _ in layers),
-                   tuple(quantize_rows(v, DROPPED_BITS, VALUE_AXIS) for _, v, _ in layers),
-                   tuple(p.astype(np.int32) for _, _, p in layers))
+        return cls.of_layers([cls.of_layer(*layer) for layer in layers])
 
     @property
     def rows(self) -> int:

@@ -1,6 +1,7 @@
 """What a finished sequence leaves in the session store, one keeper per `--session-keep` mode
-(docs/design.md, "Conversations that keep their cache"). Host arrays only: a keeper is handed the
-prompt's rows after each selection (`PromptRows`) and, at the end, the slot's entry to make
+(docs/design.md, "Conversations that keep their cache"). Host arrays only: a keeper reads a
+compressed prompt's rows a layer at a time as they are selected (`reading`) and, at the end, is
+handed the slot's entry to make
 (sessions/restore.slot_entry); it gives what a resumed prefill attends over besides the kept rows
 (`ResumeRows`). The engine drives it; it never calls the backend.
 
@@ -26,31 +27,39 @@ from snapcompile.sessions.summaries import RowSummaries
 
 @dataclass(frozen=True)
 class PromptRows:
-    """A compressed prompt's prefilled rows right after their selection, readable until the next
-    prefill starts. token_ids: [T] int64, the prompt. read(layer): keys, values [Hkv, filled, D]
-    float32 on the host. kept_rows: per layer [Hkv, kept] the rows the selection kept (None: it
-    kept rows [0, filled), every one)."""
+    """A compressed prompt being prefilled, whose rows a keeper reads a layer at a time, right after
+    each layer's selection (`Keeper.reading`). token_ids: [T] int64, the prompt."""
 
     slot: int
     plan: ResumePlan | None
     token_ids: np.ndarray
-    filled: int
-    kept_rows: list[np.ndarray] | None
-    kv_heads: int
-    layers: int
-    read: Callable[[int], tuple[np.ndarray, np.ndarray]]
-
-    def not_kept(self) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
-        """Per layer i: (i, positions [Hkv, filled] of the rows, [Hkv, filled] bool: not kept)."""
-        tables = row_positions(self.plan, self.prompt_len, self.filled, self.kv_heads, self.layers)
-        for i in range(self.layers):
-            dropped = np.ones(tables[i].shape, bool)
-            np.put_along_axis(dropped, self.kept_rows[i], False, axis=1)
-            yield i, tables[i], dropped
 
     @property
     def prompt_len(self) -> int:
         return len(self.token_ids)
+
+    def not_kept(self, layer: int, filled: int, kept: np.ndarray, kv_heads: int) -> tuple[np.ndarray, np.ndarray]:
+        """`layer`'s positions [Hkv, filled] of the filled rows, and [Hkv, filled] bool: not kept
+        (kept: [Hkv, kept] the rows its selection kept)."""
+        positions = row_positions(self.plan, self.prompt_len, filled, kv_heads, layer)
+        dropped = np.ones(positions.shape, bool)
+        np.put_along_axis(dropped, kept, False, axis=1)
+        return positions, dropped
+
+
+class Reading:
+    """A keeper's reading of one prompt's rows: `layer` once a layer, in order (runtime.device.RowsTo:
+    the arrays are valid during the call only), then `done`, which gives an entry to keep now (the
+    engine stores it in the request's partition) or None. oversized: the entry it would make is larger
+    than the store, so it reads nothing and makes none (the store counts it refused)."""
+
+    oversized = False
+
+    def layer(self, i: int, keys: np.ndarray, values: np.ndarray, kept: np.ndarray | None) -> None:
+        raise NotImplementedError
+
+    def done(self) -> KeptCache | None:
+        raise NotImplementedError
 
 
 @dataclass(frozen=True)
@@ -77,9 +86,9 @@ class Keeper:
         self.manifest = manifest
         self._held: dict[int, object] = {}     # slot -> what this mode holds for the sequence until `keep`
 
-    def selected(self, rows: PromptRows) -> KeptCache | None:
-        """A compressed prompt's rows were just selected into its slot; returns an entry to keep
-        now (the engine stores it in the request's partition), or None."""
+    def reading(self, prompt: PromptRows) -> Reading | None:
+        """How this mode reads a compressed prompt's rows as they are selected into its slot (None:
+        it reads none)."""
         return None
 
     def keep(self, slot: int, entry: Callable[[], KeptCache]) -> KeptCache | None:
@@ -109,62 +118,93 @@ class SummaryKeeper(Keeper):
     """`slot` on an artifact with summaries: each selection's dropped rows are summed into
     the entry's summaries (sessions/summaries.py)."""
 
-    def selected(self, rows: PromptRows) -> None:
-        before = (rows.plan.kept.summaries if rows.plan else None) or _no_summaries(self.manifest)
-        if rows.kept_rows is None:
-            self._held[rows.slot] = before
-            return
-        layer_rows = [(*rows.read(i), positions, dropped) for i, positions, dropped in rows.not_kept()]
-        self._held[rows.slot] = before.with_dropped(self.manifest.policy.summary_index, layer_rows)
+    def reading(self, prompt: PromptRows) -> Reading:
+        return _SummaryReading(self, prompt)
 
     def keep(self, slot, entry):
         return replace(entry(), summaries=self._held.pop(slot, None))
 
 
+class _SummaryReading(Reading):
+    def __init__(self, keeper: SummaryKeeper, prompt: PromptRows):
+        self.keeper, self.prompt, self.layers = keeper, prompt, []
+        self.before = (prompt.plan.kept.summaries if prompt.plan else None) or _no_summaries(keeper.manifest)
+
+    def layer(self, i, keys, values, kept):
+        if kept is None:                  # the selection kept every row
+            self.layers.append((self.before.key_sums[i], self.before.value_sums[i], self.before.counts[i]))
+            return
+        positions, dropped = self.prompt.not_kept(i, keys.shape[1], kept, keys.shape[0])
+        self.layers.append(self.before.layer_with_dropped(self.keeper.manifest.policy.summary_index, i, keys, values,
+                                                          positions, dropped))
+
+    def done(self):
+        self.keeper._held[self.prompt.slot] = RowSummaries.of_layers(self.layers)
+        return None
+
+
 class FullKeeper(Keeper):
-    """`full` (the default): an entry is the whole prompt cache, copied to the host at its
-    selection and kept at once (so it counts against the store's bytes from then on and no running
+    """`full` (the default): an entry is the whole prompt cache, copied to the host as each layer is
+    selected and kept at once (so it counts against the store's bytes from then on and no running
     sequence holds a copy of its own): every position of the prompt, in order, each row computed
     while attending over every row before it. Nothing is kept at the end: the answer's rows were
     computed by decode against the B selected rows, not the whole conversation, so the next turn
     prefills the answer again with its new tokens, and a resumed turn's rows and selection are
     those of prefilling it whole. A resume from rows that are not every position before it keeps
-    nothing (no store of this mode holds such an entry)."""
+    nothing (no store of this mode holds such an entry), nor does a prompt whose entry would be
+    larger than the store (`max_bytes`): its rows are not copied."""
 
-    def selected(self, rows: PromptRows) -> KeptCache | None:
-        if rows.plan is not None and rows.plan.rows != rows.plan.resume_at:
+    def __init__(self, manifest, max_bytes: int | None = None):
+        super().__init__(manifest)
+        self.max_bytes = max_bytes
+
+    def reading(self, prompt: PromptRows) -> Reading | None:
+        if prompt.plan is not None and prompt.plan.rows != prompt.plan.resume_at:
             return None
-        layers = [rows.read(i) for i in range(rows.layers)]
-        keys, values = tuple(k.copy() for k, _ in layers), tuple(v.copy() for _, v in layers)
-        hkv, n = keys[0].shape[:2]
-        positions = tuple(np.broadcast_to(np.arange(n, dtype=np.int64), (hkv, n)).copy() for _ in keys)
-        return KeptCache(np.array(rows.token_ids, np.int64), keys, values, positions, 0)
+        spec = self.manifest.spec
+        entry_bytes = prompt.token_ids.nbytes + prompt.prompt_len * spec.num_layers * spec.num_kv_heads * (
+            2 * spec.head_dim * 4 + 8)             # float32 keys and values, int64 positions
+        oversized = self.max_bytes is not None and entry_bytes > self.max_bytes
+        return _Oversized() if oversized else _FullReading(prompt)
 
     def keep(self, slot, entry):
         return None
 
 
+class _FullReading(Reading):
+    def __init__(self, prompt: PromptRows):
+        self.prompt, self.keys, self.values = prompt, [], []
+
+    def layer(self, i, keys, values, kept):
+        self.keys.append(keys.copy())
+        self.values.append(values.copy())
+
+    def done(self):
+        hkv, n = self.keys[0].shape[:2]
+        positions = tuple(np.broadcast_to(np.arange(n, dtype=np.int64), (hkv, n)).copy() for _ in self.keys)
+        return KeptCache(np.array(self.prompt.token_ids, np.int64), tuple(self.keys), tuple(self.values), positions, 0)
+
+
+class _Oversized(Reading):
+    oversized = True
+
+    def layer(self, i, keys, values, kept):
+        pass
+
+    def done(self):
+        return None
+
+
 class QuantizedKeeper(Keeper):
-    """`quantized`: each selection's dropped rows are kept in 4 bits (sessions/dropped.py); an
-    entry is the slot's rows in 8 bits with them beside, less the oldest chunks until it costs no
-    more than a float32 entry of the slot's every row would. A resumed turn's last tail tokens
-    attend over every dropped row."""
+    """`quantized`: each selection's dropped rows are kept in 4 bits (sessions/dropped.py), quantized
+    as each layer is selected; an entry is the slot's rows in 8 bits with them beside, less the
+    oldest chunks until it costs no more than a float32 entry of the slot's every row would. A
+    resumed turn's last tail tokens attend over every dropped row."""
 
     needs_tail = True
 
-    def selected(self, rows: PromptRows) -> None:
-        before = (rows.plan.kept.dropped if rows.plan else None) or DroppedRows()
-        if rows.kept_rows is None:
-            self._held[rows.slot] = before
-            return
-        layers = []
-        for i, positions, dropped in rows.not_kept():
-            picked = np.nonzero(dropped)[1].reshape(dropped.shape[0], -1)     # each head drops as many rows
-            keys, values = rows.read(i)
-            layers.append((np.take_along_axis(keys, picked[..., None], axis=1),
-                           np.take_along_axis(values, picked[..., None], axis=1),
-                           np.take_along_axis(positions, picked, axis=1)))
-        self._held[rows.slot] = before.with_chunk(DroppedChunk.of(layers) if layers[0][2].shape[1] else None)
+    def reading(self, prompt: PromptRows) -> Reading:
+        return _QuantizedReading(self, prompt)
 
     def keep(self, slot, entry):
         kept = entry()
@@ -186,8 +226,29 @@ class QuantizedKeeper(Keeper):
         return ResumeRows(plan.dropped_rows, True, pieces)
 
 
-def keeper_for(manifest, mode: str) -> Keeper:
-    """The keeper of `mode` (SESSION_KEEP) for an artifact (a dense one keeps its slot's rows)."""
+class _QuantizedReading(Reading):
+    def __init__(self, keeper: QuantizedKeeper, prompt: PromptRows):
+        self.keeper, self.prompt, self.layers = keeper, prompt, []
+        self.before = (prompt.plan.kept.dropped if prompt.plan else None) or DroppedRows()
+
+    def layer(self, i, keys, values, kept):
+        if kept is None:                  # the selection kept every row
+            return
+        positions, dropped = self.prompt.not_kept(i, keys.shape[1], kept, keys.shape[0])
+        picked = np.nonzero(dropped)[1].reshape(dropped.shape[0], -1)     # each head drops as many rows
+        self.layers.append(DroppedChunk.of_layer(np.take_along_axis(keys, picked[..., None], axis=1),
+                                                 np.take_along_axis(values, picked[..., None], axis=1),
+                                                 np.take_along_axis(positions, picked, axis=1)))
+
+    def done(self):
+        chunk = DroppedChunk.of_layers(self.layers) if self.layers and self.layers[0][2].shape[1] else None
+        self.keeper._held[self.prompt.slot] = self.before.with_chunk(chunk)
+        return None
+
+
+def keeper_for(manifest, mode: str, max_bytes: int | None = None) -> Keeper:
+    """The keeper of `mode` (SESSION_KEEP) for an artifact (a dense one keeps its slot's rows), for a
+    store of `max_bytes` (None: unbounded)."""
     if mode not in SESSION_KEEP:
         raise SnapcompileError(f"--session-keep must be one of {', '.join(SESSION_KEEP)}, got {mode!r}")
     if mode == "quantized" and manifest.policy.summaries:
@@ -195,7 +256,7 @@ def keeper_for(manifest, mode: str) -> Keeper:
                                "an artifact converted with --summaries (their rows take the same place)")
     if not manifest.policy.compressed or mode == "slot":
         return SummaryKeeper(manifest) if manifest.policy.summaries else Keeper(manifest)
-    return FullKeeper(manifest) if mode == "full" else QuantizedKeeper(manifest)
+    return FullKeeper(manifest, max_bytes) if mode == "full" else QuantizedKeeper(manifest)
 
 
 def _no_summaries(manifest) -> RowSummaries:

@@ -114,20 +114,20 @@ def plan_resume(kept: KeptCache, token_ids: list[int], window: int, max_rows: in
 
 
 def row_positions(plan: ResumePlan | None, prompt_len: int, filled: int, kv_heads: int,
-                  layers: int) -> list[np.ndarray]:
-    """Per layer [Hkv, filled] the position each prefilled row stands for: the row's own for a
+                  layer: int) -> np.ndarray:
+    """[Hkv, filled] the position each prefilled row of `layer` stands for: the row's own for a
     fresh prompt; for a resumed one the plan's kept rows' positions, then resume_at .. prompt_len-1."""
     if plan is None:
-        return [np.broadcast_to(np.arange(filled), (kv_heads, filled)) for _ in range(layers)]
+        return np.broadcast_to(np.arange(filled), (kv_heads, filled))
     new = np.broadcast_to(np.arange(plan.resume_at, prompt_len), (kv_heads, prompt_len - plan.resume_at))
-    return [np.concatenate([positions[:, :plan.rows], new], axis=1) for positions in plan.kept.positions]
+    return np.concatenate([plan.kept.positions[layer][:, :plan.rows], new], axis=1)
 
 
 def positions_of_rows(plan: ResumePlan, prompt_len: int, kept_rows: list[np.ndarray] | None,
                       kept: int) -> list[np.ndarray]:
     """Per layer [Hkv, kept] positions of the rows a resumed prefill kept (kept_rows: per layer
     [Hkv, kept] prefilled rows the selection kept; None: rows [0, kept))."""
-    hkv = plan.kept.positions[0].shape[0]
-    tables = row_positions(plan, prompt_len, plan.rows + prompt_len - plan.resume_at, hkv, len(plan.kept.positions))
+    hkv, filled = plan.kept.positions[0].shape[0], plan.rows + prompt_len - plan.resume_at
+    tables = (row_positions(plan, prompt_len, filled, hkv, i) for i in range(len(plan.kept.positions)))
     return [table[:, :kept].copy() if kept_rows is None else np.take_along_axis(table, kept_rows[i], axis=1)
             for i, table in enumerate(tables)]

@@ -5,7 +5,7 @@ what they stand for (positions, tokens, the keeper's pieces) is decided here.
 - `resumed_prefill`: a prompt prefilled from a ResumePlan and the keeper's ResumeRows (the engine
   core's and validate's one way to resume);
 - `kept_positions`: the positions the selection kept, from the rows the runtime reports;
-- `prompt_rows`: what the keeper reads right after a selection (`Keeper.selected`);
+- `prompt_reading`: the keeper's reading of a prompt's rows as they are selected (`Keeper.reading`);
 - `slot_entry`: the KeptCache of a finished slot (`Keeper.keep`).
 """
 from __future__ import annotations
@@ -15,17 +15,19 @@ import numpy as np
 from snapcompile.errors import SnapcompileError
 from snapcompile.layout import SlotLayout
 from snapcompile.runtime.device import PrefillResult, ResumeFrom
-from snapcompile.sessions.keepers import PromptRows, ResumeRows
+from snapcompile.sessions.keepers import PromptRows, Reading, ResumeRows
 from snapcompile.sessions.kept import KeptCache, ResumePlan, positions_of_rows
 
 
-def resumed_prefill(backend, slot: int, plan: ResumePlan, token_ids: list[int], extra: ResumeRows | None = None):
+def resumed_prefill(backend, slot: int, plan: ResumePlan, token_ids: list[int], extra: ResumeRows | None = None,
+                    rows_to=None):
     """Generator form of a resumed prefill (`sessions/kept.py`): the plan's kept rows go into the
     prompt's cache, tokens [resume_at, T) are prefilled against them at their own positions (and
     over `extra`, the keeper's `resume_rows(plan)`), and the cache is compressed back into the slot
     as a prompt of T positions (snapstream re-selects with the new tokens' window). A conversation
     may pass max_context this way; the rows prefilled against (the entry's dropped rows included)
-    may not. Yields each chunk's token count; returns the runtime's PrefillResult."""
+    may not. rows_to: the keeper's reading of the rows (runtime.device.RowsTo). Yields each chunk's
+    token count; returns the runtime's PrefillResult."""
     rows = plan.rows + plan.dropped_rows + len(token_ids) - plan.resume_at
     if rows > backend.max_resume_rows() or not 0 < plan.resume_at < len(token_ids):
         raise SnapcompileError(f"cannot resume {len(token_ids)} tokens at token {plan.resume_at} from "
@@ -37,25 +39,24 @@ def resumed_prefill(backend, slot: int, plan: ResumePlan, token_ids: list[int], 
                                "given (the quantized keeper's resume_rows)")
     resume = ResumeFrom(plan.rows, plan.resume_at, lambda layer: plan.kept.layer_rows(layer, plan.rows),
                         extra.count if extra else 0, bool(extra and extra.tail_only), extra.pieces if extra else None)
-    return (yield from backend.prefill_chunks(slot, token_ids, resume))
+    return (yield from backend.prefill_chunks(slot, token_ids, resume, rows_to))
 
 
 def kept_positions(plan: ResumePlan | None, prompt_len: int, result: PrefillResult) -> list[np.ndarray] | None:
     """Per layer [Hkv, kept] the prompt positions now in the slot (None: 0 .. kept-1, the whole prompt
     kept): a fresh prompt's rows are its positions, and so are a dense one's; a compressed resumed
     one's rows are the plan's kept rows, then its new tokens'."""
-    if plan is None or result.read_rows is None:
+    if plan is None or not result.compressed:
         return result.kept_rows
     return positions_of_rows(plan, prompt_len, result.kept_rows, result.layout.kept)
 
 
-def prompt_rows(slot: int, plan: ResumePlan | None, token_ids: list[int], result: PrefillResult,
-                kv_heads: int, layers: int) -> PromptRows | None:
-    """What a keeper reads of a compressed prompt right after its selection (None for a dense one)."""
-    if result.read_rows is None:
+def prompt_reading(keeper, manifest, slot: int, plan: ResumePlan | None, token_ids: list[int]) -> Reading | None:
+    """The keeper's reading of a compressed prompt's rows as each layer is selected (`Keeper.reading`;
+    None for a dense artifact's prompt, prefilled into its slot)."""
+    if not manifest.policy.compressed:
         return None
-    return PromptRows(slot, plan, np.asarray(token_ids, np.int64), result.filled, result.kept_rows, kv_heads, layers,
-                      result.read_rows)
+    return keeper.reading(PromptRows(slot, plan, np.asarray(token_ids, np.int64)))
 
 
 def slot_entry(rows: list[tuple[np.ndarray, np.ndarray]], layout: SlotLayout, kept: list[np.ndarray] | None,

@@ -61,7 +61,7 @@ class SessionStore:
         """Keep `kept` in `partition` (replacing an entry of the same tokens there), evicting the least
         recently used entries of any partition until it fits; an entry larger than the store is not kept."""
         if kept.nbytes > self.max_bytes:
-            self.counters.refused += 1
+            self.refuse()
             return
         key = (partition, kept.token_ids.tobytes())
         if key in self._entries:
@@ -75,6 +75,10 @@ class SessionStore:
         if self._index is not None:
             self._index.add(key, partition, kept.token_ids)
         self.bytes += kept.nbytes
+
+    def refuse(self) -> None:
+        """Count an entry not kept for being larger than the store (a keeper may know before making it)."""
+        self.counters.refused += 1
 
     def _remove(self, key: tuple[str, bytes]) -> None:
         self.bytes -= self._entries.pop(key).nbytes

@@ -43,18 +43,20 @@ class RowSummaries:
     def nbytes(self) -> int:
         return sum(a.nbytes for a in (*self.key_sums, *self.value_sums, *self.counts))
 
-    def with_dropped(self, summary_of, layer_rows) -> RowSummaries:
-        """These summaries plus one selection's dropped rows. summary_of: position array ->
-        summary index array (PolicyConfig.summary_index). layer_rows: per layer (keys, values
-        [Hkv, n, D], positions [Hkv, n] int64, dropped [Hkv, n] bool) of the rows it chose from."""
-        sums_k, sums_v, counts = [], [], []
-        for i, (keys, values, positions, dropped) in enumerate(layer_rows):
-            onehot = (summary_of(positions)[:, None, :] == np.arange(self.rows)[None, :, None]) & dropped[:, None, :]
-            weights = onehot.astype(np.float32)                                       # [Hkv, S, n]
-            sums_k.append(self.key_sums[i] + weights @ keys)
-            sums_v.append(self.value_sums[i] + weights @ values)
-            counts.append(self.counts[i] + weights.sum(axis=2))
-        return RowSummaries(tuple(sums_k), tuple(sums_v), tuple(counts))
+    def layer_with_dropped(self, summary_of, layer: int, keys: np.ndarray, values: np.ndarray,
+                           positions: np.ndarray, dropped: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """`layer`'s key sums, value sums and counts with one selection's dropped rows added.
+        summary_of: position array -> summary index array (PolicyConfig.summary_index); keys,
+        values [Hkv, n, D], positions [Hkv, n] int64, dropped [Hkv, n] bool: the rows it chose from."""
+        onehot = (summary_of(positions)[:, None, :] == np.arange(self.rows)[None, :, None]) & dropped[:, None, :]
+        weights = onehot.astype(np.float32)                                       # [Hkv, S, n]
+        return (self.key_sums[layer] + weights @ keys, self.value_sums[layer] + weights @ values,
+                self.counts[layer] + weights.sum(axis=2))
+
+    @classmethod
+    def of_layers(cls, layers: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> RowSummaries:
+        """From per layer (key sums, value sums, counts)."""
+        return cls(*(tuple(layer[part] for layer in layers) for part in range(3)))
 
     def attended(self, layer: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """What a resumed turn attends over in `layer`: mean keys and values [Hkv, S, D] and the

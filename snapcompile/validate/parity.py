@@ -19,7 +19,7 @@ from snapcompile.runtime import open_backend
 from snapcompile.runtime.backend import drain
 from snapcompile.sessions.keepers import keeper_for
 from snapcompile.sessions.kept import plan_resume
-from snapcompile.sessions.restore import kept_positions, prompt_rows, resumed_prefill, slot_entry
+from snapcompile.sessions.restore import kept_positions, prompt_reading, resumed_prefill, slot_entry
 from snapcompile.validate.tolerances import DEFAULT_TIE_GAP
 
 
@@ -148,8 +148,10 @@ class Validator:
         for ids in prompts:
             total = len(ids) + turns * (steps + 1 + len(follow_up))
             ref = self._reference(total, 0)
-            result, logits, resumed, plan = self.backend.prefill(0, ids), ref.feed(ids), 0, None
-            keeper, spec = keeper_for(self.manifest, "slot"), self.manifest.spec
+            keeper = keeper_for(self.manifest, "slot")
+            reading = prompt_reading(keeper, self.manifest, 0, None, ids)
+            result = drain(self.backend.prefill_chunks(0, ids, rows_to=reading.layer if reading else None))
+            logits, resumed, plan = ref.feed(ids), 0, None
             for turn in range(1, turns + 1):
                 report = PromptReport(len(ids), result.layout.compressed, turn=turn, resumed_tokens=resumed)
                 positions = kept_positions(plan, len(ids), result)
@@ -160,9 +162,8 @@ class Validator:
                 reports.append(report)
                 if turn == turns:
                     break
-                rows = prompt_rows(0, plan, ids, result, spec.num_kv_heads, spec.num_layers)
-                if rows is not None:
-                    keeper.selected(rows)
+                if reading is not None:
+                    reading.done()
                 entry = slot_entry(self.backend.slot_rows(0), result.layout, positions, steps, ids + fed[:-1])
                 kept = keeper.keep(0, lambda entry=entry: entry)
                 ids = ids + fed + follow_up
@@ -172,7 +173,9 @@ class Validator:
                                            f"{len(fed) + len(follow_up)} tokens and must add at least the "
                                            f"observation window ({window}); give more --steps or a longer "
                                            "--follow-up")
-                result = drain(resumed_prefill(self.backend, 0, plan, ids, keeper.resume_rows(plan)))
+                reading = prompt_reading(keeper, self.manifest, 0, plan, ids)
+                result = drain(resumed_prefill(self.backend, 0, plan, ids, keeper.resume_rows(plan),
+                                               reading.layer if reading else None))
                 logits, resumed = ref.resume(ids, plan.resume_at), plan.resume_at
             if progress:
                 progress(1)
