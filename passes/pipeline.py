@@ -23,6 +23,7 @@ from snapcompile.config import LOWERINGS, PolicyConfig
 from snapcompile.errors import SnapcompileError
 from snapcompile.graphs.builder import SymbolicSize
 from snapcompile.graphs.select import SelectionWriter, plugin_select_graph
+from snapcompile.passes.attention_heads import attention_per_head
 from snapcompile.passes.cache_bias import add_cache_bias
 from snapcompile.passes.compress_decode import compress_decode
 from snapcompile.passes.match import MatchFailure
@@ -53,7 +54,8 @@ def compress_graphs(graphs: GraphSet, manifest: Manifest, policy: PolicyConfig,
     """Rewrite dense prefill/decode graphs (the static ones and ONNX Runtime's) for `policy`; updates
     manifest.policy, .lowering and .passes. lowering "plugin" writes the compressed decode attention
     and the selection as custom op nodes (plugins.contracts); ONNX Runtime then runs those graphs from
-    their static files (naming.ort_graphs)."""
+    their static files (naming.ort_graphs). ONNX Runtime's prefill graphs end with their attention
+    computed a KV head at a time (passes/attention_heads.py; the static graphs keep the batched form)."""
     if lowering not in LOWERINGS:
         raise SnapcompileError(f"unknown lowering {lowering!r}; choose standard or plugin")
     if lowering == "plugin" and not policy.compressed:
@@ -75,7 +77,10 @@ def compress_graphs(graphs: GraphSet, manifest: Manifest, policy: PolicyConfig,
         raise SnapcompileError(f"cannot compress: {failure}") from None
     manifest.policy, manifest.lowering = policy, lowering
     wanted = ort_graphs(manifest.export, policy, lowering, manifest.spec.num_layers)
-    return GraphSet(out.static, {name: model for name, model in out.ort.items() if name in wanted})
+    out = GraphSet(out.static, {name: model for name, model in out.ort.items() if name in wanted})
+    for name, layers in _ort_prefill_graphs(out, manifest):     # last: the passes above match the batched form
+        out.ort[name], _ = attention_per_head(out.ort[name], manifest.spec, f"ONNX Runtime's {name}", layers)
+    return out
 
 
 def _compress_decode(graphs: GraphSet, manifest: Manifest, policy: PolicyConfig, lowering: str) -> None:

@@ -103,6 +103,36 @@ def test_ring_mask_hides_the_row_being_overwritten(dense_graphs):
     np.testing.assert_allclose(session.run(["logits"], feeds)[0], base, atol=1e-6)
 
 
+@pytest.mark.parametrize("biased", [False, True])
+def test_attention_a_kv_head_at_a_time_gives_the_batched_blocks_outputs_bit_for_bit(dense_graphs, tiny_llama,
+                                                                                     biased):
+    """The per-head rewrite of a prefill graph (with the summary rows' per-head bias or without): one
+    Softmax a layer and KV head, the heads chained in order, the same logits and K/V bit for bit."""
+    from snapcompile.passes.attention_heads import attention_per_head
+    from snapcompile.passes.cache_bias import add_cache_bias
+    spec, model = tiny_llama.spec, dense_graphs.static["prefill"]
+    if biased:
+        model, _ = add_cache_bias(model, spec)
+    heads, report = attention_per_head(model, spec, "prefill", layers=spec.num_layers)
+    assert report["blocks_rewritten"] == spec.num_layers
+    assert sum(node.op_type == "Softmax" for node in heads.graph.node) == spec.num_layers * spec.num_kv_heads
+    rng = np.random.default_rng(7)
+    dims = {i.name: [d.dim_value for d in i.type.tensor_type.shape.dim] for i in model.graph.input}
+    rows, chunk = dims["past_key.0"][2], dims["input_ids"][1]
+    feeds = {"input_ids": rng.integers(0, 250, (1, chunk)), "start": np.array([rows // 2]),
+             "position": np.array([rows // 2]), "chunk_len": np.array([chunk - 3])}
+    for i in range(spec.num_layers):
+        for kind in ("key", "value"):
+            feeds[f"past_{kind}.{i}"] = rng.normal(size=(1, 2, rows, 16)).astype(np.float32)
+        if biased:
+            feeds[f"cache_bias.{i}"] = rng.normal(size=(1, 2, rows)).astype(np.float32)
+    outputs = [[o.name for o in model.graph.output]] * 2
+    ours, theirs = (ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(names, feeds)
+                    for m, names in zip((heads, model), outputs))
+    for mine, other, name in zip(ours, theirs, outputs[0]):
+        assert np.array_equal(mine, other), name
+
+
 def test_window_query_outputs(dense_graphs, tiny_llama):
     model, report = add_window_queries(dense_graphs.static["prefill"], tiny_llama.spec, window=8)
     assert report["blocks_rewritten"] == 2

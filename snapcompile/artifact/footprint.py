@@ -23,7 +23,10 @@ provider at its worst: every slot full, a prompt of max_context tokens. Its part
 - work_space: the shared arena, set by the attention of a chunk over max_context rows (the full
   prefill graph runs a long prompt's last chunks): the joined key / value rows and the scores, about
   twice over, and twice that again because the arena grows in doubling steps (ONNX Runtime's
-  kNextPowerOfTwo); measured 1.7x the tensors at 1B x 32768 (docs/results/memory.md);
+  kNextPowerOfTwo); measured 1.7x the tensors at 1B x 32768 (docs/results/memory.md). A compressed
+  artifact's prefill graphs attend a KV head at a time (passes/attention_heads.py): one head's key and
+  value slices and joined rows and three of its score tensors, twice (measured 0.91 GiB for 1.25
+  predicted at the 8B shape and 131072 rows, docs/results/performance.md);
 - runtime: the interpreter and the libraries a `run` process has loaded before opening anything.
 """
 from __future__ import annotations
@@ -104,6 +107,9 @@ def _resident_weight_bytes(manifest: Manifest) -> int:
 def _work_space_bytes(manifest: Manifest) -> int:
     spec, export = manifest.spec, manifest.export
     rows = export.max_context + export.chunk
+    if manifest.policy.compressed:      # a KV head at a time (passes/attention_heads.py): its key / value
+        head = 4 * rows * spec.head_dim + 3 * spec.group_size * export.chunk * rows    # slices and joined
+        return ARENA_GROWTH * 4 * head                                                 # rows, three scores
     joined = 2 * spec.num_kv_heads * rows * spec.head_dim
     scores = 2 * spec.num_heads * export.chunk * rows
     return ARENA_GROWTH * 2 * 4 * (joined + scores)

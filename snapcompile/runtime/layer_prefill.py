@@ -57,6 +57,7 @@ class LayerPrefill:
         self.num_layers, self.chunk, self.max_context = m.spec.num_layers, m.export.chunk, m.export.max_context
         self.buckets = sorted(m.export.prefill_buckets())
         self.last_seconds = {"chunks": 0.0, "select": 0.0}
+        self.layers_done = 0         # of the prefill under way (or the latest), for progress and studies
         rows = [*self.buckets, self.max_context]
         self.embed_graph, self.head_graph = LazyGraph(device, PREFILL_EMBED, m), LazyGraph(device, PREFILL_HEAD, m)
         self.layer_graphs = [{r: LazyGraph(device, graph_name(prefill_layer(i), r, self.max_context), m) for r in rows}
@@ -165,7 +166,7 @@ class LayerPrefill:
         layout = self._layout(len(token_ids), filled)
         began, selecting = time.perf_counter(), 0.0
         self._embed(new, spans)
-        kept_rows = []
+        kept_rows, self.layers_done = [], 0
         for layer in range(self.num_layers):
             self.prompt.reset()
             if resume:
@@ -180,6 +181,7 @@ class LayerPrefill:
             if rows_to is not None:
                 keys, values = self.prompt.keys[0][0, :, :filled], self.prompt.values[0][0, :, :filled]
                 rows_to(layer, self.device.download(keys), self.device.download(values), kept_rows[-1])
+            self.layers_done = layer + 1
         logits = self._head(len(new) - 1)
         self.last_seconds = {"chunks": time.perf_counter() - began - selecting, "select": selecting}
         return PrefillResult(logits, layout, None if layout.kept == filled else kept_rows, filled, compressed=True)
