@@ -91,7 +91,7 @@ def synthetic_sessions(count: int, op: str) -> float:
     shared, kept, added = OrtEnvironment(), [], []
     for i in range(4):
         before = anonymous_mib()
-        kept.append(shared.open_graph(model, {}, {}, 1, f"chain {i}"))
+        kept.append(shared.open_graph(model, {}, {}, f"chain {i}"))
         added.append(anonymous_mib() - before)
     return statistics.median(added)
 

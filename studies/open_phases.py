@@ -39,8 +39,8 @@ def one_open(artifact: str) -> dict:
     ort_backend.check_files = timed("files", ort_backend.check_files)
     ort_backend.load_ort_graph = timed("graph_checks", ort_backend.load_ort_graph)
     original = OrtEnvironment.open_graph
-    OrtEnvironment.open_graph = lambda self, model, arrays, config, threads, what: timed(
-        "sessions", original, per_call=True)(self, model, arrays, config, threads, what)
+    OrtEnvironment.open_graph = lambda self, model, arrays, config, what: timed(
+        "sessions", original, per_call=True)(self, model, arrays, config, what)
     begin = time.perf_counter()
     backend = open_backend(artifact)
     backend.make_graphs()

@@ -69,7 +69,7 @@ class OrtDevice:
         self.folder, self.threads, self.exact_matmul = Path(folder), threads, exact_matmul
         self.providers = _providers(provider)
         self.weights = WeightArrays(self.folder) if provider == "cpu" else None
-        self.environment = OrtEnvironment() if provider == "cpu" else None
+        self.environment = OrtEnvironment(threads) if provider == "cpu" else None
         self.models: dict[str, onnx.ModelProto] = {}    # ONNX Runtime graph -> its model, checked, until made
         self.opened: dict[str, BoundGraph] = {}             # ONNX Runtime graph -> its opened graph
 
@@ -124,7 +124,7 @@ class OrtDevice:
                   if tensor.data_location == onnx.TensorProto.EXTERNAL}
         config = {"session.model_external_initializers_file_folder_path": str(self.folder)}
         with self.weights.pages_released_while():
-            return self.environment.open_graph(model.SerializeToString(), arrays, config, self.threads, name)
+            return self.environment.open_graph(model.SerializeToString(), arrays, config, name)
 
     def kernels(self, manifest: Manifest) -> str:
         """What multiplies the linear layers, for run summaries (MLAS picks its AVX2 / AVX-512 /

@@ -68,11 +68,14 @@ _STATUS = c_void_p          # OrtStatus*: NULL on success
 _OUT = POINTER(c_void_p)
 _SIGNATURES = {             # name -> (return type, argument types), as onnxruntime_c_api.h declares them
     "GetErrorMessage": (c_char_p, [c_void_p]),
-    "CreateEnv": (_STATUS, [c_int, c_char_p, _OUT]),
+    "CreateEnvWithGlobalThreadPools": (_STATUS, [c_int, c_char_p, c_void_p, _OUT]),
+    "CreateThreadingOptions": (_STATUS, [_OUT]),
+    "SetGlobalIntraOpNumThreads": (_STATUS, [c_void_p, c_int]),
+    "SetGlobalInterOpNumThreads": (_STATUS, [c_void_p, c_int]),
+    "DisablePerSessionThreads": (_STATUS, [c_void_p]),
     "CreateSessionOptions": (_STATUS, [_OUT]),
     "SetSessionGraphOptimizationLevel": (_STATUS, [c_void_p, c_int]),
     "SetSessionLogSeverityLevel": (_STATUS, [c_void_p, c_int]),
-    "SetIntraOpNumThreads": (_STATUS, [c_void_p, c_int]),
     "AddSessionConfigEntry": (_STATUS, [c_void_p, c_char_p, c_char_p]),
     "AddInitializer": (_STATUS, [c_void_p, c_char_p, c_void_p]),
     "CreateCpuMemoryInfo": (_STATUS, [c_int, c_int, _OUT]),
@@ -87,7 +90,8 @@ _SIGNATURES = {             # name -> (return type, argument types), as onnxrunt
     "BindOutput": (_STATUS, [c_void_p, c_char_p, c_void_p]),
     "RunWithBinding": (_STATUS, [c_void_p, c_void_p, c_void_p]),
     **{f"Release{kind}": (None, [c_void_p]) for kind in
-       ("Status", "SessionOptions", "Value", "Session", "IoBinding", "PrepackedWeightsContainer", "MemoryInfo")},
+       ("Status", "SessionOptions", "Value", "Session", "IoBinding", "PrepackedWeightsContainer", "MemoryInfo",
+        "ThreadingOptions")},
 }
 _ELEMENT_TYPES = {np.dtype(np.float32): 1, np.dtype(np.uint8): 2, np.dtype(np.int8): 3, np.dtype(np.int32): 6,
                   np.dtype(np.int64): 7, np.dtype(np.bool_): 9, np.dtype(np.float16): 10}
@@ -177,11 +181,11 @@ class TensorValues:
 
 class OrtEnvironment:
     """Sessions of one process that pre-pack each shared weight once (one PrepackedWeightsContainer),
-    on the CPU execution provider."""
+    on the CPU execution provider, and run on one pool of `threads` threads (None: one a core)."""
 
-    def __init__(self):
+    def __init__(self, threads: int | None = None):
         self.api = c_api()
-        self.env = self.api.new("CreateEnv", _LOG_FATAL, b"snapcompile", what="environment")
+        self.env = self._env_with_one_thread_pool(threads)
         self.container = self.api.new("CreatePrepackedWeightsContainer", what="pre-packed weights container")
         # one CPU arena for every session (session.use_env_allocators): sessions run one at a time,
         # so the process's work space is the largest graph's, not the sum of every graph's
@@ -193,6 +197,21 @@ class OrtEnvironment:
         self.values = TensorValues()
         self._initializers: dict[int, int] = {}     # id(array) -> OrtValue, one per shared array
 
+    def _env_with_one_thread_pool(self, threads: int | None) -> int:
+        """An environment whose sessions share one intra-op thread pool. With a pool a session, the
+        pools of the sessions that ran last spin on their cores while the next session works: the
+        layer-by-layer prefill runs a session a layer in turn. ONNX Runtime keeps one environment a
+        process: a later OrtEnvironment gets the first one's pool, whatever its `threads`."""
+        api = self.api
+        options = api.new("CreateThreadingOptions", what="thread pool options")
+        try:
+            api.check(api.SetGlobalIntraOpNumThreads(options, threads or 0), "thread pool options")
+            api.check(api.SetGlobalInterOpNumThreads(options, 1), "thread pool options")   # nodes run in order
+            return api.new("CreateEnvWithGlobalThreadPools", _LOG_FATAL, b"snapcompile", options,
+                           what="environment")
+        finally:
+            api.ReleaseThreadingOptions(options)
+
     def initializer(self, array: np.ndarray) -> int:
         """The OrtValue every session receives for `array` (the same array object, the same value)."""
         key = id(array)
@@ -201,7 +220,7 @@ class OrtEnvironment:
         return self._initializers[key]
 
     def open_graph(self, model_bytes: bytes, initializers: dict[str, np.ndarray], config: dict[str, str],
-                threads: int | None, what: str) -> BoundGraph:
+                   what: str) -> BoundGraph:
         """A session on a serialized ONNX model whose external initializers are all in `initializers`
         (name -> array, shared with every other session given the same array)."""
         api = self.api
@@ -209,8 +228,7 @@ class OrtEnvironment:
         try:
             api.check(api.SetSessionGraphOptimizationLevel(options, _ORT_ENABLE_ALL), what)
             api.check(api.SetSessionLogSeverityLevel(options, _LOG_FATAL), what)
-            if threads:
-                api.check(api.SetIntraOpNumThreads(options, threads), what)
+            api.check(api.DisablePerSessionThreads(options), what)      # the environment's pool
             for key, value in ({"session.use_env_allocators": "1"} | config).items():
                 api.check(api.AddSessionConfigEntry(options, key.encode(), value.encode()), what)
             for name, array in initializers.items():
