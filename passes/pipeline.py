@@ -19,13 +19,14 @@ from snapcompile.artifact.naming import (
 )
 from snapcompile.artifact.onnx_io import GraphSet, load_graph, load_ort_graph, save_graphs
 from snapcompile.atomic import atomic_directory
-from snapcompile.config import LOWERINGS, PolicyConfig
+from snapcompile.config import LOWERINGS, ExportConfig, PolicyConfig
 from snapcompile.errors import SnapcompileError
 from snapcompile.graphs.builder import SymbolicSize
 from snapcompile.graphs.select import SelectionWriter, plugin_select_graph
 from snapcompile.passes.attention_heads import attention_per_head
 from snapcompile.passes.cache_bias import add_cache_bias
 from snapcompile.passes.compress_decode import compress_decode
+from snapcompile.passes.kv_dtype import store_kv_in_float16
 from snapcompile.passes.match import MatchFailure
 from snapcompile.passes.snapkv_prefill import add_window_queries
 
@@ -38,6 +39,9 @@ def compress_artifact(dense_dir: Path, output: Path, policy: PolicyConfig, force
         raise SnapcompileError("the output folder is the input artifact; choose another output")
     manifest = read_manifest(dense_dir)
     check_files(dense_dir, manifest)
+    if manifest.export.kv_dtype != "float32":
+        raise SnapcompileError(f"{dense_dir} stores its KV cache in {manifest.export.kv_dtype}; the passes read a "
+                               "float32 cache: convert the model with --kv-dtype instead")
     graphs = GraphSet({name: load_graph(dense_dir, manifest, name) for name in manifest.graphs},
                       {name: load_ort_graph(dense_dir, manifest, name) for name in manifest.ort_graphs})
     with atomic_directory(Path(output), force=force) as staging:
@@ -81,6 +85,25 @@ def compress_graphs(graphs: GraphSet, manifest: Manifest, policy: PolicyConfig,
     for name, layers in _ort_prefill_graphs(out, manifest):     # last: the passes above match the batched form
         out.ort[name], _ = attention_per_head(out.ort[name], manifest.spec, f"ONNX Runtime's {name}", layers)
     return out
+
+
+def store_kv(graphs: GraphSet, manifest: Manifest) -> GraphSet:
+    """Every graph's cache inputs and outputs in the export's kv_dtype (passes/kv_dtype.py), the last
+    pass: the others match the float32 form (the manifest's export record says it ran). The plugin's
+    custom ops read float32 caches."""
+    check_kv_lowering(manifest.export, manifest.lowering)
+    if manifest.export.kv_dtype == "float32":
+        return graphs
+    static = {name: store_kv_in_float16(model, name) for name, model in graphs.static.items()}
+    ort = {name: store_kv_in_float16(model, f"ONNX Runtime's {name}") for name, model in graphs.ort.items()}
+    return GraphSet(static, ort)
+
+
+def check_kv_lowering(export: ExportConfig, lowering: str) -> None:
+    """Refuse a KV dtype the lowering cannot run (before anything is exported)."""
+    if export.kv_dtype != "float32" and lowering == "plugin":
+        raise SnapcompileError(f"--kv-dtype {export.kv_dtype} needs --lower standard: the plugin's custom ops "
+                               "read float32 caches")
 
 
 def _compress_decode(graphs: GraphSet, manifest: Manifest, policy: PolicyConfig, lowering: str) -> None:

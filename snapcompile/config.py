@@ -10,6 +10,7 @@ POOLINGS = ("max", "avg")
 SCOPES = ("head", "layer")
 WEIGHT_FORMATS = ("fp32", "fp16", "int8", "int4")   # stored weights: float32, float16, int8 / int4 blocks
 LOWERINGS = ("standard", "plugin")   # compressed attention in standard ONNX ops, or custom op nodes
+KV_DTYPES = ("float32", "float16")   # how the KV cache is stored (computed in float32 either way)
 
 
 @dataclass(frozen=True)
@@ -19,9 +20,11 @@ class ExportConfig:
     slots: N, decode batch slots. max_context: L, positions a sequence may use (prompt +
     generated). chunk: C, prefill chunk length (a prompt is processed C tokens at a time).
     weight_format: how linear layers are stored (WEIGHT_FORMATS); block_size: inputs per quantization
-    block (int8 / int4). fp16 linear layers also multiply in float16; norms, attention, the KV
-    cache and graph I/O are float32 in every format. slot_buckets: decode graphs for fewer
-    active slots too (`decode_sizes`).
+    block (int8 / int4). fp16 linear layers also multiply in float16; norms, attention and graph
+    I/O are float32 in every format. kv_dtype: how the KV cache is stored (KV_DTYPES), in the slots
+    and in a prompt's rows while it is prefilled; float16 rounds each key and value once, where it
+    is stored (passes/kv_dtype.py), and attention still computes in float32. slot_buckets: decode
+    graphs for fewer active slots too (`decode_sizes`).
     """
 
     slots: int = 4
@@ -32,6 +35,7 @@ class ExportConfig:
     block_size: int = 32
     slot_buckets: bool = True
     tail: int = 32
+    kv_dtype: str = "float32"
 
     def __post_init__(self):
         if self.slots < 1:
@@ -48,8 +52,15 @@ class ExportConfig:
         if self.weight_format not in WEIGHT_FORMATS:
             raise SnapcompileError(f"unknown --weights {self.weight_format!r}; "
                                    f"choose one of {', '.join(WEIGHT_FORMATS)}")
+        if self.kv_dtype not in KV_DTYPES:
+            raise SnapcompileError(f"unknown --kv-dtype {self.kv_dtype!r}; choose one of {', '.join(KV_DTYPES)}")
         if not isinstance(self.block_size, int) or self.block_size < 16 or self.block_size & (self.block_size - 1):
             raise SnapcompileError(f"--block-size must be a power of two >= 16, got {self.block_size}")
+
+    @property
+    def kv_itemsize(self) -> int:
+        """Bytes of one cached key or value element."""
+        return 2 if self.kv_dtype == "float16" else 4
 
     @property
     def quantized(self) -> bool:
@@ -87,11 +98,13 @@ class ExportConfig:
         return [*sizes, self.slots]
 
     def to_dict(self) -> dict:
-        """The fields; tail only where it is set, so the records (and cache keys) of artifacts
-        without a tail graph stay what they were before it."""
+        """The fields; tail only where it is set and kv_dtype only where it is not float32, so the
+        records (and cache keys) of artifacts without them stay what they were before them."""
         d = asdict(self)
         if not self.tail:
             d.pop("tail")
+        if self.kv_dtype == "float32":
+            d.pop("kv_dtype")
         return d
 
     @classmethod

@@ -21,7 +21,7 @@ class HostArrays:
 def test_live_rows_survive_every_lay_out(steps):
     """Append rows, lay them out for graphs of several sizes (growing and shrinking): each layer's
     K and V rows read back through the current views are the rows written, head by head."""
-    cache = PromptCache(HostArrays(), 2, HEADS, DIM, MAX_ROWS)
+    cache = PromptCache(HostArrays(), 2, HEADS, DIM, MAX_ROWS, "float32")
     cache.reset()
     written = np.random.default_rng(0).standard_normal((2, 2, HEADS, MAX_ROWS, DIM)).astype(np.float32)
     for count, rows in steps:
@@ -42,7 +42,7 @@ def test_live_rows_survive_every_lay_out(steps):
 
 
 def test_views_of_every_size_share_one_buffer_per_layer():
-    cache = PromptCache(HostArrays(), 1, HEADS, DIM, MAX_ROWS)
+    cache = PromptCache(HostArrays(), 1, HEADS, DIM, MAX_ROWS, "float32")
     small_keys, _ = cache.view(16)
     cache.lay_out(16)
     cache.keys[0][0, 2, 5] = 7.0                 # head 2, row 5 of the 16-row layout
@@ -51,7 +51,7 @@ def test_views_of_every_size_share_one_buffer_per_layer():
 
 
 def test_a_layout_smaller_than_the_live_rows_is_refused():
-    cache = PromptCache(HostArrays(), 1, HEADS, DIM, MAX_ROWS)
+    cache = PromptCache(HostArrays(), 1, HEADS, DIM, MAX_ROWS, "float32")
     cache.filled_to(20)
     with pytest.raises(ValueError, match="20 live rows"):
         cache.lay_out(16)

@@ -3,9 +3,9 @@
 The figure is the resident memory (RSS) of a process running the artifact on ONNX Runtime's CPU
 provider at its worst: every slot full, a prompt of max_context tokens. Its parts, in bytes:
 
-- slot_caches, prefill_caches: the backend's float32 cache arrays (runtime/backend.py, prefill.py,
-  prompt_cache.py; a layer-by-layer prefill's one layer of prompt rows and the prompt's hidden
-  states, runtime/layer_prefill.py);
+- slot_caches, prefill_caches: the backend's cache arrays, float32 or float16 (`--kv-dtype`)
+  (runtime/backend.py, prefill.py, prompt_cache.py; a layer-by-layer prefill's one layer of prompt
+  rows and the prompt's hidden states, runtime/layer_prefill.py);
 - packed_weights: the linear layers and the LM head in the layout ONNX Runtime's kernels pre-pack
   them to, once per process whatever the number of graphs (runtime/ort_capi.py). Measured on
   MatMulNBits at accuracy level 4 (`studies/open_memory.py`, docs/results/memory.md): bits/8 bytes
@@ -48,8 +48,8 @@ RELEASE_EVERY_STEPS = 32                # decode steps between releases of weigh
 def memory_needed(manifest: Manifest) -> dict[str, int]:
     """Bytes of RSS a process running the artifact reaches at most, by purpose (module docstring).
     `convert`'s check uses the same figure from the manifest it is about to write."""
-    m, spec, export = manifest, manifest.spec, manifest.export
-    return {"slot_caches": export.slots * m.rows_per_slot * spec.kv_bytes_per_token,
+    m, export = manifest, manifest.export
+    return {"slot_caches": export.slots * m.kv_bytes_per_slot(),
             "prefill_caches": _prefill_bytes(m),
             "packed_weights": _packed_weight_bytes(m),
             "resident_weights": _resident_weight_bytes(m),
@@ -66,9 +66,9 @@ def _prefill_bytes(manifest: Manifest) -> int:
     spec, export = manifest.spec, manifest.export
     if manifest.prefill_order == "layers":
         rows = export.max_context + export.chunk
-        return export.max_context * spec.kv_bytes_per_token // spec.num_layers + rows * spec.hidden_size * 4
+        return export.max_context * manifest.kv_bytes_per_token // spec.num_layers + rows * spec.hidden_size * 4
     rows = export.max_context if manifest.policy.compressed else max(export.prefill_buckets(), default=0)
-    return rows * spec.kv_bytes_per_token
+    return rows * manifest.kv_bytes_per_token
 
 
 def _opened_layers(manifest: Manifest) -> float:
@@ -108,8 +108,9 @@ def _work_space_bytes(manifest: Manifest) -> int:
     spec, export = manifest.spec, manifest.export
     rows = export.max_context + export.chunk
     if manifest.policy.compressed:      # a KV head at a time (passes/attention_heads.py): its key / value
-        head = 4 * rows * spec.head_dim + 3 * spec.group_size * export.chunk * rows    # slices and joined
-        return ARENA_GROWTH * 4 * head                                                 # rows, three scores
+        slices = 2 * rows * spec.head_dim * (export.kv_itemsize + 4 * (export.kv_itemsize != 4))   # (+ cast)
+        head = slices + 4 * (2 * rows * spec.head_dim + 3 * spec.group_size * export.chunk * rows)  # joined
+        return ARENA_GROWTH * head                                                 # rows, three scores
     joined = 2 * spec.num_kv_heads * rows * spec.head_dim
     scores = 2 * spec.num_heads * export.chunk * rows
     return ARENA_GROWTH * 2 * 4 * (joined + scores)

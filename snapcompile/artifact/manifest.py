@@ -69,11 +69,16 @@ class Manifest:
         KV (naming.layer_major); "chunks": chunk by chunk through the whole model, every layer's KV held."""
         return "layers" if layer_major(self.lowering, self.policy.compressed) else "chunks"
 
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """K and V bytes one token's rows take across all layers, in the artifact's kv_dtype."""
+        return self.spec.kv_bytes_per_token * self.export.kv_itemsize // 4
+
     def kv_bytes_per_slot(self) -> int:
-        return self.rows_per_slot * self.spec.kv_bytes_per_token
+        return self.rows_per_slot * self.kv_bytes_per_token
 
     def dense_kv_bytes_per_slot(self) -> int:
-        return self.export.max_context * self.spec.kv_bytes_per_token
+        return self.export.max_context * self.kv_bytes_per_token
 
     def to_dict(self) -> dict:
         return {"format_version": FORMAT_VERSION, "snapcompile_version": __version__,

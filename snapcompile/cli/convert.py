@@ -9,7 +9,16 @@ import click
 
 from snapcompile.cli.options import config_default as default
 from snapcompile.cli.options import option_group
-from snapcompile.config import LOWERINGS, POLICIES, POOLINGS, SCOPES, WEIGHT_FORMATS, ExportConfig, PolicyConfig
+from snapcompile.config import (
+    KV_DTYPES,
+    LOWERINGS,
+    POLICIES,
+    POOLINGS,
+    SCOPES,
+    WEIGHT_FORMATS,
+    ExportConfig,
+    PolicyConfig,
+)
 
 _export_options = option_group(
     click.option("--slots", default=default(ExportConfig, "slots"), show_default=True,
@@ -36,6 +45,11 @@ _export_options = option_group(
                  help="Tokens of the tail prefill graph, which runs a resumed conversation turn's last tokens over "
                       "the rows earlier selections dropped (serve/run --session-keep quantized); at least the "
                       "observation window. 0: no tail graph."),
+    click.option("--kv-dtype", type=click.Choice(KV_DTYPES), default=default(ExportConfig, "kv_dtype"),
+                 show_default=True,
+                 help="How the KV cache is stored, in the slots and in a prompt's rows while it is prefilled: "
+                      "float16 halves both (each key and value rounded once where it is stored; attention still "
+                      "computes in float32; docs/results/accuracy.md measures what it costs). Standard lowering only."),
     click.option("-o", "--output", "output", required=True, type=click.Path(path_type=Path),
                  help="Artifact folder to write (atomically)."),
     click.option("--force", is_flag=True, help="Replace the output folder if it exists."),
@@ -74,9 +88,10 @@ _policy_options = option_group(
 )
 
 
-def _export_config(slots, max_context, chunk, weight_format, block_size, slot_buckets, tail) -> ExportConfig:
+def _export_config(slots, max_context, chunk, weight_format, block_size, slot_buckets, tail,
+                   kv_dtype) -> ExportConfig:
     return ExportConfig(slots=slots, max_context=max_context, chunk=chunk, weight_format=weight_format,
-                        block_size=block_size, slot_buckets=slot_buckets, tail=tail)
+                        block_size=block_size, slot_buckets=slot_buckets, tail=tail, kv_dtype=kv_dtype)
 
 
 @click.command()
@@ -103,14 +118,14 @@ def export(model, output, force, **export_args):
 @_export_options
 @_policy_options
 def convert(model, output, force, lowering, slots, max_context, chunk, weight_format, block_size, slot_buckets,
-            tail, **policy_args):
+            tail, kv_dtype, **policy_args):
     """Export MODEL and compress its cache in one go (export + passes).
 
     The budget bounds the decode cache at B rows per slot whatever the context; prompts up to
     --max-context tokens are compressed to the prompt share P at prefill.
     """
     from snapcompile.compiler.route import compile_artifact
-    export_cfg = _export_config(slots, max_context, chunk, weight_format, block_size, slot_buckets, tail)
+    export_cfg = _export_config(slots, max_context, chunk, weight_format, block_size, slot_buckets, tail, kv_dtype)
     policy = PolicyConfig(**policy_args)
     policy.check_against(export_cfg)
     refuse_existing(output, force)

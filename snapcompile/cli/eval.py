@@ -10,7 +10,7 @@ import click
 
 from snapcompile.cli.options import config_default, csv_option, kernel_option, report_options
 from snapcompile.cli.reports import write_report
-from snapcompile.config import POLICIES, SCOPES, WEIGHT_FORMATS, ExportConfig
+from snapcompile.config import KV_DTYPES, POLICIES, SCOPES, WEIGHT_FORMATS, ExportConfig
 from snapcompile.errors import SnapcompileError
 from snapcompile.evaluation.config import EvalConfig
 from snapcompile.evaluation.tasks import TASKS
@@ -44,6 +44,9 @@ DEFAULT_BUDGETS = (256, 512, 1024, 2048)
               "compares them with the fp32 dense model).")
 @click.option("--block-size", default=config_default(ExportConfig, "block_size"), show_default=True,
               help="int8 / int4: inputs per quantization block (as convert's; GGUF blocks are kept only at 32).")
+@click.option("--kv-dtype", type=click.Choice(KV_DTYPES), default=config_default(ExportConfig, "kv_dtype"),
+              show_default=True, help="KV cache of every artifact evaluated (as convert's; fidelity compares "
+              "with the float32 dense model).")
 @click.option("--generate", default=config_default(EvalConfig, "generate"), show_default=True,
               type=click.IntRange(min=48), help="fidelity: greedy tokens generated per case. Past the budget the "
               "ring wraps: the report adds the agreement after the first B tokens, where each policy's own "
@@ -51,7 +54,7 @@ DEFAULT_BUDGETS = (256, 512, 1024, 2048)
 @report_options("results.json", "eval", "Results JSON; the Markdown table and plots are written beside it. "
                 "An existing results file of the same model, task and seed is resumed and widened.")
 def eval_command(model_or_dir, task, policies, budgets, ratios, lengths, depths, samples, seed, scope, kernel, slots,
-                 weights, block_size, generate, cache_dir, output, as_json):
+                 weights, block_size, kv_dtype, generate, cache_dir, output, as_json):
     """Accuracy of dense, StreamingLLM and SnapStream artifacts on generated tasks.
 
     Builds (or reuses) the artifacts, runs every case through the engine, and writes OUTPUT
@@ -76,7 +79,7 @@ def eval_command(model_or_dir, task, policies, budgets, ratios, lengths, depths,
         budgets = () if ratios else DEFAULT_BUDGETS
     config = EvalConfig(model_or_dir, task, policies, budgets, lengths, depths, samples, seed, slots=slots,
                         scope=scope, kernel=kernel, ratios=ratios, weight_format=weights, block_size=block_size,
-                        generate=generate)
+                        kv_dtype=kv_dtype, generate=generate)
     started = time.perf_counter()
     with progress_bar(desc=f"eval {task}", unit="case", disable=as_json) as bar:
         def progress(advance, total=None):

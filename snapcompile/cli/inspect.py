@@ -30,7 +30,7 @@ def inspect(artifact, verify, as_json):
             "blocks_rewritten": {p["graph"]: p["blocks_rewritten"] for p in manifest.passes},
             "passes": [p["pass"] for p in manifest.passes],
             "weights_report": manifest.weights_report, "weights_file_bytes": manifest.files["weights.bin"]["bytes"],
-            "kv_bytes_per_slot": manifest.kv_bytes_per_slot(),
+            "kv_dtype": manifest.export.kv_dtype, "kv_bytes_per_slot": manifest.kv_bytes_per_slot(),
             "dense_kv_bytes_per_slot": manifest.dense_kv_bytes_per_slot(),
             "kv_bytes_total": manifest.kv_bytes_per_slot() * manifest.export.slots,
             "memory_needed_bytes": memory_needed(manifest), "checksums_verified": verify}
@@ -45,7 +45,7 @@ def inspect(artifact, verify, as_json):
     click.echo(f"graphs         {', '.join(info['graphs'])}")
     click.echo(f"rewritten      {info['blocks_rewritten'] or 'nothing (dense)'} by {', '.join(info['passes']) or '-'}")
     click.echo(f"weights        {_weights_line(manifest, info['weights_file_bytes'])}")
-    click.echo(f"KV per slot    {_mib(info['kv_bytes_per_slot'])} (dense at max context: "
+    click.echo(f"KV per slot    {_mib(info['kv_bytes_per_slot'])} in {manifest.export.kv_dtype} (dense at max context: "
                f"{_mib(info['dense_kv_bytes_per_slot'])}, ratio {ratio:.3f})")
     needed = info["memory_needed_bytes"]
     parts = ", ".join(f"{purpose} {_mib(size)}" for purpose, size in needed.items())

@@ -30,6 +30,7 @@ class EvalConfig:
     ratios: tuple[int, ...] = ()     # compression ratios: budget = length // ratio, per length
     weight_format: str = "fp32"      # --weights of every artifact (fidelity's reference stays fp32 dense)
     block_size: int = ExportConfig.block_size  # inputs per int8/int4 quantization block
+    kv_dtype: str = ExportConfig.kv_dtype      # --kv-dtype of every artifact (fidelity's reference: float32)
     generate: int = FIDELITY_TOKENS  # fidelity: greedy tokens generated and compared per case
 
     def __post_init__(self):
@@ -40,7 +41,7 @@ class EvalConfig:
         if any(not 0.0 <= d <= 1.0 for d in self.depths):
             raise SnapcompileError("--depths must lie in [0, 1]")
         PolicyConfig(kernel=self.kernel)      # raises on a kernel the policy refuses
-        ExportConfig(block_size=self.block_size)   # raises on a --block-size the export refuses
+        ExportConfig(block_size=self.block_size, kv_dtype=self.kv_dtype)   # raises on what the export refuses
         if self.generate < RECALL_CUE + RECALL_TOKENS:
             raise SnapcompileError(f"--generate must be >= {RECALL_CUE + RECALL_TOKENS} tokens")
         if self.samples < 1:
@@ -59,12 +60,12 @@ class EvalConfig:
     def export(self) -> ExportConfig:
         """The shapes of every artifact this evaluation runs."""
         return ExportConfig(slots=self.slots, max_context=self.max_context, chunk=self.chunk,
-                            weight_format=self.weight_format, block_size=self.block_size)
+                            weight_format=self.weight_format, block_size=self.block_size, kv_dtype=self.kv_dtype)
 
     @property
     def reference_export(self) -> ExportConfig:
-        """Fidelity's reference: the dense artifact with fp32 weights."""
-        return replace(self.export, weight_format="fp32", block_size=ExportConfig.block_size)
+        """Fidelity's reference: the dense artifact with fp32 weights and a float32 cache."""
+        return replace(self.export, weight_format="fp32", block_size=ExportConfig.block_size, kv_dtype="float32")
 
     def budgets_for(self, length: int) -> list[int]:
         """Budgets evaluated at `length`: the fixed budgets below it (a budget >= the prompt

@@ -36,7 +36,7 @@ def run_fidelity(config: EvalConfig, cases: list[Case], pending: dict, cache: Ar
         if not todo:
             continue
         policy_config = policy_for(policy, budget, config.scope, config.kernel)
-        quantized_dense = policy == "dense" and config.weight_format != "fp32"
+        quantized_dense = policy == "dense" and config.export != config.reference_export
         backend = OrtBackend(cache.get(config.export, policy_config)) if policy != "dense" or quantized_dense else None
         for case in todo:
             tokens, reference, dense_recall = dense[case.key]

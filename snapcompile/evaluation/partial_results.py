@@ -113,7 +113,7 @@ class ResultStore:
 
 
 _SAME_RESULTS = ("source", "task", "seed", "slots", "chunk", "scope", "kernel", "weight_format", "block_size",
-                 "generate")
+                 "kv_dtype", "generate")
 
 
 def _differing_fields(stored: dict, config: EvalConfig) -> list[str]:

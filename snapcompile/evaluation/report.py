@@ -105,7 +105,8 @@ def heading(config) -> str:
     """The line above an evaluation's tables: what was evaluated (model, weights and their block
     size, seed, SnapStream's kernel and scope), so a table read alone says which artifacts it measured."""
     blocks = f" in blocks of {config.block_size}" if config.weight_format in ("int8", "int4") else ""
-    return (f"{config.task} on {config.source}: {config.weight_format} weights{blocks}, seed {config.seed}, "
+    cache = "" if config.kv_dtype == "float32" else f", {config.kv_dtype} KV cache"
+    return (f"{config.task} on {config.source}: {config.weight_format} weights{blocks}{cache}, seed {config.seed}, "
             f"SnapStream kernel {config.kernel} scope {config.scope}, {config.slots} slots\n\n")
 
 

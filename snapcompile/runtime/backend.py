@@ -72,7 +72,8 @@ class SlotBackend:
         return [*self.decode_graphs.values(), *self.prefills.graphs()]
 
     def _kv(self, batch: int, rows: int):
-        return self.device.zeros((batch, self.manifest.spec.num_kv_heads, rows, self.manifest.spec.head_dim), "float32")
+        return self.device.zeros((batch, self.manifest.spec.num_kv_heads, rows, self.manifest.spec.head_dim),
+                                 self.manifest.export.kv_dtype)
 
     def _init_decode(self) -> None:
         """Per-step buffers for N slots; a decode graph of k slots is bound to their first k rows
@@ -179,7 +180,7 @@ class SlotBackend:
 
     # ---------------------------------------------------------------- slots
     def slot_rows(self, slot: int) -> list[tuple[np.ndarray, np.ndarray]]:
-        """Per layer the keys and values [Hkv, rows_per_slot, D] float32 of `slot` on the host (views
+        """Per layer the keys and values [Hkv, rows_per_slot, D] (export.kv_dtype) of `slot` on the host (views
         on ONNX Runtime: read them before the slot runs again)."""
         return [(self.device.download(self.keys[i][slot]), self.device.download(self.values[i][slot]))
                 for i in self._layers]

@@ -88,16 +88,16 @@ class PrefillResult:
 
 
 RowsTo = Callable[[int, np.ndarray, np.ndarray, "np.ndarray | None"], None]
-"""rows_to(layer, keys, values, kept) of a compressed prefill: `layer`'s filled rows, keys and values
-[Hkv, filled, D] float32 on the host, valid during the call only, and kept, [Hkv, kept] the rows its
-selection moved into the slot (None: rows [0, kept)); called once a layer, in order, after the
-layer's selection (a keeper reads a prompt's rows so, sessions/keepers.py)."""
+"""rows_to(layer, keys, values, kept) of a compressed prefill: `layer`'s filled rows, keys and
+values [Hkv, filled, D] in the cache's dtype (export.kv_dtype) on the host, valid during the call
+only, and kept, [Hkv, kept] the rows its selection moved into the slot (None: rows [0, kept));
+called once a layer, in order, after the layer's selection (a keeper reads a prompt's rows so, sessions/keepers.py)."""
 
 
 @dataclass(frozen=True)
 class ResumeFrom:
     """Where a resumed prefill starts, in rows: `rows` rows loaded first (kept(layer): keys, values
-    [Hkv, rows, D] float32), the new tokens prefilled after them from token (and RoPE position)
+    [Hkv, rows, D] float32 or the cache's dtype), the new tokens prefilled after them from token (and RoPE position)
     `position` on. `extra_count` more rows (extra(layer): (keys, values [Hkv, m, D], logit bias
     [Hkv, m] or None) in row order) are attended too: right after the loaded rows, by every new
     token, or with `extra_tail_only` after the earlier new tokens, by the last export.tail new tokens

@@ -101,7 +101,7 @@ class LayerPrefill:
         self.window_q = zeros((1, s.num_heads, m.policy.window, s.head_dim), "float32")
         self.last_hidden = zeros((1, s.hidden_size), "float32")
         self.logits = zeros((1, s.vocab_size), "float32")
-        self.prompt = PromptCache(self.device, 1, s.num_kv_heads, s.head_dim, self.max_context)
+        self.prompt = PromptCache(self.device, 1, s.num_kv_heads, s.head_dim, self.max_context, m.export.kv_dtype)
         self.embed_graph.bind("input_ids", self.ids)
         self.embed_graph.bind("hidden", self.embedded, output=True)
         self.head_graph.bind("hidden", self.last_hidden)
@@ -117,7 +117,7 @@ class LayerPrefill:
 
     def _kv(self, rows: int):
         s = self.manifest.spec
-        return self.device.zeros((1, s.num_kv_heads, rows, s.head_dim), "float32")
+        return self.device.zeros((1, s.num_kv_heads, rows, s.head_dim), self.manifest.export.kv_dtype)
 
     def _bind_layer_graph(self, g: LazyGraph, rows: int) -> None:
         keys, values = self.prompt.view(rows)

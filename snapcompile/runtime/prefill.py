@@ -44,7 +44,8 @@ class PrefillRunner:
         self._init_buffers()
 
     def _kv(self, batch: int, rows: int):
-        return self.device.zeros((batch, self.manifest.spec.num_kv_heads, rows, self.manifest.spec.head_dim), "float32")
+        return self.device.zeros((batch, self.manifest.spec.num_kv_heads, rows, self.manifest.spec.head_dim),
+                                 self.manifest.export.kv_dtype)
 
     def _init_buffers(self) -> None:
         m, zeros = self.manifest, self.device.zeros
@@ -56,7 +57,7 @@ class PrefillRunner:
         self.prompt: PromptCache | None = None
         if m.policy.compressed:    # the full prompt lives here until it is compressed into a slot
             self.prompt = PromptCache(self.device, self.num_layers, m.spec.num_kv_heads, m.spec.head_dim,
-                                      m.export.max_context)
+                                      m.export.max_context, m.export.kv_dtype)
             self.scratch_k, self.scratch_v = self.prompt.view(m.export.max_context)
             for i in self._layers:     # the full graph reads the prompt's rows laid out as max_context rows
                 self.prefill_graph.bind(f"past_key.{i}", self.scratch_k[i])
@@ -105,7 +106,7 @@ class PrefillRunner:
             return
         spec = self.manifest.spec
         views = self.prompt or PromptCache(self.device, self.num_layers, spec.num_kv_heads, spec.head_dim,
-                                           max(self.bucket_graphs))
+                                           max(self.bucket_graphs), self.manifest.export.kv_dtype)
         for rows, g in self.bucket_graphs.items():
             self.bucket_k[rows], self.bucket_v[rows] = views.view(rows)
             for i in self._layers:

@@ -12,18 +12,19 @@ from __future__ import annotations
 
 
 class PromptCache:
-    """Per layer one K and one V buffer of heads * max_rows * head_dim float32 elements.
+    """Per layer one K and one V buffer of heads * max_rows * head_dim elements of `dtype` (the
+    artifact's kv_dtype).
 
     `keys` / `values` (lists, one [1, Hkv, rows, D] view per layer) are the current layout's views;
     the lists are updated in place by `lay_out`, so a caller may hold them. `live` is the number of
     leading rows holding data: `lay_out` keeps those, the rest of the buffer is undefined."""
 
-    def __init__(self, device, num_layers: int, heads: int, head_dim: int, max_rows: int):
+    def __init__(self, device, num_layers: int, heads: int, head_dim: int, max_rows: int, dtype: str):
         self.device, self.heads, self.head_dim, self.max_rows = device, heads, head_dim, max_rows
         size = heads * max_rows * head_dim
-        self._flat_k = [device.zeros((size,), "float32") for _ in range(num_layers)]
-        self._flat_v = [device.zeros((size,), "float32") for _ in range(num_layers)]
-        self._moving = device.zeros((max_rows * head_dim,), "float32")   # one head's rows in transit
+        self._flat_k = [device.zeros((size,), dtype) for _ in range(num_layers)]
+        self._flat_v = [device.zeros((size,), dtype) for _ in range(num_layers)]
+        self._moving = device.zeros((max_rows * head_dim,), dtype)   # one head's rows in transit
         self.rows, self.live = max_rows, 0
         self.keys, self.values = self.view(max_rows)
 

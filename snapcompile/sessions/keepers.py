@@ -7,8 +7,8 @@ handed the slot's entry to make
 
 | mode | entry | a resumed turn's new tokens also see |
 |---|---|---|
-| `slot` | the slot's rows (B) in float32 | the summaries, on an artifact converted with them |
-| `full` (default) | every prompt position in float32 (the answer is prefilled again) | (nothing: every row is kept) |
+| `slot` | the slot's rows (B) in the cache's dtype (`--kv-dtype`) | the summaries, on an artifact converted with them |
+| `full` (default) | every prompt position in the cache's dtype (the answer prefilled again) | (nothing: all kept) |
 | `quantized` | the slot's rows in 8 bits, every dropped row in 4 | the dropped rows (the last tail tokens) |
 """
 from __future__ import annotations
@@ -163,7 +163,7 @@ class FullKeeper(Keeper):
             return None
         spec = self.manifest.spec
         entry_bytes = prompt.token_ids.nbytes + prompt.prompt_len * spec.num_layers * spec.num_kv_heads * (
-            2 * spec.head_dim * 4 + 8)             # float32 keys and values, int64 positions
+            2 * spec.head_dim * self.manifest.export.kv_itemsize + 8)        # keys and values, int64 positions
         oversized = self.max_bytes is not None and entry_bytes > self.max_bytes
         return _Oversized() if oversized else _FullReading(prompt)
 
@@ -198,7 +198,7 @@ class _Oversized(Reading):
 class QuantizedKeeper(Keeper):
     """`quantized`: each selection's dropped rows are kept in 4 bits (sessions/dropped.py), quantized
     as each layer is selected; an entry is the slot's rows in 8 bits with them beside, less the
-    oldest chunks until it costs no more than a float32 entry of the slot's every row would. A
+    oldest chunks until it costs no more than an entry of the slot's every row in the cache's dtype. A
     resumed turn's last tail tokens attend over every dropped row."""
 
     needs_tail = True

@@ -26,13 +26,13 @@ KEPT_BITS = 8           # the bits a `quantized` entry holds its rows in (its dr
 @dataclass(frozen=True)
 class KeptCache:
     """token_ids: [F] int64, the tokens the cache stands for (prompt and fed output; the last
-    sampled token was never fed, so it is not among them). keys / values: per layer [Hkv, n, D]
-    float32, or in KEPT_BITS (QuantizedRows, `quantized`); positions: per layer [Hkv, n] int64,
-    ascending per head, all < F. compressed_at: the positions the cache held when its rows were last
-    selected (0: never; every position < F that the ring did not overwrite is a row). summaries: the
-    rows its selections dropped, summed (policies with summaries; None otherwise). dropped: those
-    rows themselves in 4 bits (`quantized`; None otherwise). Every array is read-only: requests that
-    resume from one entry at once copy it, none changes it."""
+    sampled token was never fed, so it is not among them). keys / values: per layer [Hkv, n, D] in
+    the cache's dtype (float32 or float16), or in KEPT_BITS (QuantizedRows, `quantized`); positions:
+    per layer [Hkv, n] int64, ascending per head, all < F. compressed_at: the positions the cache
+    held when its rows were last selected (0: never; every position < F that the ring did not
+    overwrite is a row). summaries: the rows its selections dropped, summed (policies with summaries;
+    None otherwise). dropped: those rows themselves in 4 bits (`quantized`; None otherwise). Every
+    array is read-only: requests that resume from one entry at once copy it, none changes it."""
 
     token_ids: np.ndarray
     keys: tuple[np.ndarray | QuantizedRows, ...]
@@ -59,7 +59,8 @@ class KeptCache:
         return arrays + sum(held.nbytes for held in extra if held is not None)
 
     def layer_rows(self, layer: int, rows: int) -> tuple[np.ndarray, np.ndarray]:
-        """Keys and values [Hkv, rows, D] float32 of the layer's first `rows` rows."""
+        """Keys and values [Hkv, rows, D] of the layer's first `rows` rows (in their dtype; quantized ones
+        float32)."""
         return tuple(held.dequantize(rows) if isinstance(held, QuantizedRows) else held[:, :rows]
                      for held in (self.keys[layer], self.values[layer]))
 

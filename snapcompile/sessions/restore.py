@@ -61,7 +61,7 @@ def prompt_reading(keeper, manifest, slot: int, plan: ResumePlan | None, token_i
 
 def slot_entry(rows: list[tuple[np.ndarray, np.ndarray]], layout: SlotLayout, kept: list[np.ndarray] | None,
                fed: int, token_ids: list[int]) -> KeptCache:
-    """The cache of a finished sequence as host arrays in position order (float32): its kept prompt
+    """The cache of a finished sequence as host arrays in position order (the cache's dtype): its kept prompt
     rows (`kept`, per layer [Hkv, kept] positions as `kept_positions` gives them) and the `fed` decode
     tokens the slot still holds. rows: the slot's keys and values per layer [Hkv, rows_per_slot, D]
     (SlotBackend.slot_rows); token_ids: the prompt and the fed output tokens (len = positions covered)."""

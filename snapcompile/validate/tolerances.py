@@ -1,5 +1,5 @@
 """How far `validate` lets the artifact's logits and selections be from the oracle's, by weight format
-(no torch here: the command line reads them for its help)."""
+and KV dtype (no torch here: the command line reads them for its help)."""
 from __future__ import annotations
 
 from snapcompile.config import ExportConfig
@@ -13,10 +13,15 @@ FP16_TIE_GAP = 1e-4         # fp16 keys move window scores by a few 1e-6 (measur
 
 
 def tolerance(export: ExportConfig) -> float:
-    """validate's default bound on |logit difference| for these weights."""
-    return FP16_TOLERANCE if export.weight_format == "fp16" else DEFAULT_TOLERANCE
+    """validate's default bound on |logit difference| for these weights and KV cache."""
+    return FP16_TOLERANCE if _half(export) else DEFAULT_TOLERANCE
 
 
 def tie_gap(export: ExportConfig) -> float:
-    """validate's default near-tie gap of selection scores for these weights."""
-    return FP16_TIE_GAP if export.weight_format == "fp16" else DEFAULT_TIE_GAP
+    """validate's default near-tie gap of selection scores for these weights and KV cache."""
+    return FP16_TIE_GAP if _half(export) else DEFAULT_TIE_GAP
+
+
+def _half(export: ExportConfig) -> bool:
+    """float16 weights, or a float16 KV cache (keys and values rounded once where stored)."""
+    return export.weight_format == "fp16" or export.kv_dtype == "float16"
