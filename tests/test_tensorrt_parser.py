@@ -31,6 +31,18 @@ def test_every_artifact_graph_fits_tensorrt(tiny_llama, tmp_path, weights, polic
     assert artifact_parser_problems(graphs) == []
 
 
+@pytest.mark.parametrize("policy", ["dense", "snapstream"])
+def test_a_float16_cache_artifact_fits_tensorrt(tiny_llama, tmp_path, policy):
+    """--kv-dtype float16: the casts at every cache input and output are in TensorRT's support too."""
+    from snapcompile.compiler.route import compile_artifact
+    export = ExportConfig(slots=2, max_context=256, chunk=32, weight_format="int4", kv_dtype="float16")
+    compile_artifact(tiny_llama, export, PolicyConfig(policy=policy, budget=64, window=8, kernel=5), tmp_path / "a")
+    manifest = read_manifest(tmp_path / "a")
+    graphs = {name: load_graph(tmp_path / "a", manifest, name) for name in manifest.graphs}
+    assert any(i.type.tensor_type.elem_type == TensorProto.FLOAT16 for g in graphs.values() for i in g.graph.input)
+    assert artifact_parser_problems(graphs) == []
+
+
 def _model(nodes, inputs, initializers, opset=21, domains=()):
     graph = helper.make_graph(nodes, "g", inputs, [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
                               initializers)
