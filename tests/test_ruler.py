@@ -38,6 +38,9 @@ def test_cells_and_config_are_checked():
     units = RulerConfig("m", cells=("snapstream/4", "dense"), lengths=(1024, 2048), weights=("fp32", "int4")).units()
     assert units[:2] == [("fp32", "dense", 1024), ("fp32", "dense", 2048)] and len(units) == 8
     assert RulerConfig("m", lengths=(1024, 4096)).export("int4").max_context == 4096 + 64
+    assert RulerConfig("m", kv_dtype="float16").export("fp32").kv_dtype == "float16"
+    with pytest.raises(SnapcompileError, match="--kv-dtype"):
+        RulerConfig("m", kv_dtype="int8")
 
 
 def _unit(cell, scores, predictions=None, weights="fp32", length=1024):
@@ -77,6 +80,8 @@ def test_unit_store_resumes_a_killed_run_and_refuses_another_configuration(tmp_p
     assert partial.read_text().endswith("}\n"), "the cut line is dropped"
     with pytest.raises(SnapcompileError, match="another RULER configuration"):
         UnitStore(out, RulerConfig("m", lengths=(2048,)))
+    with pytest.raises(SnapcompileError, match="another RULER configuration"):      # a float16 cache's are apart
+        UnitStore(out, RulerConfig("m", lengths=(1024,), kv_dtype="float16"))
 
 
 def test_an_lm_eval_failure_is_one_error_line_naming_the_logs(tmp_path):

@@ -10,7 +10,7 @@ import click
 
 from snapcompile.cli.options import config_default, csv_option, kernel_option, report_options
 from snapcompile.cli.reports import write_report
-from snapcompile.config import SCOPES
+from snapcompile.config import KV_DTYPES, SCOPES, ExportConfig
 from snapcompile.evaluation.ruler import RULER_TASKS
 from snapcompile.evaluation.ruler_run import DEFAULT_CELLS, RulerConfig
 
@@ -34,10 +34,12 @@ from snapcompile.evaluation.ruler_run import DEFAULT_CELLS, RulerConfig
 @click.option("--scope", type=click.Choice(SCOPES), default=config_default(RulerConfig, "scope"), show_default=True,
               help="SnapStream selection scope.")
 @kernel_option()
+@click.option("--kv-dtype", type=click.Choice(KV_DTYPES), default=config_default(ExportConfig, "kv_dtype"),
+              show_default=True, help="KV cache of every artifact, dense's too (as convert's).")
 @report_options("ruler.json", "eval", "Results JSON; the Markdown table and plots are written beside it. "
                 "An interrupted run of the same configuration resumes from OUTPUT.partial.jsonl.")
-def eval_ruler(model_or_dir, tasks, lengths, cells, weights, limit, slots, chunk, scope, kernel, cache_dir, output,
-               as_json):
+def eval_ruler(model_or_dir, tasks, lengths, cells, weights, limit, slots, chunk, scope, kernel, kv_dtype, cache_dir,
+               output, as_json):
     """RULER (niah_single_1, niah_multikey_2/3, vt, cwe, fwe) through lm-evaluation-harness.
 
     For each weight format, builds (or reuses) the dense and compressed artifacts, serves each with
@@ -58,7 +60,7 @@ def eval_ruler(model_or_dir, tasks, lengths, cells, weights, limit, slots, chunk
     from snapcompile.models.loader import cache_root
     _check_lm_eval()
     output = check_output_file(output, force=True, read_folders=(Path(model_or_dir),))
-    config = RulerConfig(model_or_dir, tasks, lengths, cells, weights, limit, slots, chunk, scope, kernel)
+    config = RulerConfig(model_or_dir, tasks, lengths, cells, weights, limit, slots, chunk, scope, kernel, kv_dtype)
     cache = cache_dir or cache_root() / "eval"
     started = time.perf_counter()
     with progress_bar(desc="eval-ruler", unit="run", total=len(config.units()), disable=as_json) as bar:

@@ -43,6 +43,7 @@ class RulerConfig:
     chunk: int = ExportConfig.chunk          # the product's own shapes (convert's default)
     scope: str = "head"                       # SnapStream's selection scope (head | layer)
     kernel: int = PolicyConfig.kernel         # SnapStream's pooling kernel K
+    kv_dtype: str = ExportConfig.kv_dtype     # the KV cache of every artifact, dense's too (--kv-dtype)
 
     def __post_init__(self):
         unknown = set(self.tasks) - set(ruler.RULER_TASKS)
@@ -67,10 +68,11 @@ class RulerConfig:
         if self.scope not in SCOPES:
             raise SnapcompileError(f"--scope must be one of {', '.join(SCOPES)}")
         PolicyConfig(kernel=self.kernel)      # raises on a kernel the policy refuses
+        ExportConfig(kv_dtype=self.kv_dtype)  # and on a KV dtype the export refuses
 
     def export(self, weights: str) -> ExportConfig:
         return ExportConfig(slots=self.slots, max_context=max(self.lengths) + CONTEXT_MARGIN, chunk=self.chunk,
-                            weight_format=weights)
+                            weight_format=weights, kv_dtype=self.kv_dtype)
 
     def units(self) -> list[tuple[str, str, int]]:
         """(weights, cell, length) for every run, dense first."""
