@@ -120,6 +120,12 @@ def chunk_starts(prompt_len: int, chunk: int) -> list[int]:
     return starts
 
 
+def bucket_holding(rows: int, buckets, max_context: int) -> int:
+    """The cache rows of the prefill graph for `rows` filled rows: the smallest bucket that holds them,
+    else max_context (the full graph). Both prefill orders choose their graphs by it."""
+    return min((bucket for bucket in buckets if bucket >= rows), default=max_context)
+
+
 def chunk_spans(length: int, split: int, chunk: int, last_chunk: int):
     """(offset, count) of the chunks of `length` new tokens, none across `split` (0: one run):
     chunk_starts over [0, split) in chunks of `chunk`, then over [split, length) in `last_chunk`."""

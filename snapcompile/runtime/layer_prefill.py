@@ -38,7 +38,15 @@ from snapcompile.artifact.naming import (
 )
 from snapcompile.errors import SnapcompileError
 from snapcompile.layout import SlotLayout
-from snapcompile.runtime.device import Device, LazyGraph, PrefillResult, ResumeFrom, RowsTo, chunk_spans
+from snapcompile.runtime.device import (
+    Device,
+    LazyGraph,
+    PrefillResult,
+    ResumeFrom,
+    RowsTo,
+    bucket_holding,
+    chunk_spans,
+)
 from snapcompile.runtime.prompt_cache import PromptCache
 
 
@@ -82,7 +90,7 @@ class LayerPrefill:
     def prefill_rows(self, prompt_len: int) -> int:
         """The smallest bucket that holds `prompt_len` cache rows, else max_context (as
         PrefillRunner.prefill_rows)."""
-        return min((rows for rows in self.buckets if rows >= prompt_len), default=self.max_context)
+        return bucket_holding(prompt_len, self.buckets, self.max_context)
 
     def chunk_rows(self, start: int) -> int:
         """Cache rows the chunk starting at `start` attends over (PrefillRunner.chunk_rows)."""

@@ -19,7 +19,15 @@ from snapcompile.artifact.manifest import Manifest
 from snapcompile.artifact.naming import TAIL_GRAPH, bucket_rows
 from snapcompile.errors import SnapcompileError
 from snapcompile.layout import SlotLayout
-from snapcompile.runtime.device import Device, LazyGraph, PrefillResult, ResumeFrom, RowsTo, chunk_spans
+from snapcompile.runtime.device import (
+    Device,
+    LazyGraph,
+    PrefillResult,
+    ResumeFrom,
+    RowsTo,
+    bucket_holding,
+    chunk_spans,
+)
 from snapcompile.runtime.prompt_cache import PromptCache
 
 
@@ -116,8 +124,7 @@ class PrefillRunner:
     def prefill_rows(self, prompt_len: int) -> int:
         """The smallest bucket that holds `prompt_len` cache rows, else max_context (the full
         prefill graph): the cache a whole prompt of that length is selected from."""
-        fitting = [rows for rows in self.bucket_graphs if rows >= prompt_len]
-        return min(fitting) if fitting else self.manifest.export.max_context
+        return bucket_holding(prompt_len, self.bucket_graphs, self.manifest.export.max_context)
 
     def _init_select(self) -> None:
         m, zeros = self.manifest, self.device.zeros
