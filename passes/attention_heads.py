@@ -2,19 +2,20 @@
 
 The joined block's scores of a chunk over R cache rows are [1, Hkv, G, C, R + C] float32, and the
 Mul, Add and Softmax after the MatMul each write another tensor of that size: at the 8B shape and
-R = 131072, 1 GiB each, where the rest of a layer's work space is tens of MiB. Rewritten as a Loop
-over the KV heads (ONNX Runtime runs its iterations one after the other, reusing their buffers), a
-chunk holds one head's: Hkv times less. Each head's MatMuls, mask and Softmax are the batched
-block's for that head (the same shapes, each batch of a batched MatMul multiplied on its own), so
-the outputs are the same bit for bit (tests/test_passes.py).
+R = 131072, 1 GiB each, where the rest of a layer's work space is tens of MiB. Rewritten as a chain
+of the KV heads' blocks, run one after the other (below), a chunk holds one head's: Hkv times less.
+Each head's MatMuls, mask and Softmax are the batched block's for that head (the same shapes, each
+batch of a batched MatMul multiplied on its own), so the outputs are the same bit for bit
+(tests/test_passes.py).
 
-Each head: Slice head h of q [1, Hkv, G, C, D], of the cache and new keys / values and, where it
+Each head: Gather head h of q [1, Hkv, G, C, D], of the cache and new keys / values and, where it
 has one (the summary rows' bias, passes/cache_bias.py), of the mask [1, Hkv, 1, C, R + C]; the
 block's nodes on them; the heads' outputs [1, 1, G, C, D] concatenated. The heads run one after the
-other: head h + 1's slices start at an index that reads head h's output (h + 1 plus the ArgMax of
-one of its elements, always 0), a dependency ONNX Runtime cannot fold away, so its executor (which
-frees each tensor after its last reader) holds one head's scores at a time. No control flow: the
-load checks (artifact/static_sizes.py) bound every node.
+other: head h + 1's index reads head h's output (h + 1 plus the ArgMax of one of its elements,
+always 0), a dependency ONNX Runtime cannot fold away, so its executor (which frees each tensor after
+its last reader) holds one head's scores at a time. A Gather of a one-element index (not a Slice
+from a running start) keeps every shape known at load, and there is no control flow: the load
+checks (artifact/static_sizes.py) bound every node.
 """
 from __future__ import annotations
 
@@ -44,11 +45,10 @@ def _per_head(edit: GraphEditor, block: AttentionBlock, spec: ModelSpec, biased:
     it is one [C, R + C] for every head."""
     mask, outputs, after = block.cache_mask_add.inputs[1], [], edit.const([0])
     for h in range(spec.num_kv_heads):
-        start = edit.op("Add", after, edit.const([h]))
-        end = edit.op("Add", start, edit.const([1]))
+        index = edit.op("Add", after, edit.const([h]))
 
-        def head(tensor: gs.Tensor, start=start, end=end) -> gs.Variable:
-            return edit.op("Slice", tensor, start, end, edit.const([1]))
+        def head(tensor: gs.Tensor, index=index) -> gs.Variable:
+            return edit.op("Gather", tensor, index, axis=1)
         keys = edit.op("Unsqueeze", edit.op("Concat", head(block.k_cache), head(block.k_new), axis=2), edit.const([2]))
         values = edit.op("Unsqueeze", edit.op("Concat", head(block.v_cache), head(block.v_new), axis=2),
                          edit.const([2]))

@@ -156,13 +156,28 @@ def test_files_the_manifest_does_not_list_change_nothing(artifact):
     assert "HIJACKED" not in engine.tokenizer.apply_chat_template([{"role": "user", "content": "x"}], tokenize=False)
 
 
+def _running_nodes(source: str):
+    """Nodes writing `flat` ([slots] int64) and `count` (a scalar) from a graph input's values: sizes
+    known only while running."""
+    import numpy as np
+    from onnx import TensorProto, helper, numpy_helper
+    zero = numpy_helper.from_array(np.array([0], dtype=np.int64))
+    return [helper.make_node("Cast", [source], ["as_int"], to=TensorProto.INT64),
+            helper.make_node("Constant", [], ["zero"], value=zero),
+            helper.make_node("Constant", [], ["flat_shape"], value=numpy_helper.from_array(np.array([-1], np.int64))),
+            helper.make_node("Gather", ["as_int", "zero"], ["dims"], axis=-1),
+            helper.make_node("Reshape", ["dims", "flat_shape"], ["flat"]),
+            helper.make_node("ReduceMax", ["flat"], ["count"], keepdims=0)]
+
+
 def _huge_node(model, kind: str):
     """Nodes a hostile edit adds to a graph: each asks for a tensor of ~2^40 elements, or one whose
-    size only a value known while running sets, or control flow."""
+    size only a value known while running sets (whatever the operator), or control flow."""
     import numpy as np
     from onnx import TensorProto, helper, numpy_helper
     source = model.graph.input[0].name
     huge = numpy_helper.from_array(np.array([1 << 20, 1 << 20], dtype=np.int64), "huge_shape")
+    running = _running_nodes(source)
     nodes = {
         "ConstantOfShape": [helper.make_node("Constant", [], ["huge_shape"], value=huge),
                             helper.make_node("ConstantOfShape", ["huge_shape"], ["huge"], name="hostile")],
@@ -174,12 +189,20 @@ def _huge_node(model, kind: str):
                  helper.make_node("Constant", [], ["block"], value=numpy_helper.from_array(
                      np.ones((4, 4), dtype=np.float32))),
                  helper.make_node("Tile", ["block", "huge_shape"], ["huge"], name="hostile")],
-        "running value": [helper.make_node("Cast", [source], ["as_int"], to=TensorProto.INT64),
-                          helper.make_node("Constant", [], ["zero"], value=numpy_helper.from_array(
-                              np.array([0], dtype=np.int64))),
-                          helper.make_node("Gather", ["as_int", "zero"], ["dims"], axis=-1),
-                          helper.make_node("Reshape", ["dims", "zero_shape"], ["flat"]),
-                          helper.make_node("ConstantOfShape", ["flat"], ["huge"], name="hostile")],
+        "running value": [*running, helper.make_node("ConstantOfShape", ["flat"], ["huge"], name="hostile")],
+        "window generator": [*running, helper.make_node("HannWindow", ["count"], ["huge"], name="hostile")],
+        "spectral op": [*running, helper.make_node("Constant", [], ["signal"], value=numpy_helper.from_array(
+                            np.ones((1, 8, 1), dtype=np.float32))),
+                        helper.make_node("DFT", ["signal", "count"], ["huge"], name="hostile")],
+        "computed Reshape into MatMul": [
+            *running, helper.make_node("Constant", [], ["rows"], value=numpy_helper.from_array(
+                np.ones(4096, dtype=np.float32))),
+            helper.make_node("Constant", [], ["minus_one"], value=numpy_helper.from_array(np.array([-1], np.int64))),
+            helper.make_node("ReduceMax", ["flat"], ["first"], keepdims=1),
+            helper.make_node("Concat", ["first", "minus_one"], ["computed_shape"], axis=0),
+            helper.make_node("Reshape", ["rows", "computed_shape"], ["matrix"], name="hostile"),
+            helper.make_node("Transpose", ["matrix"], ["transposed"]),
+            helper.make_node("MatMul", ["matrix", "transposed"], ["huge"], name="hostile_product")],
         "If": [helper.make_node("Constant", [], ["flag"], value=numpy_helper.from_array(np.array(True))),
                helper.make_node("If", ["flag"], ["branch"], name="hostile", **{
                    branch: helper.make_graph([helper.make_node("Constant", [], [f"{branch}_out"],
@@ -188,14 +211,16 @@ def _huge_node(model, kind: str):
                                                                                         TensorProto.FLOAT, [1])])
                    for branch in ("then_branch", "else_branch")})],
     }[kind]
-    if kind == "running value":
-        model.graph.initializer.append(numpy_helper.from_array(np.array([-1], dtype=np.int64), "zero_shape"))
     model.graph.node.extend(nodes)
 
 
-@pytest.mark.parametrize("kind, fragment", [
-    ("ConstantOfShape", "would allocate 1,099,511,627,776 elements"), ("Expand", "would allocate"),
-    ("Tile", "would allocate"), ("running value", "cannot be known at load"), ("If", "no control flow")])
+HOSTILE_NODES = [("ConstantOfShape", "would allocate 1,099,511,627,776 elements"), ("Expand", "would allocate"),
+                 ("Tile", "would allocate"), ("running value", "cannot be known at load"),
+                 ("window generator", "cannot be known at load"), ("spectral op", "cannot be known at load"),
+                 ("computed Reshape into MatMul", "cannot be known at load"), ("If", "no control flow")]
+
+
+@pytest.mark.parametrize("kind, fragment", HOSTILE_NODES)
 def test_a_graph_that_would_allocate_past_its_shapes_is_refused_at_load(artifact, kind, fragment):
     """In the static graphs (inspect checks them) and in ONNX Runtime's (run opens them)."""
     import onnx
@@ -206,3 +231,35 @@ def test_a_graph_that_would_allocate_past_its_shapes_is_refused_at_load(artifact
     rerecord_checksums(artifact)
     assert_one_line_error(invoke("run", artifact, "--prompt", "hi"), fragment)
     assert_one_line_error(invoke("inspect", artifact), "hostile")
+
+
+def test_shapes_a_graph_declares_for_its_values_are_not_believed(artifact):
+    """A value_info saying [1] for a tensor sized while running does not make it bounded."""
+    import onnx
+    from onnx import TensorProto, helper
+    for name in ("decode.onnx", "ort_decode.onnx"):
+        model = onnx.load(str(artifact / name), load_external_data=False)
+        _huge_node(model, "running value")
+        model.graph.value_info.append(helper.make_tensor_value_info("huge", TensorProto.FLOAT, [1]))
+        onnx.save_model(model, str(artifact / name))
+    rerecord_checksums(artifact)
+    assert_one_line_error(invoke("run", artifact, "--prompt", "hi"), "cannot be known at load")
+
+
+@pytest.mark.parametrize("graph", ["prefill.onnx", "ort_decode.onnx"])
+@pytest.mark.parametrize("field, value, fragment", [
+    ("offset", str(10 ** 12), "at offset 1000000000000 of weights.bin"), ("length", "7", "declares 7 bytes"),
+    ("offset", "nine", "external data cannot be read")])
+def test_an_initializer_reading_past_its_weights_file_is_refused(artifact, tmp_path, graph, field, value, fragment):
+    """Static graphs (inspect, compress, validate read them) and ONNX Runtime's (run maps them)."""
+    import onnx
+    model = onnx.load(str(artifact / graph), load_external_data=False)
+    external = next(t for t in model.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL)
+    next(entry for entry in external.external_data if entry.key == field).value = value
+    onnx.save_model(model, str(artifact / graph))
+    rerecord_checksums(artifact)
+    command = ("run", artifact, "--prompt", "hi") if graph.startswith("ort_") else ("inspect", artifact)
+    assert_one_line_error(invoke(*command), fragment)
+    if not graph.startswith("ort_"):
+        assert_one_line_error(invoke("compress", artifact, "-o", tmp_path / "c", "--budget", 64, "--window", 8),
+                              fragment)

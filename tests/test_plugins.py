@@ -149,3 +149,30 @@ def test_plugin_artifact_resumes_turns_as_the_oracle_does(plugin_dir, tiny_dense
     assert summary["resumed_tokens"][0] == 0 and min(summary["resumed_tokens"][1:]) > 300
     assert not summary["selection_mismatches"]
     assert summary["max_abs_logit_diff"] <= 1e-4 and summary["greedy_agreement"] == 1.0
+
+
+@pytest.mark.parametrize("op, attr, value, fragment", [
+    (SELECT.name, "prompt_share", 1 << 30, "not with its contract's inputs and attributes"),
+    (SELECT.name, "kernel", 1 << 30, "not with its contract's inputs and attributes"),
+    (DECODE_ATTENTION.name, "scale", float("nan"), "not with its contract's inputs and attributes"),
+    ("SnapKVUnknown", None, None, "this artifact's lowering does not write")])
+def test_a_custom_op_node_off_its_contract_is_refused_at_load(plugin_dir, tmp_path, op, attr, value, fragment):
+    """The load check bounds custom-op outputs by their contracts: an attribute that would size the
+    op's work past what the manifest's policy declares, or an op no lowering writes, is refused."""
+    import shutil
+
+    from tests.cli_helpers import assert_one_line_error, invoke, rerecord_checksums
+    folder = tmp_path / "edited"
+    shutil.copytree(plugin_dir, folder)
+    graph = "decode.onnx" if op != SELECT.name else "select.onnx"
+    model = onnx.load(str(folder / graph), load_external_data=False)
+    node = next(n for n in model.graph.node if n.domain == DOMAIN)
+    if attr is None:
+        node.op_type = op
+    else:
+        kept = [a for a in node.attribute if a.name != attr]
+        del node.attribute[:]
+        node.attribute.extend([*kept, onnx.helper.make_attribute(attr, value)])
+    onnx.save_model(model, str(folder / graph))
+    rerecord_checksums(folder)
+    assert_one_line_error(invoke("inspect", folder), fragment)

@@ -6,18 +6,20 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import onnx
-from onnx import TensorProto, external_data_helper, numpy_helper
+from onnx import TensorProto, external_data_helper, helper, numpy_helper
 
 from snapcompile import __version__
 from snapcompile.artifact.files import record_files
 from snapcompile.artifact.manifest import MANIFEST, METADATA_KEY, ORT_WEIGHTS, WEIGHTS, Manifest
 from snapcompile.artifact.naming import ort_file, ort_graphs, ort_size
-from snapcompile.artifact.static_sizes import check_family_sizes, check_static_sizes, max_elements
+from snapcompile.artifact.static_sizes import RULES, check_family_sizes, check_static_sizes, max_elements
 from snapcompile.atomic import write_json_atomic
 from snapcompile.errors import SnapcompileError, first_line
 from snapcompile.paths import cache_root
@@ -94,15 +96,21 @@ def _save(model: onnx.ModelProto, path: Path, fingerprint: str) -> None:
 
 
 def load_graph(folder: Path, manifest: Manifest, name: str, with_weights: bool = False) -> onnx.ModelProto:
-    """Load one static graph of an artifact and check it belongs to `manifest`."""
+    """Load one static graph of an artifact and check it belongs to `manifest` (its weights, when
+    asked, read only once every reference is checked to lie inside weights.bin)."""
     entry = manifest.graphs.get(name)
     if entry is None:
         raise SnapcompileError(f"artifact {folder} has no {name} graph")
     path = Path(folder) / entry["file"]
-    model, digest = _read(path, with_weights)
+    model, digest = _read(path)
     check_graph_matches(model, path, manifest, entry)
     _once(digest, manifest, None, lambda: check_static_sizes(model, path, manifest))
     _check_external_data(model, path, (WEIGHTS,))
+    if with_weights:
+        try:
+            external_data_helper.load_external_data_for_model(model, str(path.parent))
+        except Exception as err:  # a file changed since the check, or unreadable
+            raise SnapcompileError(f"{path}: its weights cannot be read: {first_line(err)}") from None
     return model
 
 
@@ -113,7 +121,7 @@ def load_ort_graph(folder: Path, manifest: Manifest, name: str) -> onnx.ModelPro
     if entry is None:
         raise SnapcompileError(f"artifact {folder} has no ONNX Runtime graph {name}")
     path = Path(folder) / entry["file"]
-    model, digest = _read(path, False)
+    model, digest = _read(path)
     check_graph_matches(model, path, manifest, entry)
     if entry["size"] is None:
         _once(digest, manifest, None, lambda: check_static_sizes(model, path, manifest))
@@ -125,13 +133,11 @@ def load_ort_graph(folder: Path, manifest: Manifest, name: str) -> onnx.ModelPro
     return model
 
 
-def _read(path: Path, with_weights: bool) -> tuple[onnx.ModelProto, str]:
-    """The graph at `path` and the sha256 of the bytes it was parsed from."""
+def _read(path: Path) -> tuple[onnx.ModelProto, str]:
+    """The graph at `path` (without its external data) and the sha256 of the bytes it was parsed from."""
     try:
         data = path.read_bytes()
         model = onnx.load_model_from_string(data)
-        if with_weights:
-            external_data_helper.load_external_data_for_model(model, str(path.parent))
     except FileNotFoundError:
         raise SnapcompileError(f"{path} is missing") from None
     except Exception as err:  # protobuf raises DecodeError and friends for a corrupt file
@@ -143,7 +149,7 @@ def _once(digest: str, manifest: Manifest, detail, check) -> None:
     """Run `check` (the allocation bound of a graph) unless it passed before on these very bytes
     (`digest`) under the same bound: a record under $SNAPCOMPILE_CACHE/checked/ (shape inference at
     every member's size takes ~0.5 s for a 1B shape's graphs; a file is hashed at every load)."""
-    key = hashlib.sha256(json.dumps([digest, max_elements(manifest), detail, __version__]).encode()).hexdigest()
+    key = hashlib.sha256(json.dumps([digest, max_elements(manifest), detail, __version__, RULES]).encode()).hexdigest()
     record = cache_root() / "checked" / key
     if record.exists():
         return
@@ -156,11 +162,49 @@ def _once(digest: str, manifest: Manifest, detail, check) -> None:
 
 
 def _check_external_data(model: onnx.ModelProto, path: Path, allowed: tuple[str, ...]) -> None:
+    """Every initializer with external data reads exactly its values' bytes from inside one of the
+    artifact's `allowed` weight files."""
     for tensor in model.graph.initializer:
-        location = next((e.value for e in tensor.external_data if e.key == "location"), None)
-        if tensor.data_location == TensorProto.EXTERNAL and location not in allowed:
-            raise SnapcompileError(f"{path}: initializer {tensor.name} reads external data from {location!r}, "
-                                   f"not the artifact's {' or '.join(allowed)}; refused")
+        if tensor.data_location == TensorProto.EXTERNAL:
+            external_span(tensor, path.parent, allowed, path)
+
+
+def external_span(tensor: TensorProto, folder: Path, allowed: tuple[str, ...] = (WEIGHTS, ORT_WEIGHTS),
+                  source: Path | None = None) -> tuple[str, int, int]:
+    """(file name, offset, bytes) of an external initializer, checked: the file one of `allowed`, the
+    length the bytes its dtype and dims take, the span inside the file. source: what to name in errors."""
+    source = source or folder
+    fields = {entry.key: entry.value for entry in tensor.external_data}
+    location = fields.get("location")
+    if location not in allowed:
+        raise SnapcompileError(f"{source}: initializer {tensor.name} reads external data from {location!r}, "
+                               f"not the artifact's {' or '.join(allowed)}; refused")
+    size = tensor_bytes(tensor)
+    try:
+        offset, length = int(fields.get("offset", 0)), int(fields.get("length", -1))
+        file_bytes = (Path(folder) / location).stat().st_size
+    except (ValueError, OSError) as err:
+        raise SnapcompileError(f"{source}: initializer {tensor.name}'s external data cannot be read: "
+                               f"{first_line(err)}") from None
+    if size is None or length != size or not 0 <= offset <= file_bytes - size:
+        raise SnapcompileError(f"{source}: initializer {tensor.name} declares {length} bytes at offset {offset} of "
+                               f"{location} ({file_bytes} bytes) for {size} bytes of values; refused")
+    return location, offset, size
+
+
+def tensor_bytes(tensor: TensorProto) -> int | None:
+    """The bytes a tensor's values take (4-bit types packed two a byte), or None for dims or a dtype
+    no weight has (negative, string, undefined)."""
+    if any(dim < 0 for dim in tensor.dims):
+        return None
+    count = math.prod(tensor.dims)
+    if tensor.data_type in (TensorProto.INT4, TensorProto.UINT4):
+        return (count + 1) // 2
+    try:
+        dtype = np.dtype(helper.tensor_dtype_to_np_dtype(tensor.data_type))
+    except (KeyError, TypeError, ValueError):
+        return None
+    return None if dtype.kind in "OUS" else dtype.itemsize * count
 
 
 def check_graph_matches(model: onnx.ModelProto, path: Path, manifest: Manifest, expected: dict) -> None:

@@ -14,9 +14,10 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
-from onnx import TensorProto, external_data_helper, helper, numpy_helper
+from onnx import TensorProto, helper, numpy_helper
 
 from snapcompile.artifact.manifest import ORT_WEIGHTS, WEIGHTS
+from snapcompile.artifact.onnx_io import external_span
 from snapcompile.errors import SnapcompileError
 
 
@@ -37,15 +38,9 @@ class WeightArrays:
             if tensor.data_location != TensorProto.EXTERNAL:
                 self._arrays[key] = numpy_helper.to_array(tensor)
             else:
-                info = external_data_helper.ExternalDataInfo(tensor)
-                offset, mapped = info.offset or 0, self._mapped(info.location)
+                location, offset, size = external_span(tensor, self.folder)
                 dtype = np.dtype(helper.tensor_dtype_to_np_dtype(tensor.data_type))
-                size = dtype.itemsize * int(np.prod(tensor.dims))
-                if info.length != size or not 0 <= offset <= len(mapped) - size:
-                    raise SnapcompileError(f"{self.folder}: initializer {tensor.name} declares {info.length} bytes at "
-                                           f"offset {offset} of {info.location} ({len(mapped)} bytes) for {size} "
-                                           "bytes of values; refused")
-                self._arrays[key] = mapped[offset:offset + size].view(dtype).reshape(tuple(tensor.dims))
+                self._arrays[key] = self._mapped(location)[offset:offset + size].view(dtype).reshape(tuple(tensor.dims))
         return self._arrays[key]
 
     def _mapped(self, name: str) -> np.memmap:
