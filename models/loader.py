@@ -26,6 +26,7 @@ from snapcompile.models.tensors import (
     TensorSource,
     check_layer_count,
     expected_shapes,
+    holds_every_index,
     model_from_source,
 )
 from snapcompile.models.tokenizer import load_tokenizer, refuse_remote_code
@@ -179,8 +180,10 @@ def _load_from_folder(folder: Path, name: str) -> LoadedModel:
     the config (names and shapes, from the files' headers) and read one tensor at a time later."""
     from transformers import AutoConfig
     refuse_remote_code(folder)
-    _read_config(folder)
+    raw = _read_config(folder)
     tensors = SafetensorsSource(folder)
+    if "num_hidden_layers" in raw:    # transformers sizes lists by it: checked against the file first
+        check_layer_count(raw["num_hidden_layers"], tensors.found, str(folder))
     try:
         config = AutoConfig.from_pretrained(folder, trust_remote_code=False, local_files_only=True)
         spec = ModelSpec.from_hf_config(config)
@@ -235,7 +238,7 @@ def check_gguf_counts(path: Path) -> None:
     shapes = {t.name: [int(n) for n in t.shape] for t in reader.tensors}
     blocks = {int(m.group(1)) for name in shapes if (m := re.match(r"blk\.(\d+)\.", name))}
     declared = field(f"{arch}.block_count")
-    if declared is None or set(range(declared)) != blocks:
+    if not holds_every_index(blocks, declared):
         held = f"{len(blocks)} (blk.{min(blocks)} .. blk.{max(blocks)})" if blocks else "none"
         raise SnapcompileError(f"GGUF file {path} declares {declared} layers ({arch}.block_count) but its tensors "
                                f"hold {held}")

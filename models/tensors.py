@@ -45,11 +45,18 @@ class TensorSource:
         raise NotImplementedError
 
 
+def holds_every_index(held: set[int], count) -> bool:
+    """Whether `held` is exactly {0, ..., count - 1}: decided from `held` alone, so a declared count of
+    any size costs nothing."""
+    return isinstance(count, int) and not isinstance(count, bool) and len(held) == count \
+        and (not held or (min(held) == 0 and max(held) == count - 1))
+
+
 def check_layer_count(declared: int, names, where: str) -> None:
     """Refuse a checkpoint whose model.layers.N tensors are not exactly the `declared` layers (checked
     from names alone, before anything is built from the config)."""
     held = {int(n.split(".")[2]) for n in names if n.startswith("model.layers.") and n.split(".")[2].isdigit()}
-    if held != set(range(declared)):
+    if not holds_every_index(held, declared):
         what = f"{len(held)} (model.layers.{min(held)} .. model.layers.{max(held)})" if held else "none"
         raise SnapcompileError(f"the weights in {where} do not fit the config: it declares {declared} layers "
                                f"(num_hidden_layers), the checkpoint holds {what}")

@@ -94,6 +94,34 @@ def test_bad_model_files_are_one_error_line(hf_copy, tmp_path, damage, fragment)
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("held, count, expected", [
+    (set(), 0, True), ({0, 1, 2}, 3, True), ({0, 1, 2}, 4, False), ({1, 2, 3}, 3, False), ({0, 2}, 2, False),
+    ({0, 1}, 10 ** 18, False), ({0}, True, False), ({0}, "1", False), ({0}, None, False)])
+def test_a_layer_count_is_compared_without_being_enumerated(held, count, expected):
+    from snapcompile.models.tensors import holds_every_index
+    assert holds_every_index(held, count) is expected
+
+
+@pytest.mark.parametrize("architecture", ["LlamaForCausalLM", "Qwen2ForCausalLM"])
+def test_a_declared_layer_count_is_checked_against_the_file_before_anything_is_sized_by_it(hf_copy, tmp_path,
+                                                                                          architecture):
+    """10^12 layers: refused from the tensor names alone, under an address-space limit (today's machine
+    must not be the bound), before transformers' config builds a list a layer (Qwen2's layer_types)."""
+    import resource
+    import subprocess
+    import sys
+    _patch_config(hf_copy, num_hidden_layers=10 ** 12, architectures=[architecture],
+                  model_type=architecture[:-len("ForCausalLM")].lower())
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_AS, (6 << 30, 6 << 30))
+    result = subprocess.run([sys.executable, "-m", "snapcompile.cli", "export", str(hf_copy), "-o",
+                             str(tmp_path / "out")], capture_output=True, text=True, timeout=300, preexec_fn=limit)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "it declares 1000000000000 layers (num_hidden_layers)" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
 def _patch_config(folder, **values):
     config = json.loads((folder / "config.json").read_text())
     config.update(values)
@@ -146,6 +174,7 @@ def _with_metadata(source: Path, target: Path, **values) -> Path:
 @pytest.mark.parametrize("key, value, fragment", [
     ("llama.block_count", 29, "declares 29 layers (llama.block_count) but its tensors hold 30 (blk.0 .. blk.29)"),
     ("llama.block_count", 31, "declares 31 layers"),
+    ("llama.block_count", 4_000_000_000, "declares 4000000000 layers"),     # decided without sizing anything by it
     ("llama.attention.head_count_kv", 4, "declares 4 heads of 64 for blk.0.attn_k.weight"),
 ])
 def test_a_gguf_whose_metadata_disagrees_with_its_tensors_is_refused(tmp_path, key, value, fragment):
