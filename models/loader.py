@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
+
+import numpy as np
 
 from snapcompile.atomic import atomic_directory
 from snapcompile.errors import SnapcompileError, first_line, parse_json
@@ -28,6 +31,7 @@ from snapcompile.models.tensors import (
     expected_shapes,
     holds_every_index,
     model_from_source,
+    rope_frequencies,
 )
 from snapcompile.models.tokenizer import load_tokenizer, refuse_remote_code
 from snapcompile.paths import cache_root
@@ -187,6 +191,7 @@ def _load_from_folder(folder: Path, name: str) -> LoadedModel:
     try:
         config = AutoConfig.from_pretrained(folder, trust_remote_code=False, local_files_only=True)
         spec = ModelSpec.from_hf_config(config)
+        check_rope(config, str(folder))
         check_layer_count(spec.num_layers, tensors.found, str(folder))
         expected = expected_shapes(config)
     except (OSError, ValueError, TypeError, RuntimeError) as err:
@@ -209,10 +214,11 @@ def check_model_fits(spec: ModelSpec) -> None:
 def _load_gguf(path: Path, name: str) -> LoadedModel:
     from transformers import AutoConfig
     try:
-        check_gguf_counts(path)
+        check_gguf_file(path)
         config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name, trust_remote_code=False,
                                             local_files_only=True)
         spec = ModelSpec.from_hf_config(config)
+        check_rope(config, str(path))
         tensors = GGUFSource(path, config, expected_shapes(config))
         tokenizer = load_tokenizer(path.parent, gguf_file=path.name)
     except SnapcompileError:
@@ -222,15 +228,52 @@ def _load_gguf(path: Path, name: str) -> LoadedModel:
     return LoadedModel(name, tokenizer, spec, config, tensors, chat=tokenizer.chat_template is not None, gguf=path)
 
 
-def check_gguf_counts(path: Path) -> None:
+def check_gguf_file(path: Path) -> None:
+    """Refuse a GGUF that lies about itself (`_check_gguf_counts`, `_check_gguf_spans`), before
+    transformers builds anything from it."""
+    import gguf
+    reader = gguf.GGUFReader(str(path))
+    _check_gguf_spans(reader, path)
+    _check_gguf_counts(reader, path)
+
+
+def check_rope(config, where: str) -> None:
+    """The rotary frequencies the model's own rotary module computes from the config (whatever fields
+    set them: rope_theta, rope_parameters, a GGUF's freq_base, a scaling) are finite and positive."""
+    inv_freq, scaling = rope_frequencies(config)
+    if not (np.isfinite(inv_freq).all() and (inv_freq > 0).all() and math.isfinite(scaling) and scaling > 0):
+        raise SnapcompileError(f"{where}: the rotary embedding's frequencies are not finite positive numbers "
+                               "(check the rope base and scaling)")
+
+
+def _check_gguf_spans(reader, path: Path) -> None:
+    """Every tensor's data is a whole number of its type's blocks, lies inside the file and apart
+    from every other tensor's: a type relabelled (F32 over quantized bytes) or an offset moved onto
+    another tensor reads bytes that are not its values."""
+    import gguf
+    spans = []
+    for tensor in reader.tensors:
+        block, block_bytes = gguf.GGML_QUANT_SIZES[tensor.tensor_type]
+        if tensor.n_elements % block:
+            raise SnapcompileError(f"GGUF file {path}: tensor {tensor.name} holds {tensor.n_elements} values, not a "
+                                   f"whole number of {tensor.tensor_type.name} blocks of {block}")
+        spans.append((tensor.data_offset, tensor.data_offset + tensor.n_elements // block * block_bytes,
+                      tensor.name))
+    spans.sort()
+    for (_, end, name), (start, _, following) in zip(spans, spans[1:]):
+        if start < end:
+            raise SnapcompileError(f"GGUF file {path}: the data of tensors {name} and {following} overlap "
+                                   "(a tensor's type or offset is not its own)")
+    if spans and spans[-1][1] > reader.data.size:
+        raise SnapcompileError(f"GGUF file {path}: tensor {spans[-1][2]}'s data runs past the end of the file")
+
+
+def _check_gguf_counts(reader, path: Path) -> None:
     """Refuse a GGUF whose metadata disagrees with its own tensors: the layers it declares
     ({arch}.block_count) against the blk.N tensors it holds, the heads ({arch}.attention.head_count,
     head_count_kv) against the query and key projections' widths, the vocabulary against the
     embedding's rows and the tokenizer's tokens. transformers builds the model from the metadata, so
     such a file would load into a model that silently ignores (or lacks) weights."""
-    import gguf
-    reader = gguf.GGUFReader(str(path))
-
     def field(key):
         found = reader.fields.get(key)
         return found.contents() if found is not None else None

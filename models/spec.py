@@ -121,6 +121,9 @@ class ModelSpec:
         head_dim = hf_head_dim(config)
         if heads % kv_heads:
             raise SnapcompileError(f"{heads} query heads are not a multiple of {kv_heads} KV heads")
+        eps = getattr(config, "rms_norm_eps", None)
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < 1:
+            raise SnapcompileError(f"rms_norm_eps must be a number in (0, 1), got {eps!r}")
         if getattr(config, "hidden_act", "silu") != "silu":
             raise SnapcompileError(f"unsupported activation {config.hidden_act!r}; only silu is supported")
         return cls(

@@ -94,6 +94,58 @@ def test_bad_model_files_are_one_error_line(hf_copy, tmp_path, damage, fragment)
     assert not (tmp_path / "out").exists()
 
 
+def _with_tensor_info(source: Path, target: Path, name: str, **values) -> Path:
+    """A copy of the GGUF `source` with tensor `name`'s type code or data offset (relative to the
+    data section) changed in place; `offset_of` copies another tensor's offset."""
+    import shutil
+
+    import gguf
+    shutil.copyfile(source, target)
+    reader = gguf.GGUFReader(str(target), "r+")
+    tensors = {tensor.name: tensor for tensor in reader.tensors}
+    parts = tensors[name].field.parts
+    if "type" in values:
+        parts[4][0] = values["type"]
+    if "offset_of" in values:
+        parts[5][0] = tensors[values["offset_of"]].field.parts[5][0]
+    reader.data.flush()
+    return target
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lie, fragment", [
+    (lambda s, t: _with_metadata(s, t, **{"llama.attention.layer_norm_rms_epsilon": float("nan")}),
+     "rms_norm_eps must be a number in (0, 1), got nan"),
+    (lambda s, t: _with_metadata(s, t, **{"llama.rope.freq_base": float("nan")}),
+     "rotary embedding's frequencies are not finite positive numbers"),
+    (lambda s, t: _with_metadata(s, t, **{"llama.rope.freq_base": -10000.0}),
+     "rotary embedding's frequencies are not finite positive numbers"),
+    (lambda s, t: _with_tensor_info(s, t, "blk.0.attn_k.weight", offset_of="blk.0.attn_q.weight"), "overlap"),
+    (lambda s, t: _with_tensor_info(s, t, "blk.0.attn_q.weight", type=0), "overlap"),   # F32 over Q4_1 bytes
+], ids=["eps-nan", "rope-nan", "rope-negative", "overlapping-tensors", "f32-over-quantized"])
+def test_a_gguf_whose_numbers_lie_is_refused(tmp_path, lie, fragment):
+    """The lies a Hugging Face folder's config cannot tell either: every field that changes the numbers
+    is checked, whatever file it comes from."""
+    from snapcompile.models.loader import _smollm2_gguf
+    edited = lie(_smollm2_gguf(), tmp_path / "edited.gguf")
+    assert_one_line_error(invoke("export", edited, "-o", tmp_path / "out", "--max-context", 256, "--chunk", 64),
+                          fragment)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("change, fragment", [
+    (dict(rope_theta=float("nan")), "rope_theta must be a positive number"),
+    (dict(rope_theta=-1.0), "rope_theta must be a positive number"),
+    (dict(rope_parameters={"rope_type": "default", "rope_theta": -10000.0}), "rotary embedding's frequencies"),
+])
+def test_a_folder_whose_rope_lies_is_refused(hf_copy, tmp_path, change, fragment):
+    config = json.loads((hf_copy / "config.json").read_text())
+    config.pop("rope_theta", None)
+    config.update(change)
+    (hf_copy / "config.json").write_text(json.dumps(config))
+    assert_one_line_error(invoke("export", hf_copy, "-o", tmp_path / "out"), fragment)
+
+
 @pytest.mark.parametrize("held, count, expected", [
     (set(), 0, True), ({0, 1, 2}, 3, True), ({0, 1, 2}, 4, False), ({1, 2, 3}, 3, False), ({0, 2}, 2, False),
     ({0, 1}, 10 ** 18, False), ({0}, True, False), ({0}, "1", False), ({0}, None, False)])
