@@ -780,6 +780,48 @@ def test_one_address_cannot_hold_the_connections_or_requests_of_others(artifact,
     assert server.stop() == 0
 
 
+def test_forwarded_headers_count_only_from_named_proxies(artifact, tmp_path):
+    """X-Forwarded-For from a loopback peer is ignored by default (a header cannot make one client
+    many); with --forwarded-allow-ips naming the peer, it names the client the bounds count."""
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 2}
+    forwarded = {"X-Forwarded-For": "10.1.2.3"}
+    for proxies, expected in (((), 429), (("--forwarded-allow-ips", "127.0.0.3"), 200)):
+        server = ServerProcess(artifact, "--max-requests-per-client", "16", *proxies,
+                               log=tmp_path / f"log{len(proxies)}").wait_ready()
+        with _from("127.0.0.3") as client:
+            unread = _unread_stream(server.port, "127.0.0.3")
+            time.sleep(1)
+            reply = client.post(server.url + "/v1/completions", json=body, headers=forwarded)
+            assert reply.status_code == expected, (proxies, reply.text)
+            unread.close()
+        assert server.stop() == 0
+    refused = CliRunner().invoke(main, ["serve", str(artifact), "--forwarded-allow-ips", "10.0.0.0/8,proxy"])
+    assert refused.exit_code == 2 and "'proxy' is not an IP address or network" in refused.output
+
+
+def test_idle_connections_give_way_to_new_clients(artifact, tmp_path):
+    """Every one of --max-connections held by idle sockets (connected, no request sent): a new client
+    is served, the longest idle sockets closed to make room; busy connections are never closed."""
+    server = ServerProcess(artifact, "--max-connections", "8", "--max-connections-per-client", "0",
+                           log=tmp_path / "log").wait_ready()
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 2}
+    busy = _unread_stream(server.port, "127.0.0.5", prompts=1)
+    idle = [socket.create_connection(("127.0.0.1", server.port), timeout=5) for _ in range(7)]
+    try:
+        time.sleep(0.5)
+        for address in ("127.0.0.2", "127.0.0.6"):
+            with _from(address) as client:
+                assert client.post(server.url + "/v1/completions", json=body).status_code == 200
+        idle[0].settimeout(5)
+        assert idle[0].recv(1) == b"", "the longest idle connection was kept"
+        busy.settimeout(10)
+        assert busy.recv(1), "a busy connection was closed"
+    finally:
+        for sock in [busy, *idle]:
+            sock.close()
+    assert server.stop() == 0
+
+
 def test_a_client_that_stops_reading_loses_its_stream_after_the_send_timeout(artifact, tmp_path):
     """A client that reads nothing of a long streamed answer: after --send-timeout its connection is
     dropped (the rest of the answer never comes), the request no longer runs, and others are served."""
@@ -847,8 +889,9 @@ print(json.dumps(replies))
 
 def test_per_client_bounds_count_an_ipv6_network_as_one_client():
     from snapcompile.serve.limits import client_of
-    assert client_of("2001:db8:1:2::5") == client_of("2001:db8:1:2:ffff::1") == "2001:db8:1:2::/64"
-    assert client_of("2001:db8:1:3::5") != client_of("2001:db8:1:2::5")
+    assert client_of("2001:db8:1:2::5") == client_of("2001:db8:1:2:ffff::1") == "2001:db8:1::/56"
+    assert client_of("2001:db8:1:ff::5") == client_of("2001:db8:1:2::5")       # 256 /64s of one subscriber
+    assert client_of("2001:db8:1:100::5") != client_of("2001:db8:1:2::5")
     assert client_of("::ffff:10.0.0.7") == "10.0.0.7" == client_of("10.0.0.7")
     assert client_of("10.0.0.8") != client_of("10.0.0.7") and client_of("testclient") == "testclient"
 

@@ -53,6 +53,10 @@ LOOPBACK = ("localhost",)
               default=config_default(ServerLimits, "max_connections_per_client"), show_default=True,
               help="Open connections from one client address; a connection past them is closed at once "
                    "(0: no bound). Behind a proxy every client has the proxy's address.")
+@click.option("--forwarded-allow-ips", default="", show_default="none",
+              help="Proxies (addresses or networks, comma-separated, or '*') whose X-Forwarded-For header names "
+                   "the client the per-client bounds count. From any other connection, loopback included, the "
+                   "header is ignored.")
 @click.option("--max-requests-per-client", type=click.IntRange(min=0),
               default=config_default(ServerLimits, "max_requests_per_client"), show_default=True,
               help="Requests in flight (running or waiting) from one client address, each prompt of a "
@@ -80,8 +84,8 @@ LOOPBACK = ("localhost",)
 @session_cache_option(sharing=True)
 def serve(artifact, host, port, slots, max_waiting, api_key, served_model_name, backend, drain_timeout, log_level,
           max_body_bytes, body_timeout, head_timeout, keep_alive, max_connections, max_connections_per_client,
-          max_requests_per_client, send_timeout, render_timeout, tokenizer_workers, max_prompts_per_request,
-          prefill_tokens_per_step,
+          forwarded_allow_ips, max_requests_per_client, send_timeout, render_timeout, tokenizer_workers,
+          max_prompts_per_request, prefill_tokens_per_step,
           session_cache_bytes, session_keep, session_sharing):
     """Serve ARTIFACT over an OpenAI-compatible HTTP API.
 
@@ -112,11 +116,25 @@ def serve(artifact, host, port, slots, max_waiting, api_key, served_model_name, 
                           max_connections_per_client=max_connections_per_client,
                           max_requests_per_client=max_requests_per_client, send_timeout_s=send_timeout,
                           render_timeout_s=render_timeout, tokenizer_workers=tokenizer_workers,
-                          max_prompts=max_prompts_per_request)
+                          max_prompts=max_prompts_per_request,
+                          forwarded_allow_ips=_proxies(forwarded_allow_ips))
     settings = ServerSettings(Path(artifact), served_model_name or Path(artifact).resolve().name, api_key,
                               max_waiting, slots, backend, limits, prefill_tokens_per_step, session_cache_bytes,
                               session_keep, session_sharing)
     run_server(settings, host, port, drain_timeout, log_level)
+
+
+def _proxies(value: str) -> str:
+    """--forwarded-allow-ips checked: '*' or addresses / networks, comma-separated (uvicorn's form)."""
+    entries = [entry.strip() for entry in value.split(",") if entry.strip()]
+    for entry in entries:
+        if entry != "*":
+            try:
+                ipaddress.ip_network(entry, strict=False)
+            except ValueError:
+                raise click.BadParameter(f"{entry!r} is not an IP address or network",
+                                         param_hint="--forwarded-allow-ips") from None
+    return ",".join(entries)
 
 
 def _needs_torch(artifact: Path, backend: str) -> bool:

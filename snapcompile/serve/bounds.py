@@ -20,6 +20,7 @@ class ServerLimits:
     render_timeout_s: float = 10.0       # to render a chat template (a file of the artifact) or tokenize; 400 beyond
     tokenizer_workers: int = 1           # worker processes per lane (chat templates / plain tokenization)
     max_prompts: int = 32                # prompts in one /v1/completions request (each one engine request)
+    forwarded_allow_ips: str = ""        # proxies whose X-Forwarded-For names the client ("": no header believed)
 
 
 MAX_WAITING = 256    # requests waiting for a slot before `serve` answers 429 (ServerSettings, --max-waiting)

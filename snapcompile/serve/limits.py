@@ -6,8 +6,15 @@ uvicorn times idle keep-alive connections but not a request's head, nor a respon
 stopped reading: a client sending a byte a second, or reading none, would hold its connection (and
 a file descriptor, and a streamed request) for ever. `bounded_h11_protocol` gives each connection
 `head_timeout_s` from its opening, or from its previous response, to deliver a complete request
-head, drops it once its client has let a response wait `send_timeout_s` unread, and closes at once
-the connections of an address past its share.
+head, drops it once its client has let a response wait `send_timeout_s` unread, closes at once
+the connections of an address past its share, and, when a new connection finds every one of
+`max_connections` taken, closes idle ones (no request running: kept alive, or not yet sent a head),
+the longest idle first, so that idle sockets never keep a new client out; uvicorn answers 503 only
+when the connections are busy.
+
+A client is its connection's address (an IPv6 one by its /56, a subscriber's usual share). uvicorn
+believes X-Forwarded-For only from the proxies `serve --forwarded-allow-ips` names: by default from
+none, so that a header cannot make one client many.
 """
 from __future__ import annotations
 
@@ -58,6 +65,7 @@ def bounded_h11_protocol(limits: ServerLimits, connections: PeerBudget) -> type[
     class BoundedH11Protocol(H11Protocol):
         _peer: str | None = None
         _head_timer = _send_timer = None
+        idle_since: float | None = None            # monotonic time since no request runs on it, else None
 
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
@@ -66,15 +74,19 @@ def bounded_h11_protocol(limits: ServerLimits, connections: PeerBudget) -> type[
                 transport.abort()                 # past this address's share: nothing is read from it
                 return
             self._peer = peer
+            self.idle_since = time.monotonic()
             self._arm_head_timer()
+            close_idle_connections(self.connections, limits.max_connections, keep=self)
 
         def handle_events(self) -> None:
             super().handle_events()
             if self.cycle is not None and not self.cycle.response_complete:
+                self.idle_since = None
                 self._cancel_head_timer()          # a whole head arrived: the request runs
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
+            self.idle_since = time.monotonic()
             self._arm_head_timer()
 
         def pause_writing(self) -> None:
@@ -120,6 +132,21 @@ def bounded_h11_protocol(limits: ServerLimits, connections: PeerBudget) -> type[
     return BoundedH11Protocol
 
 
+def close_idle_connections(open_connections, limit: int, keep) -> int:
+    """Close idle connections (those with an `idle_since`), the longest idle first and never `keep`,
+    until fewer than `limit` remain open: uvicorn answers 503 to a request that finds `limit`
+    connections. Returns how many were closed."""
+    live = [c for c in open_connections if not c.transport.is_closing()]
+    excess = len(live) - limit + 1
+    if excess <= 0:
+        return 0
+    idle = sorted((c for c in live if c is not keep and getattr(c, "idle_since", None) is not None),
+                  key=lambda c: c.idle_since)[:excess]
+    for connection in idle:
+        connection.transport.close()
+    return len(idle)
+
+
 class PeerRequests:
     """Engine requests in flight per client address, at most `budget.limit` (429 beyond). A route
     takes them with `hold`; this ASGI middleware gives them back when the HTTP request ends,
@@ -159,7 +186,7 @@ def _peer_address(transport) -> str:
 
 def client_of(host: str) -> str:
     """Who a per-client bound counts an address as: an IPv4 address itself (an IPv4-mapped IPv6
-    one as IPv4), an IPv6 address by its /64 (one subscriber's network holds 2^64 of them)."""
+    one as IPv4), an IPv6 address by its /56 (what an ISP usually gives one subscriber: 256 /64s)."""
     try:
         address = ipaddress.ip_address(host)
     except ValueError:
@@ -167,7 +194,7 @@ def client_of(host: str) -> str:
     if isinstance(address, ipaddress.IPv6Address):
         if address.ipv4_mapped is not None:
             return str(address.ipv4_mapped)
-        return str(ipaddress.IPv6Network((address, 64), strict=False))
+        return str(ipaddress.IPv6Network((address, 56), strict=False))
     return str(address)
 
 

@@ -78,7 +78,9 @@ def serve(settings: ServerSettings, host: str, port: int, drain_timeout_s: float
                             timeout_graceful_shutdown=5, lifespan="off",
                             http=bounded_h11_protocol(limits, PeerBudget(limits.max_connections_per_client)),
                             timeout_keep_alive=limits.keep_alive_s,
-                            limit_concurrency=limits.max_connections)
+                            limit_concurrency=limits.max_connections,
+                            proxy_headers=bool(limits.forwarded_allow_ips),
+                            forwarded_allow_ips=limits.forwarded_allow_ips or None)
     logging.getLogger("asyncio").addFilter(RateLimitedLog("out of system resource"))
     server = DrainingServer(config, state, drain_timeout_s)
     _check_bindable(host, port)
