@@ -43,3 +43,31 @@ def test_large_bodies_are_parsed_in_a_worker_and_returned_only_when_bounded():
     finally:
         parser.close()
     assert parser.pids() == []
+
+
+def test_a_stopped_worker_cannot_hold_a_large_body_past_its_deadline():
+    """A worker that stops reading (SIGSTOP) would block the job's write: the deadline counts from
+    before the send, the worker is replaced, and the next body is parsed."""
+    import threading
+    parser = BodyParser(limit=max_values(4, 1000), workers=1, timeout_s=2)
+    try:
+        raw = json.dumps({"model": "m", "text": "x" * (300 * 1024)}).encode()
+        os.kill(parser.pids()[0], signal.SIGSTOP)
+        outcome = []
+
+        def parse():
+            try:
+                parser.parse(raw)
+            except SnapcompileError as err:
+                outcome.append(str(err))
+        started = time.monotonic()
+        waiter = threading.Thread(target=parse, daemon=True)
+        waiter.start()
+        waiter.join(30)
+        assert not waiter.is_alive(), "a stopped worker held the request past its deadline"
+        assert outcome and "not parsed within 2 s" in outcome[0] and time.monotonic() - started < 10
+        assert parser.parse(raw)["text"] == "x" * (300 * 1024)
+    finally:
+        for pid in parser.pids():
+            os.kill(pid, signal.SIGCONT)
+        parser.close()

@@ -2,7 +2,8 @@
 neither stop nor bound (a chat template, a tokenizer's regex, a JSON body of a million small lists).
 
 A `Lane` holds a few `WorkerProcess`es and runs one job at a time on each, within a deadline that
-counts the wait for an idle worker: a busy lane refuses, it does not queue without bound. A job
+counts the wait for an idle worker and the job's sending: a busy lane refuses, it does not queue
+without bound, and a worker that stops reading (stopped, stuck) cannot hold a sender past it. A job
 past its deadline has its worker killed and started again at once (its start is not the next job's
 time). The child side is serve.worker_side.run_worker.
 """
@@ -16,10 +17,12 @@ import sys
 import threading
 import time
 from multiprocessing.connection import Connection
+from multiprocessing.reduction import ForkingPickler
 
 from snapcompile.errors import SnapcompileError
 
 START_TIMEOUT_S = 120.0         # to import and load what a worker needs
+INLINE_SEND_BYTES = 64 * 1024   # a job this small fits the socket's empty buffer: its write cannot block
 
 
 def start_all(workers: list[WorkerProcess]) -> None:
@@ -111,11 +114,13 @@ class WorkerProcess:
             self.wait_ready()
 
     def call(self, job, timeout_s: float, late: str):
-        """`job`'s answer; past `timeout_s`, or when the process dies, the process is replaced
-        (started again at once, so the next job finds it loaded) and the job refused."""
+        """`job`'s answer; past `timeout_s` (counted from before the job is sent), or when the process
+        dies, the process is replaced (started again at once, so the next job finds it loaded) and the
+        job refused."""
+        deadline = time.monotonic() + max(0.0, timeout_s)
         try:
-            self._conn.send(job)
-            if not self._conn.poll(max(0.0, timeout_s)):
+            if not self._send_by(bytes(ForkingPickler.dumps(job)), deadline) or \
+                    not self._conn.poll(max(0.0, deadline - time.monotonic())):
                 self._replace()
                 raise SnapcompileError(late)
             status, value = self._conn.recv()
@@ -126,6 +131,30 @@ class WorkerProcess:
         if status == "error":
             raise SnapcompileError(value)
         return value
+
+    def _send_by(self, payload: bytes, deadline: float) -> bool:
+        """Send a pickled job (what the child's Connection.recv reads); False when the worker has not
+        taken it all by `deadline`. A large one is written on a thread of its own: a worker that
+        stopped reading would block the write, and killing the worker (the caller's next step)
+        fails that write and ends the thread."""
+        if len(payload) <= INLINE_SEND_BYTES:
+            self._conn.send_bytes(payload)
+            return True
+        failures: list[OSError] = []
+
+        def send():
+            try:
+                self._conn.send_bytes(payload)
+            except Exception as err:    # the worker died (EPIPE), or was killed and the connection closed
+                failures.append(err if isinstance(err, OSError) else OSError(str(err)))
+        sender = threading.Thread(target=send, name=f"{self.role} send", daemon=True)
+        sender.start()
+        sender.join(max(0.0, deadline - time.monotonic()))
+        if sender.is_alive():
+            return False
+        if failures:
+            raise failures[0]
+        return True
 
     def _stderr_tail(self) -> str:
         try:
