@@ -953,6 +953,28 @@ def test_tokenize_and_detokenize_in_vllm_and_llama_server_shapes(server, artifac
         assert reply.status_code in (400, 404) and fragment in reply.json()["error"]["message"], reply.text
 
 
+def test_tokenize_takes_a_chats_tools_as_the_chat_completion_does(server):
+    """/tokenize with messages and tools (and tool_choice) counts the prompt a chat completion with
+    the same fields feeds the model (its usage.prompt_tokens); tools without messages are a 400."""
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    tools = [{"type": "function", "function": {"name": "weather", "description": "Weather of a city",
+                                               "parameters": {"type": "object",
+                                                              "properties": {"city": {"type": "string"}}}}}]
+    counts = {}
+    for choice in ("auto", "required", "none"):
+        body = {"messages": messages, "tools": tools, "tool_choice": choice}
+        counted = httpx.post(server.url + "/tokenize", json=body, timeout=30)
+        assert counted.status_code == 200, counted.text
+        answer = httpx.post(server.url + "/v1/chat/completions", json={**body, "model": "tiny", "max_tokens": 1},
+                            timeout=60).json()
+        counts[choice] = counted.json()["count"]
+        assert counts[choice] == answer["usage"]["prompt_tokens"], choice
+    plain = httpx.post(server.url + "/tokenize", json={"messages": messages}, timeout=30).json()
+    assert plain["count"] == counts["none"] < counts["auto"]
+    refused = httpx.post(server.url + "/tokenize", json={"prompt": "a", "tools": tools}, timeout=30)
+    assert refused.status_code == 400 and "give them with messages" in refused.json()["error"]["message"]
+
+
 def test_the_serving_process_imports_neither_torch_nor_transformers(artifact, tmp_path):
     """The tokenizer and chat template are read with `tokenizers` and jinja2 (FileTokenizer), the
     grammar's token table too: a chat completion, a JSON-schema one and a detokenize go through a

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -186,10 +186,16 @@ class Message(BaseModel):
         return self.content or ""
 
 
+# A chat prompt's tools: /v1/chat/completions and /tokenize take the same fields, so that both make
+# the same prompt (serve.tools.template_messages reads them from either).
+Tools = Annotated[list[ToolDef] | None, Field(max_length=128)]
+ToolChoice = Literal["none", "auto", "required"] | dict | None
+
+
 class ChatRequest(_Sampling):
     messages: list[Message] = Field(min_length=1)
-    tools: list[ToolDef] | None = Field(None, max_length=128)
-    tool_choice: Literal["none", "auto", "required"] | dict | None = None
+    tools: Tools = None
+    tool_choice: ToolChoice = None
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
@@ -241,20 +247,25 @@ class CompletionRequest(_Sampling):
 
 
 class TokenizeRequest(BaseModel):
-    """/tokenize, in vLLM's form (`prompt`, or chat `messages` through the template) or
-    llama-server's (`content`): exactly one of the three."""
+    """/tokenize, in vLLM's form (`prompt`, or chat `messages` through the template, with `tools` and
+    `tool_choice` as a chat completion takes them) or llama-server's (`content`): exactly one of the
+    three."""
 
     model_config = ConfigDict(extra="allow", strict=True)
     model: str | None = None
     prompt: str | None = None
     content: str | None = None
     messages: list[Message] | None = Field(None, min_length=1)
+    tools: Tools = None
+    tool_choice: ToolChoice = None
     add_special_tokens: bool = False
     add_special: bool = False
 
     def check(self) -> None:
         if sum(value is not None for value in (self.prompt, self.content, self.messages)) != 1:
             raise ApiError(400, "give exactly one of prompt, content (text) or messages (a chat)", param="prompt")
+        if self.messages is None and (self.tools is not None or self.tool_choice is not None):
+            raise ApiError(400, "tools and tool_choice belong to a chat: give them with messages", param="tools")
         for name in ("add_special_tokens", "add_special"):
             if getattr(self, name):
                 raise ApiError(400, f"{name} is not supported: the ids are those /v1/completions and "

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import secrets
 
-from snapcompile.serve.protocol import ApiError, ChatRequest
+from snapcompile.serve.protocol import ApiError, ChatRequest, TokenizeRequest
 
 TOOLS_PROMPT = ("You can call tools. To call one, answer with only this JSON: "
                 '{{"tool_call": {{"name": "<tool name>", "arguments": {{<its arguments>}}}}}}.{direct}\n'
@@ -27,7 +27,7 @@ def active(request) -> bool:
     return bool(getattr(request, "tools", None)) and request.tool_choice != "none"
 
 
-def template_messages(request: ChatRequest) -> list[dict]:
+def template_messages(request: ChatRequest | TokenizeRequest) -> list[dict]:
     """The chat as the template's {"role", "content"} messages: the tools' system message first
     (merged into a leading system message) when tools are active; assistant tool calls as the JSON
     the model answers with; tool results as user turns naming their call."""
@@ -79,7 +79,7 @@ def parse_answer(text: str, finish_reason: str) -> tuple[str | None, list[dict] 
     return answer["response"], None, "stop"
 
 
-def _choice(request: ChatRequest) -> str:
+def _choice(request: ChatRequest | TokenizeRequest) -> str:
     """"auto", "required", or the one tool's name tool_choice names."""
     choice = request.tool_choice or "auto"
     if isinstance(choice, dict):
