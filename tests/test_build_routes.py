@@ -3,7 +3,9 @@ fixtures give byte-identical artifacts for the same inputs, the same as before t
 them one (tests/data/golden_artifacts.json, written by `PYTHONPATH=. python tests/test_build_routes.py` at
 0ece7a6; its manifest hashes again at 4e3faa6, whose weights report added gguf_tensors_requantized and
 nothing else; at format 6, whose manifest lists the graphs ONNX Runtime opens, written beside the
-static ones, whose files kept their hashes), and the measuring tools default to the shapes `convert` writes."""
+static ones, whose files kept their hashes; at format 8, whose ONNX Runtime prefill graphs read each KV head by
+Gather: those files' hashes changed, no other file's), and the measuring tools default
+to the shapes `convert` writes."""
 from __future__ import annotations
 
 import hashlib

@@ -42,8 +42,22 @@ def test_an_answer_cut_by_max_tokens_is_length_not_stop(engine, grammars):
     assert result.outcome == "length" and len(result.output_ids) == 3
 
 
-@pytest.mark.parametrize("schema, fragment", [({"type": "nonsense"}, "cannot be used"),
-                                              ({"enum": ["x" * 70_000]}, "characters; at most")])
+@pytest.mark.parametrize("schema, fragment", [
+    ({"type": "nonsense"}, "cannot be used"), ({"enum": ["x" * 70_000]}, "characters; at most"),
+    ({"$ref": "#"}, "no JSON value satisfies this schema"),
+    ({"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"},
+     "no JSON value satisfies this schema"),
+    ({"allOf": [{"type": "string"}, {"type": "integer"}]}, "Unsatisfiable schema")])
 def test_a_schema_that_cannot_be_used_is_one_error(grammars, schema, fragment):
     with pytest.raises(SnapcompileError, match=fragment):
         grammars.json_schema(schema)
+
+
+def test_a_schema_whose_values_never_end_is_never_reported_complete(engine, grammars):
+    """An object that must hold itself has no finite value: the answer is cut ("length"), or, where
+    the grammar gives up (llguidance's item limit, which the tiny model's byte-sized tokens reach),
+    failed; never "stop"."""
+    endless = {"type": "object", "properties": {"x": {"$ref": "#"}}, "required": ["x"]}
+    result = engine.generate([Request(engine.encode("x", chat=False), max_new_tokens=40,
+                                      constraint=grammars.json_schema(endless).constraint())])[0]
+    assert result.outcome in ("length", "error"), result

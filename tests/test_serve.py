@@ -1051,6 +1051,10 @@ def test_structured_output_through_the_openai_client(server, client):
                                        response_format={"type": "json_schema",
                                                         "json_schema": {"name": "x", "schema": {"type": "nonsense"}}})
     assert refused.value.body["param"] == "response_format"
+    with pytest.raises(openai.BadRequestError, match="no JSON value satisfies this schema"):
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=4,
+                                       response_format={"type": "json_schema",
+                                                        "json_schema": {"name": "x", "schema": {"$ref": "#"}}})
     with pytest.raises(openai.BadRequestError, match="stop strings cannot be combined"):
         client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=4,
                                        stop=["}"], response_format={"type": "json_object"})

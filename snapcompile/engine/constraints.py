@@ -3,7 +3,9 @@
 A `GrammarConstraint` wraps an llguidance matcher (JSON schemas compiled against the model's
 tokenizer): before each token the logits of every token the grammar forbids become -inf, after it
 the token is consumed. EOS is allowed only where the grammar may end, so an answer reported as
-finished ("stop") is complete; one cut by max_tokens ends with "length". A request without a
+finished ("stop") is complete; one cut by max_tokens ends with "length". A schema no value
+satisfies (its grammar in error before the first token) is refused when compiled; one whose values
+never end (an object that must hold itself) runs to "length". A request without a
 constraint pays nothing. llguidance is imported only when a grammar is made.
 """
 from __future__ import annotations
@@ -46,7 +48,13 @@ class GrammarTokenizer:
         problem = llguidance.LLMatcher.validate_grammar(grammar, self.ll)
         if problem:
             raise SnapcompileError(f"the JSON schema cannot be used: {problem.strip().splitlines()[0]}")
-        return JsonGrammar(self, grammar)
+        checked = JsonGrammar(self, grammar)
+        start = checked.constraint()
+        start.mask(np.zeros(self.vocab_size, np.float32))       # the matcher finds its dead ends computing a mask
+        if start.matcher.is_error() or start.finished:
+            raise SnapcompileError("no JSON value satisfies this schema (a $ref that only reaches itself, or "
+                                   "choices that exclude each other): refused rather than answered empty")
+        return checked
 
 
 class JsonGrammar:
@@ -77,7 +85,9 @@ class GrammarConstraint:
         return masked[0]
 
     def consume(self, token: int) -> None:
-        if not self.matcher.consume_token(token):
+        """Advance by `token`; a token the grammar refuses, or one that leaves it in error (nothing
+        valid can follow), fails the request: "stop" is only ever a complete, valid answer."""
+        if not self.matcher.consume_token(token) or self.matcher.is_error():
             raise SnapcompileError(f"the output grammar refused token {token}: {self.matcher.get_error()}")
 
     @property
