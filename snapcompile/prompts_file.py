@@ -5,7 +5,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from snapcompile.errors import SnapcompileError, check_text, parse_json
-from snapcompile.userfiles import read_user_file
+from snapcompile.userfiles import json_lines, read_user_file
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,7 @@ def read_prompts_file(path: Path) -> list[PromptRecord]:
     of the user's texts, each sent with the answers so far) and optional "id", "max_new_tokens",
     "stop", "temperature", "top_k", "top_p", "seed"."""
     try:
-        lines = read_user_file(Path(path), "prompts file").decode("utf-8").splitlines()
+        lines = json_lines(read_user_file(Path(path), "prompts file").decode("utf-8"))
     except UnicodeDecodeError as err:
         raise SnapcompileError(f"prompts file {path} is not UTF-8 text (byte {err.start})") from None
     records = []

@@ -1,4 +1,5 @@
-"""Files a user names (prompts files, --reference results), read whole only when that is safe."""
+"""Files a user names (prompts files, --reference results), read whole only when that is safe, and
+JSON Lines split as the format says."""
 from __future__ import annotations
 
 import os
@@ -26,3 +27,12 @@ def read_user_file(path: Path, what: str, max_bytes: int = MAX_USER_FILE_BYTES) 
     if len(data) > max_bytes:                # it grew while being read
         raise SnapcompileError(f"{what} {path} has more than {max_bytes} bytes")
     return data
+
+
+def json_lines(text: str) -> list[str]:
+    """The lines of a JSON Lines text: split on "\\n" alone (a trailing "\\r" dropped). str.splitlines
+    would also split inside a JSON string holding U+2028, U+2029 or U+0085 raw, which JSON allows."""
+    lines = text.split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()
+    return [line[:-1] if line.endswith("\r") else line for line in lines]

@@ -43,6 +43,19 @@ def test_prompts_file_errors_name_the_line(artifact, tmp_path, line, fragment):
     assert_one_line_error(invoke("run", artifact, "--prompts", prompts), f"p.jsonl {fragment}")
 
 
+def test_a_prompt_holding_a_raw_line_separator_is_one_prompt(artifact, tmp_path):
+    """JSON allows U+2028, U+2029 and U+0085 raw inside a string; JSON Lines splits on newlines only
+    (Windows' \r\n too)."""
+    from snapcompile.prompts_file import read_prompts_file
+    prompts = tmp_path / "p.jsonl"
+    texts = ["one\u2028two", "three\u2029four\u0085five", "six"]
+    prompts.write_bytes("\r\n".join(json.dumps({"prompt": t}, ensure_ascii=False) for t in texts).encode() + b"\n")
+    assert [record.prompt for record in read_prompts_file(prompts)] == texts
+    result = invoke("run", artifact, "--prompts", prompts, "--max-new-tokens", 2, "--json")
+    assert result.exit_code == 0, result.output
+    assert [r["prompt"] for r in json.loads(result.output.strip().splitlines()[-1])["results"]] == texts
+
+
 def test_non_utf8_prompts_file(artifact, tmp_path):
     prompts = tmp_path / "p.jsonl"
     prompts.write_bytes(b'{"prompt": "caf\xe9"}\n')

@@ -10,7 +10,7 @@ from pathlib import Path
 from snapcompile.errors import SnapcompileError, parse_json
 from snapcompile.evaluation.config import EvalConfig
 from snapcompile.evaluation.tasks import Case
-from snapcompile.userfiles import read_user_file
+from snapcompile.userfiles import json_lines, read_user_file
 
 
 def partial_path(results_path: Path) -> Path:
@@ -41,7 +41,7 @@ def read_partial(path: Path, config_json: str, what: str) -> list[dict]:
     path = Path(path)
     if not path.is_file():
         return []
-    lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    lines = [line for line in json_lines(path.read_text(encoding="utf-8")) if line.strip()]
     if not lines or parse_json(lines[0], str(path)) != json.loads(config_json):
         raise SnapcompileError(f"{path} holds results of another {what} configuration: delete it or change -o")
     records = []
@@ -79,7 +79,7 @@ class ResultStore:
         self.records: dict[str, dict] = {}
         self._load_results(Path(results_path), config)
         if self.path.is_file():
-            lines = self.path.read_text().splitlines()
+            lines = json_lines(self.path.read_text(encoding="utf-8"))
             self._check_config(json.loads(lines[0]) if lines else {}, config, self.path)
             for line in lines[1:]:
                 if line.strip():

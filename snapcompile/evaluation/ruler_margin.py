@@ -54,10 +54,11 @@ def margin_at(tokenizer, result, dense_answer: str, char: int) -> dict:
 def read_log(path: Path) -> dict[tuple[str, int], dict]:
     """lm-eval's per-sample log (ruler.evaluate_served) by (task, doc_id); empty when absent."""
     from snapcompile.errors import parse_json
+    from snapcompile.userfiles import json_lines
     path = Path(path)
     if not path.is_file():
         return {}
-    lines = path.read_text(encoding="utf-8").splitlines()
+    lines = json_lines(path.read_text(encoding="utf-8"))
     entries = (parse_json(line, f"{path} line {n}") for n, line in enumerate(lines, 1) if line.strip())
     return {(e["task"], e["doc_id"]): e for e in entries}
 
