@@ -145,16 +145,20 @@ def test_eval_ruler_errors_are_one_line(tmp_path):
         assert result.exit_code != 0 and fragment in result.output and "Traceback" not in result.output
 
 
-def test_a_data_generator_that_never_ends_stops_the_process_in_one_line():
+def test_a_data_generator_that_never_ends_stops_the_process_in_one_line(tmp_path):
     """lm-eval's RULER generators retry in `while True` under a bare `except:` (printing a line per
-    try): the deadline stops the process with one error line naming the last line printed, and the
+    try): the deadline stops the process with one error line naming the last line printed, on the
+    terminal although eval-ruler sends lm-eval's output to lm-eval.log (which keeps it too), and the
     printed lines are kept bounded."""
     import subprocess
     import sys
-    script = ("import contextlib, time\n"
+    log = tmp_path / "lm-eval.log"
+    script = ("import contextlib, sys, time\n"
               "from snapcompile.evaluation.ruler import _LastLines, _finished_within\n"
+              "from snapcompile.evaluation.ruler_run import lm_eval_output\n"
               "printed = _LastLines(keep=3)\n"
-              "with contextlib.redirect_stdout(printed), _finished_within(1.0, printed, 'the spinning data'):\n"
+              "with lm_eval_output(sys.argv[1]), contextlib.redirect_stdout(printed), \\\n"
+              "        _finished_within(1.0, printed, 'the spinning data'):\n"
               "    while True:\n"
               "        try:\n"
               "            print('reduces chain length for not enough noises')\n"
@@ -162,11 +166,12 @@ def test_a_data_generator_that_never_ends_stops_the_process_in_one_line():
               "            raise AssertionError\n"
               "        except:  # noqa: E722\n"
               "            pass\n")
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    result = subprocess.run([sys.executable, "-c", script, str(log)], capture_output=True, text=True, timeout=60)
+    line = ("error: the spinning data did not finish within 1 s (its last line: 'reduces chain length for not enough "
+            "noises'); stopped")
     assert result.returncode == 2 and result.stdout == "", result.stderr
-    assert result.stderr.strip().splitlines() == [
-        "error: the spinning data did not finish within 1 s (its last line: 'reduces chain length for not enough "
-        "noises'); stopped"]
+    assert result.stderr.strip().splitlines() == [line]
+    assert log.read_text().strip().splitlines()[-1] == line
 
 
 @pytest.fixture(scope="module")

@@ -117,7 +117,8 @@ class _LastLines:
 
 @contextlib.contextmanager
 def _finished_within(seconds: float, printed: _LastLines, what: str):
-    """Stop the process (one error line, exit 2) if the block runs past `seconds`. lm-eval's RULER
+    """Stop the process (one error line on the process's stderr, whatever sys.stderr is redirected to,
+    exit 2) if the block runs past `seconds`. lm-eval's RULER
     generators retry in `while True` loops under a bare `except:`, which swallows any exception a
     deadline or a signal could raise, so the process exits instead; a `serve` child follows it
     (serve.process stops children with their parent)."""
@@ -127,9 +128,12 @@ def _finished_within(seconds: float, printed: _LastLines, what: str):
         if done.wait(seconds):
             return
         last = printed.lines[-1] if printed.lines else "nothing"
-        sys.stderr.write(f"error: {what} did not finish within {seconds:.0f} s (its last line: {last[:200]!r}); "
-                         "stopped\n")
-        sys.stderr.flush()
+        message = f"error: {what} did not finish within {seconds:.0f} s (its last line: {last[:200]!r}); stopped\n"
+        if sys.stderr is not sys.__stderr__:        # redirected (eval-ruler's lm-eval.log): it keeps the line too
+            with contextlib.suppress(Exception):
+                sys.stderr.write(message)
+                sys.stderr.flush()
+        os.write(2, message.encode())               # the process's own stderr: the user's terminal
         os._exit(EXIT_STOPPED)
     threading.Thread(target=watch, daemon=True, name="ruler-data-deadline").start()
     try:
