@@ -199,11 +199,13 @@ class PartialLines:
     partial file stop taking lines (a full disk), `intact` turns False and the run goes on: the
     caller holds every line too. Whatever ends the run early leaves the partial file in place."""
 
-    def __init__(self, target: Path, force: bool):
+    def __init__(self, target: Path, force: bool, append: bool = False):
+        """append: add to the partial file that exists (a resumed run's: cli/run_partial.py)."""
         self.target = Path(target)
         self.path = self.path_of(self.target)
         self.lines, self.intact = 0, True
-        flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | (os.O_TRUNC if force else os.O_EXCL)
+        flags = os.O_WRONLY | os.O_NOFOLLOW | (os.O_APPEND if append else
+                                               os.O_CREAT | (os.O_TRUNC if force else os.O_EXCL))
         if force and os.path.lexists(self.path) and not stat.S_ISREG(os.lstat(self.path).st_mode):
             raise SnapcompileError(f"{self.path} is not a regular file; remove it or choose another output")
         try:

@@ -202,7 +202,8 @@ def test_run_writes_as_it_goes_and_a_refused_results_file_keeps_every_result(tin
     monkeypatch.setattr(snapcompile.atomic, "write_text_atomic", full_disk)
     result = invoke("run", tiny_dense_dir, "--prompts", prompts, "-o", output, "--max-new-tokens", 2)
     assert_one_line_error(result, "No space left on device; all 3 results are in")
-    kept = [json.loads(line) for line in (tmp_path / "out.jsonl.partial").read_text().splitlines()]
+    identity, *kept = [json.loads(line) for line in (tmp_path / "out.jsonl.partial").read_text().splitlines()]
+    assert "snapcompile run" in identity                      # what a resumed run checks (cli/run_partial.py)
     assert sorted(row["id"] for row in kept) == ["r0", "r1", "r2"] and not output.exists()
     assert_one_line_error(invoke("run", tiny_dense_dir, "--prompts", prompts, "-o", output), "use --force")
     named_like_it = tmp_path / "p.jsonl.partial"              # an input where the partial file would go

@@ -240,3 +240,57 @@ def test_the_shipped_example_prompts_file_runs(tiny_snap_dir, tmp_path):
     assert result.exit_code == 0, result.output
     rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
     assert [row["id"] for row in rows] == ["colours", "capital", "story", "trip/1", "trip/2"]
+
+
+def test_a_stopped_run_says_where_its_results_are_and_the_same_command_resumes(artifact, tmp_path):
+    """SIGTERM mid-run: the error line names OUTPUT.partial and how to go on; the same command runs
+    only the prompts it lacks, and the results file equals an uninterrupted run's (greedy)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"hello {i}"}) + "\n" for i in range(60)))
+    out = tmp_path / "out.jsonl"
+    args = ["run", str(artifact), "--prompts", str(prompts), "--max-new-tokens", "400", "--ignore-eos",
+            "--slots", "1", "-o", str(out)]
+    process = subprocess.Popen([sys.executable, "-m", "snapcompile.cli", *args], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    partial = tmp_path / "out.jsonl.partial"
+    deadline = time.monotonic() + 120
+    while not (partial.exists() and partial.read_text().count("\n") >= 4):
+        assert time.monotonic() < deadline and process.poll() is None, "no result was written"
+        time.sleep(0.1)
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == 130, stderr
+    last = stderr.strip().splitlines()[-1]
+    assert last.startswith("error: interrupted; the ") and str(partial) in last and "same command again" in last
+    finished = partial.read_text().count("\n") - 1
+    assert 0 < finished < 60
+    resumed = invoke(*args)
+    assert resumed.exit_code == 0, resumed.output
+    assert f"resuming: {finished} of 60 prompts finished" in resumed.output and not partial.exists()
+    whole = invoke(*args[:-1], str(tmp_path / "whole.jsonl"))
+    assert whole.exit_code == 0
+    texts = [(r["id"], r["text"]) for r in map(json.loads, out.read_text().splitlines())]
+    assert texts == [(r["id"], r["text"]) for r in map(json.loads, (tmp_path / "whole.jsonl").read_text().splitlines())]
+
+
+def test_a_partial_file_keeps_whole_conversations_and_refuses_another_run(tmp_path):
+    from snapcompile.cli.run_partial import open_partial
+    from snapcompile.errors import SnapcompileError
+    out, identity = tmp_path / "out.jsonl", json.dumps({"snapcompile run": "x"})
+    turn_ids = [["a"], ["b/1", "b/2"], ["c/1", "c/2"], ["d"]]
+    rows = [{"id": "a", "error": None}, {"id": "b/1", "error": None}, {"id": "c/1", "error": "boom"},
+            {"id": "b/2", "error": None}]
+    lines = [identity, *(json.dumps(r) for r in rows), '{"id": "d", "err']      # the last line cut mid-write
+    (tmp_path / "out.jsonl.partial").write_text("\n".join(lines))
+    resumed = open_partial(out, identity, turn_ids, force=False)
+    assert [[r["id"] for r in kept] for kept in resumed.rows] == [["a"], ["b/1", "b/2"], ["c/1"], []]
+    resumed.lines.append(json.dumps({"id": "d", "error": None}))
+    resumed.lines.close()
+    assert (tmp_path / "out.jsonl.partial").read_text().splitlines()[0] == identity
+    with pytest.raises(SnapcompileError, match="holds results of another run"):
+        open_partial(out, json.dumps({"snapcompile run": "y"}), turn_ids, force=False)
+    assert open_partial(out, json.dumps({"snapcompile run": "y"}), turn_ids, force=True).finished == 0

@@ -32,8 +32,10 @@ class _Group(click.Group):
         except click.ClickException as err:
             click.echo(f"error: {_one_line(err.format_message())}", err=True)
             code = EXIT_USER_ERROR
-        except (click.Abort, KeyboardInterrupt):
-            click.echo("error: interrupted", err=True)
+        except (click.Abort, KeyboardInterrupt) as err:
+            cause = err if isinstance(err, KeyboardInterrupt) else err.__cause__   # click wraps it in Abort
+            detail = str(cause) if isinstance(cause, KeyboardInterrupt) else ""
+            click.echo(f"error: interrupted{'; ' + detail if detail else ''}", err=True)
             code = EXIT_INTERRUPTED
         finally:
             stop.cancel()

@@ -74,8 +74,9 @@ def _percentile(values: list[float], q: float) -> float | None:
               help="Write results as JSONL (checked before anything runs). Each result is appended to "
                    "OUTPUT.partial as it finishes; the whole file is written atomically at the end and the "
                    "partial one removed. A run that ends early, or a disk that refuses the file, leaves the "
-                   "results in OUTPUT.partial (or prints them), and the error says where.")
-@click.option("--force", is_flag=True, help="Replace the --output file (and its .partial) if it exists.")
+                   "results in OUTPUT.partial (or prints them), and the error says where; the same command "
+                   "run again resumes, running only the prompts OUTPUT.partial lacks.")
+@click.option("--force", is_flag=True, help="Replace the --output file (and start over, dropping its .partial).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (results and summary).")
 def run(artifact, prompt, prompts_file, demo, max_new_tokens, temperature, top_k, top_p, min_p, repetition_penalty,
         presence_penalty, frequency_penalty, seed, stop, top_logprobs,
@@ -87,11 +88,12 @@ def run(artifact, prompt, prompts_file, demo, max_new_tokens, temperature, top_k
     request that still fails while running gets an error result and the others go on (exit 1).
     """
     from snapcompile.atomic import PartialLines, check_output_file
+    from snapcompile.cli.run_partial import open_partial, run_identity
     from snapcompile.engine.conversation import Conversation
     from snapcompile.engine.engine import Engine
     if output is not None:
         output = check_output_file(output, force, inputs=(prompts_file,), read_folders=(artifact,))
-        check_output_file(PartialLines.path_of(output), force, inputs=(prompts_file,), read_folders=(artifact,))
+        check_output_file(PartialLines.path_of(output), True, inputs=(prompts_file,), read_folders=(artifact,))
     records = _load_prompt_records(prompt, prompts_file, demo)
     defaults = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                     repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
@@ -100,24 +102,40 @@ def run(artifact, prompt, prompts_file, demo, max_new_tokens, temperature, top_k
     _request_without_prompt({"prompt": ""}, 0, defaults)        # the command line's own values
     pending = [_request_without_prompt(record.fields, index, defaults, record.where)
                for index, record in enumerate(records)]
-    _refuse_duplicate_ids(pending, records)
-    partial = PartialLines(output, force) if output is not None else None
+    turn_ids = _refuse_duplicate_ids(pending, records)
+    resumed = None
+    if output is not None:
+        from snapcompile.artifact.manifest import read_manifest
+        identity = run_identity(read_manifest(artifact), records, {**defaults, "raw": raw, "ignore_eos": ignore_eos})
+        resumed = open_partial(output, identity, turn_ids, force)
+    partial = resumed.lines if resumed is not None else None
     try:
         engine = Engine.from_artifact(artifact, provider=provider, prefill_tokens_per_step=prefill_tokens_per_step,
                                       backend=backend, max_slots=max_slots, session_cache_bytes=session_cache_bytes,
                                       session_keep=session_keep)
         chat = engine.backend.manifest.chat and not raw
-        conversations = [Conversation(replace(request, ignore_eos=ignore_eos), record.turns)
-                         for request, record in zip(pending, records)]
-        rows, results, elapsed = _run_rows(engine, conversations, [record.fields for record in records], chat,
-                                           top_logprobs, partial, quiet=not sys.stderr.isatty() and as_json)
+        todo = [c for c in range(len(records)) if resumed is None or not resumed.rows[c]]
+        if resumed is not None and resumed.finished:
+            click.echo(f"resuming: {resumed.finished} of {len(records)} prompts finished in {partial.path}", err=True)
+        conversations = [Conversation(replace(pending[c], ignore_eos=ignore_eos), records[c].turns) for c in todo]
+        new_rows, results, elapsed = _run_rows(engine, conversations, [records[c].fields for c in todo], chat,
+                                               top_logprobs, partial, quiet=not sys.stderr.isatty() and as_json)
+    except KeyboardInterrupt:
+        if partial is not None:
+            partial.close()
+            if partial.lines:
+                raise KeyboardInterrupt(f"the {partial.lines} results finished so far are in {partial.path}: run the "
+                                        "same command again to go on from them") from None
+        raise
     except BaseException:
         if partial is not None:
             partial.close()
             if partial.lines:
                 click.echo(f"kept the {partial.lines} results finished so far in {partial.path}", err=True)
         raise
+    rows = _in_prompt_order(new_rows, todo, resumed.rows if resumed is not None else None)
     summary = _summary(engine, results, elapsed)
+    summary["resumed"] = len(rows) - len(results)
     if any("correct" in row for row in rows):
         summary["correct"] = sum(row.get("correct", False) for row in rows)
     if output:
@@ -135,19 +153,19 @@ def run(artifact, prompt, prompts_file, demo, max_new_tokens, temperature, top_k
 
 
 def _run_rows(engine, conversations, fields: list[dict], chat: bool, top_logprobs: int | None,
-              partial, quiet: bool) -> tuple[list[dict], list, float]:
-    """Every conversation run to its end: one row and one Result per turn, in conversation order,
-    and the run's seconds. Each row is also appended to `partial` (a PartialLines, or None) as
-    its turn finishes."""
+              partial, quiet: bool) -> tuple[list[list[dict]], list, float]:
+    """Every conversation run to its end: its rows (one a turn, in turn order), every Result in
+    conversation order, and the run's seconds. Each row is also appended to `partial` (a
+    PartialLines, or None) as its turn finishes."""
     from snapcompile.cli import progress_bar
     from snapcompile.engine.conversation import run_conversations
-    rows: dict[tuple[int, int], dict] = {}
+    rows: dict[int, list[dict]] = {id(conversation): [] for conversation in conversations}
     fields_of = {id(conversation): record for conversation, record in zip(conversations, fields)}
 
     def finished(conversation, result) -> None:
         turn = len(conversation.results) - 1
         row = _result_row(engine, conversation, turn, result, fields_of[id(conversation)], top_logprobs)
-        rows[(id(conversation), turn)] = row
+        rows[id(conversation)].append(row)
         if partial is not None:
             partial.append(json.dumps(row))
         bar.update(1)
@@ -156,8 +174,7 @@ def _run_rows(engine, conversations, fields: list[dict], chat: bool, top_logprob
                       disable=quiet) as bar:
         run_conversations(engine, conversations, chat, on_result=finished)
     elapsed = engine.clock() - start
-    turns = [(id(c), k, r) for c in conversations for k, r in enumerate(c.results)]
-    return [rows[(c, k)] for c, k, _ in turns], [r for _, _, r in turns], elapsed
+    return [rows[id(c)] for c in conversations], [r for c in conversations for r in c.results], elapsed
 
 
 def _result_row(engine, conversation, turn: int, result, fields: dict, top_logprobs: int | None) -> dict:
@@ -211,10 +228,11 @@ SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty
                    "frequency_penalty", "seed")
 
 
-def _refuse_duplicate_ids(requests: list, records: list) -> None:
+def _refuse_duplicate_ids(requests: list, records: list) -> list[list[str]]:
     """Before any work: every request id the run will give (a conversation's turns are ID/1, ID/2, ...,
-    `Conversation`) is unique, so no result can be lost to a collision after the run."""
-    seen = set()
+    `Conversation`) is unique, so no result can be lost to a collision after the run. Returns each
+    conversation's turn ids."""
+    seen, turn_ids = set(), []
     for request, record in zip(requests, records):
         turns = len(record.turns)
         ids = [request.request_id] if turns == 1 else [f"{request.request_id}/{k}" for k in range(1, turns + 1)]
@@ -222,6 +240,17 @@ def _refuse_duplicate_ids(requests: list, records: list) -> None:
             if request_id in seen:
                 raise SnapcompileError(f"{record.where}: id {request_id!r} is used by an earlier prompt")
             seen.add(request_id)
+        turn_ids.append(ids)
+    return turn_ids
+
+
+def _in_prompt_order(new_rows: list[list[dict]], ran: list[int], kept: list[list[dict]] | None) -> list[dict]:
+    """Every row in prompt order: new_rows[i] those of conversation ran[i], kept[c] those a resumed
+    run kept of conversation c."""
+    by_conversation = [list(rows) for rows in kept] if kept is not None else [[] for _ in ran]
+    for conversation, rows in zip(ran, new_rows):
+        by_conversation[conversation] = rows
+    return [row for rows in by_conversation for row in rows]
 
 
 def _summary(engine, results, elapsed: float) -> dict:
@@ -253,12 +282,13 @@ def _fmt(value: float | None, unit: str = "") -> str:
 
 def _format_summary(s: dict) -> str:
     fmt = _fmt      # a short name keeps the format below readable
-    answers = f" | answers correct {s['correct']}/{s['requests']}" if "correct" in s else ""
+    answers = f" | answers correct {s['correct']}/{s['requests'] + s['resumed']}" if "correct" in s else ""
+    resumed = f" (and {s['resumed']} results of the run resumed)" if s["resumed"] else ""
     cached = f" ({s['cached_tokens']} resumed from kept caches)" if s["cached_tokens"] else ""
     count = s["graphs_made_on_use"]
     made = (f" | {count} graph{'s' if count > 1 else ''} made at first use in {s['graphs_made_on_use_s']:.2f} s, "
             "part of the times above" if count else "")
-    return (f"{s['requests']} requests ({s['errors']} errors), {s['prompt_tokens']} prompt{cached} + "
+    return (f"{s['requests']} requests{resumed} ({s['errors']} errors), {s['prompt_tokens']} prompt{cached} + "
             f"{s['output_tokens']} generated tokens in {s['seconds']:.2f} s = "
             f"{fmt(s['prompt_tokens_per_s'])} prompt tok/s, "
             f"{fmt(s['tokens_per_s'])} generated tok/s"
