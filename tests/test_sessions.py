@@ -161,6 +161,28 @@ def test_the_prefix_index_finds_what_comparing_every_entry_finds(entries, prompt
     assert found is None or (found.kept is best.kept and found.resume_at == best.resume_at)
 
 
+@pytest.mark.parametrize("compressed_at, planned", [(600, 0), (0, 1)])
+def test_a_new_conversation_sharing_a_system_prompt_with_every_entry_plans_at_most_one(monkeypatch, compressed_at,
+                                                                                      planned):
+    """1024 kept conversations that begin with one 190-token system prompt, and a new one that shares only
+    that: entries selected past it (SnapStream's) are passed over by level, none planned; dense entries
+    (never selected) all reach 190 tokens, and only the least recently used of the tie is planned."""
+    import snapcompile.sessions.store as store_module
+    rng = np.random.default_rng(0)
+    system = rng.integers(0, 1000, 190).tolist()
+    store = SessionStore(max_bytes=10**12, window=8, max_rows=10**4, min_tokens=64)
+    entries = [_kept(system + rng.integers(0, 1000, 500).tolist(), [list(range(690))], layers=1, dim=1,
+                     compressed_at=compressed_at) for _ in range(1024)]
+    for kept in entries:
+        store.put(kept)
+    calls = []
+    real = store_module.plan_resume
+    monkeypatch.setattr(store_module, "plan_resume", lambda *args: calls.append(args[0]) or real(*args))
+    plan = store.lookup(system + rng.integers(1000, 2000, 300).tolist())
+    assert len(calls) == planned
+    assert (plan is None) if compressed_at else (plan.kept is entries[0] and plan.resume_at == 190)
+
+
 # ---------------------------------------------------------------- through the engine
 
 

@@ -10,7 +10,9 @@ import itertools
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from snapcompile.sessions.kept import KeptCache, ResumePlan, plan_resume
+import numpy as np
+
+from snapcompile.sessions.kept import KeptCache, ResumePlan, common_prefix, plan_resume
 from snapcompile.sessions.prefix_index import PrefixIndex
 
 MAX_ENTRIES = 1024        # entries of all partitions together
@@ -73,7 +75,7 @@ class SessionStore:
         self._partitions.setdefault(partition, {})[key] = None
         self._ticks[key] = next(self._clock)
         if self._index is not None:
-            self._index.add(key, partition, kept.token_ids)
+            self._index.add(key, partition, kept.token_ids, floor=max(kept.compressed_at, self.min_tokens))
         self.bytes += kept.nbytes
 
     def refuse(self) -> None:
@@ -93,18 +95,30 @@ class SessionStore:
     def lookup(self, token_ids: list[int], partition: str = "") -> ResumePlan | None:
         """The plan that reuses the most of `token_ids` over the entries of `partition` (ties: the least
         recently used entry; it becomes the most recently used), or None; counted as a hit or a miss.
-        Only entries sharing a whole block with the prompt are compared (`PrefixIndex`), deepest first,
-        until no shallower one could reach the best resume point."""
+        Only entries sharing a whole block with the prompt are looked at (`PrefixIndex`), deepest
+        first, until no shallower one could reach the best resume point; a level whose entries all
+        need a resume point past what it can give is passed over whole, and an entry whose reach
+        (the block after the shared ones compared) cannot beat the best plan so far is not planned.
+        So a prompt sharing a system prompt with every entry costs a few levels, not an entry each."""
+        prompt = np.asarray(token_ids, np.int64)
+        limit = len(prompt) - max(self.window, 1)      # no plan resumes past it (plan_resume)
         best = None                      # (resume_at, tick, key, plan)
         seen = set()
-        for bound, keys in self._candidates(partition, token_ids):
-            if best is not None and best[0] >= bound:
+        for shared, bound, keys in self._candidates(partition, prompt):
+            reachable = min(bound - 1, limit)          # what this level's keys not seen yet can give
+            if best is not None and best[0] > reachable:
                 break
-            for key in keys - seen:
+            if not keys or min(keys.values()) > reachable:
+                continue
+            for key in sorted(keys.keys() - seen, key=self._ticks.__getitem__):     # least recently used first
                 seen.add(key)
-                plan = plan_resume(self._entries[key], token_ids, self.window, self.max_rows, self.min_tokens)
-                if plan is not None and (best is None or (plan.resume_at, -self._ticks[key]) > (best[0], -best[1])):
-                    best = (plan.resume_at, self._ticks[key], key, plan)
+                kept, tick = self._entries[key], self._ticks[key]
+                reach = min(shared + common_prefix(kept.token_ids[shared:bound], prompt[shared:bound]), limit)
+                if reach < kept.compressed_at or (best is not None and (reach, -tick) <= (best[0], -best[1])):
+                    continue
+                plan = plan_resume(kept, prompt, self.window, self.max_rows, self.min_tokens)
+                if plan is not None and (best is None or (plan.resume_at, -tick) > (best[0], -best[1])):
+                    best = (plan.resume_at, tick, key, plan)
         if best is None:
             self.counters.misses += 1
             return None
@@ -115,13 +129,14 @@ class SessionStore:
         self.counters.tokens_reused += plan.resume_at
         return plan
 
-    def _candidates(self, partition: str, token_ids: list[int]):
-        """(bound, keys) groups to compare, as PrefixIndex.levels gives them; without an index every
-        key of the partition whose first token matches, unbounded."""
-        if len(token_ids) <= 1 or partition not in self._partitions:
+    def _candidates(self, partition: str, prompt: np.ndarray):
+        """(shared, bound, {key: floor}) groups to compare, as PrefixIndex.levels gives them; without
+        an index every key of the partition whose first token matches, unbounded."""
+        if len(prompt) <= 1 or partition not in self._partitions:
             return
         if self._index is not None:
-            yield from self._index.levels(partition, token_ids)
+            yield from self._index.levels(partition, prompt)
             return
-        first = token_ids[0]
-        yield float("inf"), {key for key in self._partitions[partition] if self._entries[key].token_ids[0] == first}
+        first = prompt[0]
+        yield 0, len(prompt) + 1, {key: 0 for key in self._partitions[partition]
+                                   if self._entries[key].token_ids[0] == first}
