@@ -805,7 +805,10 @@ def test_idle_connections_give_way_to_new_clients(artifact, tmp_path):
     server = ServerProcess(artifact, "--max-connections", "8", "--max-connections-per-client", "0",
                            log=tmp_path / "log").wait_ready()
     body = {"model": "tiny", "prompt": "hi", "max_tokens": 2}
-    busy = _unread_stream(server.port, "127.0.0.5", prompts=1)
+    busy = socket.create_connection(("127.0.0.1", server.port), timeout=5)     # a request whose body is coming
+    busy.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: 1000\r\n\r\n{\"model\": ")
+    time.sleep(0.5)                                                # its head read: a request runs on it
     idle = [socket.create_connection(("127.0.0.1", server.port), timeout=5) for _ in range(7)]
     try:
         time.sleep(0.5)
@@ -814,8 +817,9 @@ def test_idle_connections_give_way_to_new_clients(artifact, tmp_path):
                 assert client.post(server.url + "/v1/completions", json=body).status_code == 200
         idle[0].settimeout(5)
         assert idle[0].recv(1) == b"", "the longest idle connection was kept"
+        busy.sendall(b" " * (1000 - len(b"{\"model\": ")))       # the body completes: answered, not closed
         busy.settimeout(10)
-        assert busy.recv(1), "a busy connection was closed"
+        assert busy.recv(12).startswith(b"HTTP/1.1 "), "a busy connection was closed"
     finally:
         for sock in [busy, *idle]:
             sock.close()
