@@ -42,6 +42,7 @@ TINY_CONFIGS = {
     "tiny-llama": dict(architectures=["LlamaForCausalLM"], model_type="llama"),
     "tiny-mistral": dict(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=None),
     "tiny-qwen2": dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2"),
+    "tiny-qwen3": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3"),
 }
 _LLAMA3_ROPE = dict(rope_theta=500000.0, max_position_embeddings=131072, rope_scaling=dict(
     rope_type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192))
@@ -59,6 +60,14 @@ RANDOM_SHAPES = {
                                 hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                                 num_attention_heads=14, num_key_value_heads=2, rope_theta=1000000.0,
                                 max_position_embeddings=32768, tie_word_embeddings=True),
+    "random:qwen3-0.6b": dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], vocab_size=151936,
+                              hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                              num_attention_heads=16, num_key_value_heads=8, head_dim=128, rope_theta=1000000.0,
+                              max_position_embeddings=40960, tie_word_embeddings=True),
+    "random:qwen3-8b": dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], vocab_size=151936,
+                            hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                            num_attention_heads=32, num_key_value_heads=8, head_dim=128, rope_theta=1000000.0,
+                            max_position_embeddings=40960, tie_word_embeddings=False),
 }
 BUILTIN_MODELS = (SMOLLM2_NAME, *TINY_CONFIGS, *RANDOM_SHAPES)
 TINY_SEED = 1234

@@ -5,8 +5,10 @@ from dataclasses import asdict, dataclass
 
 from snapcompile.errors import SnapcompileError
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
-_ARCHITECTURE_OF_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+_ARCHITECTURE_OF_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                         "qwen3": "Qwen3ForCausalLM"}
+QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM",)   # an RMSNorm over each head's queries and keys, before RoPE
 _SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
           "num_key_value_heads", "head_dim", "max_position_embeddings")
 
@@ -90,6 +92,7 @@ class ModelSpec:
     qkv_bias: bool
     tie_word_embeddings: bool
     sliding_window: int | None = None
+    qk_norm: bool = False         # RMSNorm (rms_norm_eps) of each head's queries and keys before RoPE (Qwen3)
 
     @property
     def group_size(self) -> int:
@@ -102,6 +105,7 @@ class ModelSpec:
         h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         layer = h * q + 2 * h * kv + q * h + 3 * h * self.intermediate_size + 2 * h
         layer += (q + 2 * kv) if self.qkv_bias else 0
+        layer += 2 * self.head_dim if self.qk_norm else 0
         head = 0 if self.tie_word_embeddings else self.vocab_size * h
         return 4 * (self.vocab_size * h + self.num_layers * layer + h + head)
 
@@ -111,7 +115,11 @@ class ModelSpec:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * 4
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """The fields; qk_norm only where set (manifests of the other families read as before)."""
+        fields = asdict(self)
+        if not self.qk_norm:
+            del fields["qk_norm"]
+        return fields
 
     @classmethod
     def from_hf_config(cls, config) -> ModelSpec:
@@ -140,6 +148,7 @@ class ModelSpec:
             qkv_bias=arch == "Qwen2ForCausalLM" or bool(getattr(config, "attention_bias", False)),
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             sliding_window=_sliding_window(arch, config),
+            qk_norm=arch in QK_NORM_ARCHITECTURES,
         )
 
 
@@ -150,6 +159,6 @@ def hf_head_dim(config) -> int:
 
 def _sliding_window(arch: str, config) -> int | None:
     """Width of sliding-window attention, None where every layer attends to all positions."""
-    if arch == "Qwen2ForCausalLM" and not getattr(config, "use_sliding_window", False):
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not getattr(config, "use_sliding_window", False):
         return None
     return getattr(config, "sliding_window", None) if arch != "LlamaForCausalLM" else None

@@ -13,7 +13,7 @@ def _validate(folder, model, prompts, steps):
     return summary
 
 
-@pytest.mark.parametrize("name", ["tiny-llama", "tiny-mistral", "tiny-qwen2"])
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-mistral", "tiny-qwen2", "tiny-qwen3"])
 def test_dense_parity_each_architecture(name, tmp_path):
     loaded = load_model(name)
     folder = build_artifact(loaded, tmp_path / name)
@@ -41,6 +41,33 @@ def test_compressed_parity_with_ring_wrap(tiny_llama, tmp_path, policy):
     ring = budget - policy.resolved_prompt_share
     assert steps > ring, "the test must run past the ring's first wrap"
     assert not summary["near_ties"]
+
+
+@pytest.mark.parametrize("weights", ["fp32", "int4"])
+def test_qwen3_snapstream_parity_with_its_head_norms(tmp_path, weights):
+    """Qwen3's queries and keys are RMS-normed per head before RoPE: the compressed artifact (its
+    layer-by-layer prefill, the selection's window queries, the ring) equals the oracle, whose
+    norms are transformers' own, and every decoder layer holds its two norms."""
+    import dataclasses
+
+    import onnx
+
+    from snapcompile.artifact.manifest import read_manifest
+    from snapcompile.validate.parity import oracle_model
+    from tests.conftest import TINY_EXPORT
+    loaded = load_model("tiny-qwen3")
+    assert loaded.spec.qk_norm and "qk_norm" in loaded.spec.to_dict()
+    assert "model.layers.1.self_attn.k_norm.weight" in loaded.tensors.shapes
+    policy = PolicyConfig(policy="snapstream", budget=64, sinks=4, window=8, kernel=5)
+    export = dataclasses.replace(TINY_EXPORT, weight_format=weights)
+    folder = build_artifact(loaded, tmp_path / "qwen3", export=export, policy=policy)
+    oracle = oracle_model(folder, read_manifest(folder))         # the int4 weights dequantized, norms as exported
+    summary = _validate(folder, oracle, random_prompts([300, 20], seed=5), steps=64)
+    assert summary["greedy_agreement"] == 1.0 and summary["compressed_prompts"] == 1
+    assert summary["max_abs_logit_diff"] <= (1e-4 if weights == "fp32" else 5e-3)
+    decode = onnx.load(str(folder / "decode.onnx"), load_external_data=False)
+    norms = {i.name for i in decode.graph.initializer if i.name.endswith(("q_norm", "k_norm"))}
+    assert norms == {f"l{i}.{n}" for i in range(2) for n in ("q_norm", "k_norm")}
 
 
 def test_short_prompt_matches_dense_attention(tiny_llama, tiny_snap_dir):

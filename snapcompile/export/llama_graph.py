@@ -1,4 +1,4 @@
-"""Writes a Llama-family decoder (Llama, Mistral, Qwen2) as static ONNX prefill and decode graphs.
+"""Writes a Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) as static ONNX prefill and decode graphs.
 
 Graph contracts (L = max_context, C = chunk, N = slots, Hkv KV heads, D head dim, V vocab):
 
@@ -85,6 +85,10 @@ class LlamaGraphWriter:
         inv = b.op("Reciprocal", b.op("Sqrt", b.op("Add", var, b.const(self.spec.rms_norm_eps, np.float32))))
         return b.op("Mul", b.op("Mul", x, inv), weight)
 
+    def _head_norm(self, b: GraphBuilder, x: str, norm: str | None) -> str:
+        """x [..., D] RMS-normed over D by weight `norm`, or x where the model has no such norm."""
+        return x if norm is None else self._rms_norm(b, x, norm)
+
     def _rope_tables(self, b: GraphBuilder, positions: str, shape: list) -> tuple[str, str]:
         """cos/sin [.., D/2] of int64 positions, reshaped to `shape` for broadcasting (one entry may
         be a SymbolicSize)."""
@@ -170,8 +174,8 @@ class PrefillWriter(LlamaGraphWriter):
         s, c = self.spec, self.chunk
         hkv, g, d = s.num_kv_heads, s.group_size, s.head_dim
         h = self._rms_norm(b, x, layer["in_norm"])
-        q = self._heads(b, self._linear(b, h, layer, "q"), s.num_heads, cos, sin)    # [1, H, C, D]
-        k = self._heads(b, self._linear(b, h, layer, "k"), hkv, cos, sin)            # [1, Hkv, C, D]
+        q = self._heads(b, self._linear(b, h, layer, "q"), s.num_heads, cos, sin, layer.get("q_norm"))  # [1, H, C, D]
+        k = self._heads(b, self._linear(b, h, layer, "k"), hkv, cos, sin, layer.get("k_norm"))          # [1, Hkv, C, D]
         v = self._heads(b, self._linear(b, h, layer, "v"), hkv, None, None)
         q = b.op("Reshape", q, b.const([1, hkv, g, c, d]))
         attn = emit_joined_attention(b, q, k, v, *cache, mask, s.head_dim ** -0.5)   # [1,Hkv,G,C,D]
@@ -187,11 +191,13 @@ class PrefillWriter(LlamaGraphWriter):
                     b.op("Sub", chunk_len, b.const([1])), axis=0)                        # [1, hidden]
         return self._logits(b, last)
 
-    def _heads(self, b: GraphBuilder, x: str, heads: int, cos: str | None, sin: str | None) -> str:
-        """[1, C, heads*D] -> [1, heads, C, D], rotated when cos/sin are given."""
+    def _heads(self, b: GraphBuilder, x: str, heads: int, cos: str | None, sin: str | None,
+               norm: str | None = None) -> str:
+        """[1, C, heads*D] -> [1, heads, C, D], each head RMS-normed by `norm` [D] (Qwen3) and
+        rotated when cos/sin are given."""
         x = b.op("Transpose", b.op("Reshape", x, b.const([1, self.chunk, heads, self.spec.head_dim])),
                  perm=[0, 2, 1, 3])
-        return x if cos is None else self._rotate(b, x, cos, sin)
+        return x if cos is None else self._rotate(b, self._head_norm(b, x, norm), cos, sin)
 
 
 class PrefillEmbedWriter(LlamaGraphWriter):
@@ -273,8 +279,10 @@ class DecodeWriter(LlamaGraphWriter):
         x = b.op("Reshape", self._embed(b, ids), b.shape([n, s.hidden_size]))
         for i, layer in enumerate(self.w.layers):
             h = self._rms_norm(b, x, layer["in_norm"])
-            q = self._rotate(b, b.op("Reshape", self._linear(b, h, layer, "q"), b.shape([n, hkv, g, d])), cos, sin)
-            k = self._rotate(b, b.op("Reshape", self._linear(b, h, layer, "k"), b.shape([n, hkv, 1, d])), cos, sin)
+            q = b.op("Reshape", self._linear(b, h, layer, "q"), b.shape([n, hkv, g, d]))
+            q = self._rotate(b, self._head_norm(b, q, layer.get("q_norm")), cos, sin)
+            k = b.op("Reshape", self._linear(b, h, layer, "k"), b.shape([n, hkv, 1, d]))
+            k = self._rotate(b, self._head_norm(b, k, layer.get("k_norm")), cos, sin)
             v = b.op("Reshape", self._linear(b, h, layer, "v"), b.shape([n, hkv, 1, d]))
             attn = emit_cached_attention(b, q, k, v, *caches[i], cache_mask, s.head_dim ** -0.5, L, 1)
             x = b.op("Add", x, self._linear(b, b.op("Reshape", attn, b.shape([n, s.num_heads * d])), layer, "o"))

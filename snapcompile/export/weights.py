@@ -2,7 +2,8 @@
 
 Names in the graphs (a contract `graph_weights` reads back, for the oracle):
   embed_tokens [V, hidden] (float16 unless the weights are fp32: TensorRT's Gather takes no
-  integer table), norm, l{i}.input_norm, l{i}.post_norm, l{i}.{q,k,v,o,gate,up,down}.bias;
+  integer table), norm, l{i}.input_norm, l{i}.post_norm, l{i}.{q,k,v,o,gate,up,down}.bias,
+  l{i}.{q_norm,k_norm} [D] (Qwen3's per-head query and key norms);
   a float linear layer "l{i}.q" is l{i}.q.wT [K, N] (float32, or float16 for --weights fp16,
   multiplied in float16 between two Casts); a quantized one is l{i}.q.qweight
   (INT4/INT8 [K, N]), l{i}.q.qscale [K/bs, N] and, for kept GGUF Q4_1 blocks, l{i}.q.qoffset.
@@ -27,6 +28,7 @@ from snapcompile.models.tensors import TensorSource, rope_frequencies
 
 LINEARS = (("q", "self_attn.q_proj"), ("k", "self_attn.k_proj"), ("v", "self_attn.v_proj"),
            ("o", "self_attn.o_proj"), ("gate", "mlp.gate_proj"), ("up", "mlp.up_proj"), ("down", "mlp.down_proj"))
+QK_NORMS = ("q_norm", "k_norm")     # self_attn.{q_norm,k_norm}.weight [D], where the model has them
 
 
 class Quantizer:
@@ -152,6 +154,9 @@ class Weights:
                 names[short] = self._linear_weight(f"l{i}.{short}", p + key + ".weight")
             if p + key + ".bias" in self.source.shapes:
                 names[short + "_bias"] = self._add(f"l{i}.{short}.bias", self._read(p + key + ".bias"))
+        for short in QK_NORMS:
+            if f"{p}self_attn.{short}.weight" in self.source.shapes:
+                names[short] = self._add(f"l{i}.{short}", self._read(f"{p}self_attn.{short}.weight"))
         return names
 
     def float_names(self) -> list[str]:
@@ -209,6 +214,9 @@ def graph_weights(model, spec: ModelSpec) -> dict[str, np.ndarray]:
             out[p + key + ".weight"] = linear(f"l{i}.{short}")
             if f"l{i}.{short}.bias" in init:
                 out[p + key + ".bias"] = array(f"l{i}.{short}.bias")
+        for short in QK_NORMS:
+            if f"l{i}.{short}" in init:
+                out[f"{p}self_attn.{short}.weight"] = array(f"l{i}.{short}")
     return out
 
 
