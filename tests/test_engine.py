@@ -450,3 +450,17 @@ def test_the_engine_and_the_api_accept_the_same_sampling_values(name, inside, ou
         SamplingParams(**{name: outside})
     with pytest.raises(ValidationError):
         CompletionRequest(model="m", prompt="x", **{name: outside})
+
+
+@pytest.mark.parametrize("artifact", ["tiny_dense_dir", "tiny_snap_dir"])
+def test_the_generation_limit_is_what_the_engine_generates(request, artifact):
+    """generation_limit(P) tokens run to "length"; one more ends at that many with "context" (a dense
+    slot's rows, or the model's positions for a ring). The server refuses a max_tokens past it."""
+    engine = Engine.from_artifact(request.getfixturevalue(artifact), session_cache_bytes=0)
+    prompt = random_prompts([300], seed=2)[0]
+    limit = engine.generation_limit(len(prompt))
+    assert limit == (512 - 300 + 1 if artifact == "tiny_dense_dir" else 4096 - 300 + 1)
+    exact, past = engine.generate([Request(prompt, max_new_tokens=limit, ignore_eos=True),
+                                   Request(prompt, max_new_tokens=limit + 1, ignore_eos=True)])
+    assert (exact.finish_reason, len(exact.output_ids)) == ("length", limit)
+    assert (past.finish_reason, len(past.output_ids)) == ("context", limit)

@@ -213,9 +213,12 @@ def test_unknown_fields_are_ignored(server):
     assert httpx.post(server.url + "/v1/completions", json=body, timeout=60).status_code == 200
 
 
+LONG = 4000     # tokens: near the tiny model's 4096 positions, ~1.8 s of generation (2 cores)
+
+
 def test_a_disconnect_frees_the_slot(server):
     aborted = server.metric("snapcompile_requests_total", 'outcome="abort"')
-    body = {"model": "tiny", "prompt": "go", "max_tokens": 100_000, "ignore_eos": True, "stream": True}
+    body = {"model": "tiny", "prompt": "go", "max_tokens": LONG, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as response:
         lines = response.iter_lines()
         assert next(line for line in lines if line.startswith("data: "))
@@ -229,7 +232,7 @@ def test_a_disconnect_frees_the_slot(server):
 
 def test_a_disconnect_during_a_non_streamed_request_frees_the_slot(server):
     aborted = server.metric("snapcompile_requests_total", 'outcome="abort"')
-    body = {"model": "tiny", "prompt": "go", "max_tokens": 100_000, "ignore_eos": True}
+    body = {"model": "tiny", "prompt": "go", "max_tokens": LONG, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):            # the client gives up and closes the connection
         httpx.post(server.url + "/v1/completions", json=body, timeout=httpx.Timeout(60, read=0.2))
     deadline = time.monotonic() + 30
@@ -955,6 +958,63 @@ def test_tokenize_and_detokenize_in_vllm_and_llama_server_shapes(server, artifac
                                  ("/detokenize", {"tokens": "abc"}, "tokens")):
         reply = httpx.post(server.url + path, json=body, timeout=30)
         assert reply.status_code in (400, 404) and fragment in reply.json()["error"]["message"], reply.text
+
+
+def test_a_max_tokens_past_what_the_model_can_generate_is_refused_with_the_counts(client):
+    """Not capped silently: the 400 names the field, the prompt's tokens and the most that can follow
+    (the tiny SnapStream artifact: the model's 4096 positions)."""
+    prompt = [5] * 100
+    for field in ("max_tokens", "max_completion_tokens"):
+        with pytest.raises(openai.BadRequestError) as refused:
+            if field == "max_tokens":
+                client.completions.create(model="tiny", prompt=prompt, max_tokens=100000)
+            else:
+                client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                               max_completion_tokens=100000)
+        body = refused.value.body
+        assert body["param"] == field and body["code"] == "context_length_exceeded", body
+        assert f"{field}=100000" in body["message"] and "the model can generate at most" in body["message"]
+    fits = client.completions.create(model="tiny", prompt=prompt, max_tokens=4096 - 100 + 1, extra_body={
+        "ignore_eos": True})
+    assert fits.usage.completion_tokens == 3997 and fits.choices[0].finish_reason == "length"
+
+
+def test_several_model_names_cors_and_template_fields_refused_by_name(artifact, tmp_path):
+    """--served-model-name repeated: every name accepted, listed, and echoed back (the first when a
+    request names none); /v1/models/{id}; a browser's CORS preflight from an allowed origin is answered
+    (and not from another); chat-template fields this server does not honour are refused by name."""
+    server = ServerProcess(artifact, "--served-model-name", "alias", "--allowed-origins", "http://localhost:3000",
+                           log=tmp_path / "log").wait_ready()
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        assert [m.id for m in client.models.list().data] == ["tiny", "alias"]
+        assert client.models.retrieve("alias").id == "alias"
+        with pytest.raises(openai.NotFoundError):
+            client.models.retrieve("other")
+        for name in ("tiny", "alias"):
+            reply = client.chat.completions.create(model=name, messages=[{"role": "user", "content": "hi"}],
+                                                   max_tokens=2)
+            assert reply.model == name
+        preflight = {"Origin": "http://localhost:3000", "Access-Control-Request-Method": "POST",
+                     "Access-Control-Request-Headers": "authorization, content-type"}
+        allowed = httpx.options(server.url + "/v1/chat/completions", headers=preflight, timeout=30)
+        assert allowed.status_code == 200 and allowed.headers["access-control-allow-origin"] == "http://localhost:3000"
+        other = httpx.options(server.url + "/v1/chat/completions", headers={**preflight, "Origin": "http://evil.test"},
+                              timeout=30)
+        assert other.status_code == 400 and "access-control-allow-origin" not in other.headers
+        simple = httpx.get(server.url + "/v1/models", headers={"Origin": "http://localhost:3000"}, timeout=30)
+        assert simple.headers["access-control-allow-origin"] == "http://localhost:3000"
+        for field, value in (("chat_template_kwargs", {"enable_thinking": False}), ("continue_final_message", True),
+                             ("add_generation_prompt", False), ("chat_template", "{{ messages }}")):
+            with pytest.raises(openai.BadRequestError) as refused:
+                client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                               max_tokens=2, extra_body={field: value})
+            assert refused.value.body["param"] == field
+    finally:
+        assert server.stop() == 0
+    for bad in ("localhost:3000", "http://x/path"):
+        result = CliRunner().invoke(main, ["serve", str(artifact), "--allowed-origins", bad])
+        assert result.exit_code == 2 and "is not an origin" in result.output
 
 
 def test_tokenize_takes_a_chats_tools_as_the_chat_completion_does(server):

@@ -28,7 +28,12 @@ LOOPBACK = ("localhost",)
               help="Answer 429 (with Retry-After) once this many requests wait for a slot.")
 @click.option("--api-key", envvar="SNAPCOMPILE_API_KEY", default=None,
               help="Require 'Authorization: Bearer KEY' on /v1 routes (or set SNAPCOMPILE_API_KEY).")
-@click.option("--served-model-name", default=None, help="The model name clients send (default: the folder name).")
+@click.option("--served-model-name", "served_model_names", multiple=True,
+              help="A model name clients send (repeatable: every one is accepted and listed by /v1/models, the first "
+                   "answers requests that name none; default: the folder name).")
+@click.option("--allowed-origins", default="", show_default="none",
+              help="Browser origins (comma-separated, e.g. http://localhost:3000, or '*') allowed to call the API "
+                   "(CORS: preflight OPTIONS answered, Access-Control-Allow-Origin sent). Off by default.")
 @click.option("--backend", type=click.Choice(BACKENDS), default="ort", show_default=True,
               help="ort: ONNX Runtime on an artifact folder; trt: TensorRT engines from `snapcompile build`.")
 @click.option("--drain-timeout", default=30.0, show_default=True, type=FiniteRange(min=0),
@@ -82,7 +87,8 @@ LOOPBACK = ("localhost",)
                    "Fewer bound the inter-token latency of running requests; more shorten the time to a new "
                    "request's first token. A smaller --chunk at convert time makes the step finer.")
 @session_cache_option(sharing=True)
-def serve(artifact, host, port, slots, max_waiting, api_key, served_model_name, backend, drain_timeout, log_level,
+def serve(artifact, host, port, slots, max_waiting, api_key, served_model_names, allowed_origins, backend,
+          drain_timeout, log_level,
           max_body_bytes, body_timeout, head_timeout, keep_alive, max_connections, max_connections_per_client,
           forwarded_allow_ips, max_requests_per_client, send_timeout, render_timeout, tokenizer_workers,
           max_prompts_per_request, prefill_tokens_per_step,
@@ -118,10 +124,24 @@ def serve(artifact, host, port, slots, max_waiting, api_key, served_model_name, 
                           render_timeout_s=render_timeout, tokenizer_workers=tokenizer_workers,
                           max_prompts=max_prompts_per_request,
                           forwarded_allow_ips=_proxies(forwarded_allow_ips))
-    settings = ServerSettings(Path(artifact), served_model_name or Path(artifact).resolve().name, api_key,
+    names = [name.strip() for name in served_model_names if name.strip()] or [Path(artifact).resolve().name]
+    settings = ServerSettings(Path(artifact), names[0], api_key,
                               max_waiting, slots, backend, limits, prefill_tokens_per_step, session_cache_bytes,
-                              session_keep, session_sharing)
+                              session_keep, session_sharing, aliases=tuple(names[1:]),
+                              allowed_origins=_origins(allowed_origins))
     run_server(settings, host, port, drain_timeout, log_level)
+
+
+def _origins(value: str) -> tuple[str, ...]:
+    """--allowed-origins checked: '*' or scheme://host[:port] origins, comma-separated."""
+    from urllib.parse import urlsplit
+    origins = tuple(entry.strip().rstrip("/") for entry in value.split(",") if entry.strip())
+    for origin in origins:
+        parts = urlsplit(origin)
+        if origin != "*" and (parts.scheme not in ("http", "https") or not parts.netloc or parts.path):
+            raise click.BadParameter(f"{origin!r} is not an origin (scheme://host[:port]) or '*'",
+                                     param_hint="--allowed-origins")
+    return origins
 
 
 def _proxies(value: str) -> str:

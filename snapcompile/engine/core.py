@@ -95,6 +95,15 @@ class EngineCore:
             return self.backend.max_prompt_len()
         return self.max_positions - 1
 
+    def generation_limit(self, prompt_len: int) -> int:
+        """The most tokens a request of `prompt_len` tokens can generate before `_end_reason` says
+        "context": a dense slot's rows hold the prompt and every fed token (the last sampled one is
+        never fed), and no fed token's position may reach the model's max_position_embeddings."""
+        positions = self.max_positions - prompt_len + 1
+        if self.backend.manifest.policy.compressed:      # a ring: rows are never the bound
+            return positions
+        return min(self.backend.rows_per_slot - prompt_len + 1, positions)
+
     def check_prompt(self, prompt_ids: list[int]) -> None:
         """Raise PromptError (reason "empty" or "too_long") for a prompt this artifact cannot take.
         Reads only the artifact's shapes: safe to call from any thread. A submitted request whose

@@ -87,6 +87,9 @@ class Engine:
     def check_prompt(self, prompt_ids: list[int]) -> None:
         self.core.check_prompt(prompt_ids)
 
+    def generation_limit(self, prompt_len: int) -> int:
+        return self.core.generation_limit(prompt_len)
+
     def kv_bytes_allocated(self) -> int:
         return self.core.kv_bytes_allocated()
 

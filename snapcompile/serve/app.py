@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -35,7 +36,7 @@ RETRY_AFTER_S = 1
 @dataclass
 class ServerSettings:
     artifact: Path
-    model_name: str
+    model_name: str                     # the name responses and /v1/models give first
     api_key: str | None = None
     max_waiting: int | None = MAX_WAITING   # 429 beyond this many requests waiting for a slot (None: no bound)
     slots: int | None = None            # use at most this many of the artifact's static slots
@@ -45,6 +46,12 @@ class ServerSettings:
     session_cache_bytes: int | None = None       # kept conversations' caches (None: sized at load; 0: off)
     session_keep: str = DEFAULT_SESSION_KEEP     # what the store keeps of a compressed sequence (Engine)
     session_sharing: str = "private"               # who shares kept caches without a key or salt (partition_of)
+    aliases: tuple[str, ...] = ()                  # more names clients may send (--served-model-name repeated)
+    allowed_origins: tuple[str, ...] = ()          # browser origins CORS allows (--allowed-origins; none: off)
+
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        return (self.model_name, *(name for name in self.aliases if name != self.model_name))
 
 
 @dataclass
@@ -105,7 +112,7 @@ def load_engine(state: ServerState) -> None:
                                      settings.limits.render_timeout_s)
     state.bodies = BodyParser(max_values(settings.limits.max_prompts, engine.prompt_limit),
                               timeout_s=settings.limits.body_timeout_s)
-    state.serving = OpenAIServing(engine_loop, engine.tokenizer, settings.model_name,
+    state.serving = OpenAIServing(engine_loop, engine.tokenizer, settings.model_names,
                                   max(export.max_context, engine.prompt_limit + 1),
                                   state.tokenizers, settings.limits.max_prompts)
 
@@ -115,6 +122,10 @@ def create_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="snapcompile", docs_url=None, redoc_url=None, openapi_url=None, redirect_slashes=False)
     app.state.server = state
     app.add_middleware(PeerRequests, budget=state.peer_requests)
+    if state.settings.allowed_origins:         # outermost: a preflight is answered before anything else
+        app.add_middleware(CORSMiddleware, allow_origins=list(state.settings.allowed_origins),
+                           allow_methods=["GET", "POST"], allow_headers=["Authorization", "Content-Type"],
+                           allow_credentials=False, max_age=600)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, err: ApiError) -> JSONResponse:
@@ -145,8 +156,16 @@ def create_app(state: ServerState) -> FastAPI:
     @app.get("/v1/models")
     async def models(request: Request) -> JSONResponse:
         _authenticate(request, state.settings.api_key)
-        card = {"id": state.settings.model_name, "object": "model", "created": now(), "owned_by": "snapcompile"}
-        return JSONResponse({"object": "list", "data": [card]})
+        return JSONResponse({"object": "list", "data": [_model_card(name) for name in state.settings.model_names]})
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(request: Request, model_id: str) -> JSONResponse:
+        _authenticate(request, state.settings.api_key)
+        if model_id not in state.settings.model_names:
+            raise ApiError(404, f"the model {model_id!r} does not exist; this server serves "
+                                f"{', '.join(map(repr, state.settings.model_names))}", param="model",
+                           code="model_not_found")
+        return JSONResponse(_model_card(model_id))
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
@@ -167,6 +186,10 @@ def create_app(state: ServerState) -> FastAPI:
         return JSONResponse(await serving.detokenize(params))
 
     return app
+
+
+def _model_card(name: str) -> dict:
+    return {"id": name, "object": "model", "created": now(), "owned_by": "snapcompile"}
 
 
 async def _accept_body(state: ServerState, request: Request, model):

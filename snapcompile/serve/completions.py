@@ -39,11 +39,12 @@ class Call:
 
 
 class OpenAIServing:
-    def __init__(self, engine_loop: EngineLoop, tokenizer, model_name: str, max_context: int,
+    def __init__(self, engine_loop: EngineLoop, tokenizer, model_names: tuple[str, ...], max_context: int,
                  tokenizers: TokenizerPool, max_prompts: int = 32):
         """`tokenizer` decodes (echoes); `tokenizers` renders chat templates and tokenizes prompts in
-        worker processes, each job bounded in time and memory."""
-        self.engine_loop, self.tokenizer, self.model_name = engine_loop, tokenizer, model_name
+        worker processes, each job bounded in time and memory; `model_names`: the names clients may
+        send (a response gives the one its request sent, else the first)."""
+        self.engine_loop, self.tokenizer, self.model_names = engine_loop, tokenizer, tuple(model_names)
         self.max_context, self.tokenizers, self.max_prompts = max_context, tokenizers, max_prompts
         self.max_prompt_chars = max_prompt_chars(tokenizer, engine_loop.engine.prompt_limit)
         self._per_thread = threading.local()
@@ -78,7 +79,7 @@ class OpenAIServing:
         echo = kind == "completion" and params.echo
         echoes = await asyncio.to_thread(self._echoes, [request.prompt_ids for request in requests]) if echo else ()
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
-        return Call(kind, params, requests, new_id(prefix), self.model_name, echoes)
+        return Call(kind, params, requests, new_id(prefix), params.model or self.model_names[0], echoes)
 
     def _echoes(self, prompts: list[list[int]]) -> tuple[str, ...]:
         return tuple(self._thread_tokenizer().decode(prompt) for prompt in prompts)
@@ -138,10 +139,22 @@ class OpenAIServing:
     def _engine_request(self, params: ChatRequest | CompletionRequest, sampling: SamplingParams,
                         grammar: JsonGrammar | None, prompt: list[int], partition: str | None) -> Request:
         logprobs, top = params.logprob_counts()
-        return Request(prompt, max_new_tokens=params.max_new_tokens(max(1, self.max_context - len(prompt))),
+        return Request(prompt, max_new_tokens=self._max_new_tokens(params, len(prompt)),
                        stop=tuple(params.stop), sampling=sampling, request_id=new_id("req"),
                        top_logprobs=top, logprobs=logprobs, ignore_eos=params.ignore_eos, cache_partition=partition,
                        constraint=grammar.constraint() if grammar is not None else None)
+
+    def _max_new_tokens(self, params: ChatRequest | CompletionRequest, prompt_len: int) -> int:
+        """The request's max_tokens (default: up to the artifact's context), refused with the counts
+        (vLLM's 400) when more than the engine can generate after this prompt: never capped silently."""
+        limit = self.engine_loop.engine.generation_limit(prompt_len)
+        wanted = params.max_new_tokens(max(1, min(self.max_context - prompt_len, limit)))
+        if wanted > limit:
+            param = "max_completion_tokens" if getattr(params, "max_completion_tokens", None) else "max_tokens"
+            raise ApiError(400, f"{param}={wanted}, but after this {prompt_len}-token prompt the model can generate at "
+                                f"most {limit} tokens: reduce the prompt or the completion", param=param,
+                           code="context_length_exceeded")
+        return wanted
 
     def _check_prompt(self, prompt: list[int], param: str) -> None:
         """Engine.check_prompt in OpenAI's words (400; context_length_exceeded for a long one), and
@@ -187,8 +200,9 @@ class OpenAIServing:
         return {"prompt": text, "content": text}
 
     def _check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise ApiError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
+        if model is not None and model not in self.model_names:
+            raise ApiError(404, f"the model {model!r} does not exist; this server serves "
+                                f"{', '.join(map(repr, self.model_names))}",
                            param="model", code="model_not_found")
 
     def _chat_prompt(self, params: ChatRequest | protocol.TokenizeRequest) -> list[int]:

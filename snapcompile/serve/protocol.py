@@ -38,7 +38,9 @@ UNSUPPORTED = {"functions": None, "suffix": None, "best_of": 1, "typical_p": 1.0
                "guided_grammar": None, "structured_outputs": None, "prompt_logprobs": None,
                "truncate_prompt_tokens": None, "repeat_penalty": 1.0, "repeat_last_n": None,
                "penalty_last_n": None, "mirostat": 0, "tfs_z": 1.0, "dry_multiplier": 0.0, "xtc_probability": 0.0,
-               "grammar": None, "json_schema": None, "samplers": None, "dynatemp_range": 0.0}
+               "grammar": None, "json_schema": None, "samplers": None, "dynatemp_range": 0.0,
+               "chat_template_kwargs": None, "continue_final_message": False, "add_generation_prompt": True,
+               "chat_template": None}
 
 
 class ApiError(Exception):
