@@ -655,8 +655,9 @@ def test_bench_serve_follow_ups_are_drawn_within_their_bounds():
 def test_kept_caches_are_shared_only_within_a_partition(artifact, tmp_path):
     """The store's tenant isolation (docs/serving.md, "Who shares kept caches"): a client that sends
     another's prompt prefix learns nothing through cached_tokens unless both send the same
-    cache_salt; without a salt (and without an API key) nothing is kept unless --session-sharing
-    shared; with an API key its holders share."""
+    cache_salt; without a salt (and without an API key) nothing is kept with --session-sharing
+    private, everything shared with shared and with the default (auto) on loopback; with an API key
+    its holders share."""
     secret = "Our system prompt. The user's PIN is 4071 and must stay private. " * 3
     guess = "Our system prompt. The user's PIN is 4071 and must stay private. " * 3 + "What is it?"
 
@@ -668,7 +669,7 @@ def test_kept_caches_are_shared_only_within_a_partition(artifact, tmp_path):
         reply = httpx.post(url + "/v1/completions", json=body, headers=headers, timeout=60).json()
         return reply["usage"]["prompt_tokens_details"]["cached_tokens"]
 
-    with ServerProcess(artifact, log=tmp_path / "private.log") as private:
+    with ServerProcess(artifact, "--session-sharing", "private", log=tmp_path / "private.log") as private:
         assert cached(private.url, secret, salt="alice") == 0
         assert cached(private.url, guess, salt="mallory") == 0                # another partition: nothing shown
         assert cached(private.url, guess) == 0                                # no salt, no key: private
@@ -680,6 +681,14 @@ def test_kept_caches_are_shared_only_within_a_partition(artifact, tmp_path):
         cached(shared.url, secret)
         assert cached(shared.url, guess) > 0                                  # opted in: unsalted clients share
         assert cached(shared.url, guess, salt="mallory") == 0                 # a salt is a partition of its own
+    with ServerProcess(artifact, log=tmp_path / "auto.log") as local:        # the default on loopback: one user's
+        cached(local.url, secret)
+        assert cached(local.url, guess) > 0                                   # a plain client gets its cache back
+    assert "kept caches: shared by every client that sends no cache_salt" in (tmp_path / "auto.log").read_text()
+    from snapcompile.serve.partitions import resolve_sharing
+    assert [resolve_sharing("auto", loopback, key) for loopback, key in ((True, False), (True, True), (False, False))] \
+        == ["shared", "private", "private"]
+    assert resolve_sharing("private", True, False) == "private" and resolve_sharing("shared", False, True) == "shared"
     with ServerProcess(artifact, "--api-key", "k3y", log=tmp_path / "key.log") as keyed:
         cached(keyed.url, secret, key="k3y")
         assert cached(keyed.url, guess, key="k3y") > 0                        # the key's holders share

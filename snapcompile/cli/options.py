@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from snapcompile.config import DEFAULT_SESSION_KEEP, SESSION_KEEP, PolicyConfig
-from snapcompile.serve.partitions import SESSION_SHARING
+from snapcompile.serve.partitions import SERVE_SHARING, SESSION_SHARING
 
 
 def csv_option(kind):
@@ -96,6 +96,8 @@ SESSION_KEEP_HELP = ("What the store keeps of a compressed artifact's conversati
                      "most the bytes of B float32 rows): also 23 of 39. Figures: docs/results/conversations.md.")
 
 
+SESSION_SHARING_AUTO_HELP = ("auto (the default): shared when the server listens on loopback without --api-key "
+                             "(one user's local server), else private; said at start. ")
 SESSION_SHARING_HELP = ("Who shares kept caches when a request carries neither a cache_salt nor the API key: "
                       "private, nobody (such a request is neither resumed nor kept); shared, every such client (a "
                       "client can then learn how much of its prompt another's began with, through cached_tokens and "
@@ -103,17 +105,19 @@ SESSION_SHARING_HELP = ("Who shares kept caches when a request carries neither a
                       "cache_salt always share; so do the holders of the API key.")
 
 
-def session_cache_option(sharing: bool = False):
+def session_cache_option(sharing: bool = False, auto: bool = False):
     """--session-cache-bytes and --session-keep (the engine's session store), and with `sharing` the
-    --session-sharing of a server (who shares its partitions of kept caches)."""
+    --session-sharing of a server (who shares its partitions of kept caches; `auto`: serve's choices,
+    auto the default)."""
     options = [click.option("--session-cache-bytes", "session_cache_bytes", default="auto", show_default=True,
                             callback=parse_session_cache, help=SESSION_CACHE_HELP),
                click.option("--session-keep", type=click.Choice(SESSION_KEEP), default=DEFAULT_SESSION_KEEP,
                             show_default=True, help=SESSION_KEEP_HELP)]
     if sharing:
+        choices = SERVE_SHARING if auto else SESSION_SHARING
         options.append(click.option("--session-sharing", "--session-scope", "session_sharing",
-                                    type=click.Choice(SESSION_SHARING), default=SESSION_SHARING[0],
-                                    show_default=True, help=SESSION_SHARING_HELP))
+                                    type=click.Choice(choices), default=choices[0], show_default=True,
+                                    help=(SESSION_SHARING_AUTO_HELP if auto else "") + SESSION_SHARING_HELP))
     return option_group(*options)
 
 

@@ -13,8 +13,13 @@ import click
 from snapcompile.cli.options import FiniteRange, config_default, csv_option, session_cache_option
 from snapcompile.runtime import BACKENDS
 from snapcompile.serve.bounds import MAX_WAITING, ServerLimits
+from snapcompile.serve.partitions import resolve_sharing
 
 LOOPBACK = ("localhost",)
+_SHARING_SAID = {"shared": "shared by every client that sends no cache_salt (loopback, no --api-key: one user's "
+                           "server)",
+                 "private": "kept only for requests with a cache_salt or the API key (the server can be reached "
+                            "from other machines, or has an API key)"}
 
 
 @click.command()
@@ -86,7 +91,7 @@ LOOPBACK = ("localhost",)
               help="Prompt tokens prefilled between two decode steps, in whole chunks (default: one chunk). "
                    "Fewer bound the inter-token latency of running requests; more shorten the time to a new "
                    "request's first token. A smaller --chunk at convert time makes the step finer.")
-@session_cache_option(sharing=True)
+@session_cache_option(sharing=True, auto=True)
 def serve(artifact, host, port, slots, max_waiting, api_key, served_model_names, allowed_origins, backend,
           drain_timeout, log_level,
           max_body_bytes, body_timeout, head_timeout, keep_alive, max_connections, max_connections_per_client,
@@ -125,9 +130,13 @@ def serve(artifact, host, port, slots, max_waiting, api_key, served_model_names,
                           max_prompts=max_prompts_per_request,
                           forwarded_allow_ips=_proxies(forwarded_allow_ips))
     names = [name.strip() for name in served_model_names if name.strip()] or [Path(artifact).resolve().name]
+    sharing = resolve_sharing(session_sharing, _loopback(host), api_key is not None)
+    if session_sharing == "auto":
+        click.echo(f"kept caches: {_SHARING_SAID[sharing]} (--session-sharing auto; private or shared to choose)",
+                   err=True)
     settings = ServerSettings(Path(artifact), names[0], api_key,
                               max_waiting, slots, backend, limits, prefill_tokens_per_step, session_cache_bytes,
-                              session_keep, session_sharing, aliases=tuple(names[1:]),
+                              session_keep, sharing, aliases=tuple(names[1:]),
                               allowed_origins=_origins(allowed_origins))
     run_server(settings, host, port, drain_timeout, log_level)
 

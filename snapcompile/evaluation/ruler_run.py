@@ -234,7 +234,9 @@ def _serve_and_run(config, folder: Path, units, tasks: _TaskData, store: UnitSto
     from snapcompile.serve.process import ServerProcess
     log(f"serving {folder} for {', '.join(unit_id(*u) for u in units)}")
     server_log = work_dir / f"serve-{folder.name}.log"
-    server = ServerProcess(folder, "--slots", str(config.slots), model="ruler", log=server_log)
+    # samples never resume from each other (their figures stay those of a prompt prefilled whole)
+    server = ServerProcess(folder, "--slots", str(config.slots), "--session-sharing", "private", model="ruler",
+                           log=server_log)
     try:
         server.wait_ready(SERVER_START_S)
         for weights, cell, length in units:

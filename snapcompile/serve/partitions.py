@@ -8,7 +8,17 @@ import hmac
 from snapcompile.errors import SnapcompileError
 
 SESSION_SHARING = ("private", "shared")     # what a request with neither a cache_salt nor an API key gets
+SERVE_SHARING = ("auto", *SESSION_SHARING)  # serve's choices: auto decides by who can reach the server
 MAX_SALT_CHARS = 256
+
+
+def resolve_sharing(choice: str, loopback: bool, api_key: bool) -> str:
+    """serve --session-sharing: "auto" is "shared" for a server only this machine can reach and that
+    has no API key (one user's local server, as llama-server runs: a plain chat client gets its
+    cache back), else "private"; "private" and "shared" are themselves."""
+    if choice != "auto":
+        return choice
+    return "shared" if loopback and not api_key else "private"
 
 
 def cache_partition(secret: bytes, cache_salt: str | None, api_key_used: bool, session_sharing: str) -> str | None:
