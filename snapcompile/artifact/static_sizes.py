@@ -64,7 +64,7 @@ def check_static_sizes(model: onnx.ModelProto, path: Path, manifest: Manifest) -
     shapes = {value.name: value.type.tensor_type.shape if value.type.tensor_type.HasField("shape") else None
               for value in list(inferred.graph.value_info) + list(inferred.graph.output)}
     for node in inferred.graph.node:
-        for output in node.output:
+        for output in filter(None, node.output):     # "": an optional output left out, nothing allocated
             elements = _static_elements(shapes.get(output))
             if elements is None:
                 raise SnapcompileError(f"{path}: the size of node {node.name!r} ({node.op_type}) output {output!r} "

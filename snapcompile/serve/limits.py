@@ -136,6 +136,8 @@ def close_idle_connections(open_connections, limit: int, keep) -> int:
     """Close idle connections (those with an `idle_since`), the longest idle first and never `keep`,
     until fewer than `limit` remain open: uvicorn answers 503 to a request that finds `limit`
     connections. Returns how many were closed."""
+    if len(open_connections) < limit:          # the common case, in O(1)
+        return 0
     live = [c for c in open_connections if not c.transport.is_closing()]
     excess = len(live) - limit + 1
     if excess <= 0:
