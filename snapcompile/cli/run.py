@@ -120,16 +120,12 @@ def run(artifact, prompt, prompts_file, demo, max_new_tokens, temperature, top_k
         conversations = [Conversation(replace(pending[c], ignore_eos=ignore_eos), records[c].turns) for c in todo]
         new_rows, results, elapsed = _run_rows(engine, conversations, [records[c].fields for c in todo], chat,
                                                top_logprobs, partial, quiet=not sys.stderr.isatty() and as_json)
-    except KeyboardInterrupt:
+    except BaseException as err:
         if partial is not None:
             partial.close()
-            if partial.lines:
+            if partial.lines and isinstance(err, KeyboardInterrupt):   # the signal's error line says where
                 raise KeyboardInterrupt(f"the {partial.lines} results finished so far are in {partial.path}: run the "
                                         "same command again to go on from them") from None
-        raise
-    except BaseException:
-        if partial is not None:
-            partial.close()
             if partial.lines:
                 click.echo(f"kept the {partial.lines} results finished so far in {partial.path}", err=True)
         raise

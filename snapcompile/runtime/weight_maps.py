@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 from onnx import TensorProto, helper, numpy_helper
 
-from snapcompile.artifact.manifest import ORT_WEIGHTS, WEIGHTS
+from snapcompile.artifact.manifest import WEIGHTS
 from snapcompile.artifact.onnx_io import external_span
 from snapcompile.errors import SnapcompileError
 
@@ -44,9 +44,7 @@ class WeightArrays:
         return self._arrays[key]
 
     def _mapped(self, name: str) -> np.memmap:
-        """The mapping of weight file `name` (the artifact's checks allow only its two), made once."""
-        if name not in (WEIGHTS, ORT_WEIGHTS):
-            raise SnapcompileError(f"{self.folder}: {name!r} is not one of the artifact's weight files; refused")
+        """The mapping of weight file `name` (one of the artifact's two: `external_span` checked it), made once."""
         with self._lock:
             if name not in self._maps:
                 if (self.folder / name).stat().st_size == 0:

@@ -22,7 +22,7 @@ from snapcompile.engine.loop import EngineLoop
 from snapcompile.serve import protocol
 from snapcompile.serve.bodies import BodyParser, max_values
 from snapcompile.serve.bounds import MAX_WAITING, ServerLimits
-from snapcompile.serve.completions import OpenAIServing
+from snapcompile.serve.completions import OpenAIServing, check_model
 from snapcompile.serve.limits import PeerBudget, PeerRequests, read_json_body
 from snapcompile.serve.metrics import CONTENT_TYPE, Metrics
 from snapcompile.serve.partitions import cache_partition
@@ -161,10 +161,7 @@ def create_app(state: ServerState) -> FastAPI:
     @app.get("/v1/models/{model_id:path}")
     async def model(request: Request, model_id: str) -> JSONResponse:
         _authenticate(request, state.settings.api_key)
-        if model_id not in state.settings.model_names:
-            raise ApiError(404, f"the model {model_id!r} does not exist; this server serves "
-                                f"{', '.join(map(repr, state.settings.model_names))}", param="model",
-                           code="model_not_found")
+        check_model(model_id, state.settings.model_names)
         return JSONResponse(_model_card(model_id))
 
     @app.post("/v1/chat/completions")

@@ -38,6 +38,13 @@ class Call:
     echoes: tuple[str, ...] = ()     # per choice, the prompt's text (completions with echo)
 
 
+def check_model(model: str | None, names: tuple[str, ...]) -> None:
+    """A 404 (model_not_found) for a `model` this server does not serve (None: the request named none)."""
+    if model is not None and model not in names:
+        raise ApiError(404, f"the model {model!r} does not exist; this server serves {', '.join(map(repr, names))}",
+                       param="model", code="model_not_found")
+
+
 class OpenAIServing:
     def __init__(self, engine_loop: EngineLoop, tokenizer, model_names: tuple[str, ...], max_context: int,
                  tokenizers: TokenizerPool, max_prompts: int = 32):
@@ -200,10 +207,7 @@ class OpenAIServing:
         return {"prompt": text, "content": text}
 
     def _check_model(self, model: str | None) -> None:
-        if model is not None and model not in self.model_names:
-            raise ApiError(404, f"the model {model!r} does not exist; this server serves "
-                                f"{', '.join(map(repr, self.model_names))}",
-                           param="model", code="model_not_found")
+        check_model(model, self.model_names)
 
     def _chat_prompt(self, params: ChatRequest | protocol.TokenizeRequest) -> list[int]:
         """A chat's token ids through the template (with the tools' system message when it has
