@@ -181,3 +181,37 @@ def test_a_prompts_memory_does_not_grow_with_the_layers(tiny_llama, tmp_path):
     assert layers_six - layers_two < layer_bytes / 2
     assert chunks_six - chunks_two > 4 * layer_bytes * 0.9
     assert layers_six < chunks_six - 3 * layer_bytes
+
+
+@pytest.mark.parametrize("fixture", ["tiny_dense_dir", "tiny_snap_dir", "int4_snap_dir"])
+def test_a_prompts_logits_at_every_position_are_the_models(fixture, request, tiny_llama):
+    """logits_to hands out each position's logits (the model's own, as a full forward computes them),
+    and the prefill's slot rows and last logits are those of a prefill that was not asked: a dense
+    artifact, prefilled chunk by chunk, scores on a layer-by-layer prefill of its own."""
+    import torch
+    folder = request.getfixturevalue(fixture)
+    scored, plain = OrtBackend(folder), OrtBackend(folder)
+    for prompt in random_prompts((5, 64, 130), seed=57):
+        seen = {}
+        def record(i, logits, seen=seen):
+            seen[i] = logits.copy()
+        result = _drained(scored.prefill_chunks(0, prompt, logits_to=record))
+        with torch.no_grad():
+            expected = tiny_llama.model(torch.tensor([prompt])).logits[0].float().numpy()
+        assert sorted(seen) == list(range(len(prompt) - 1))
+        got = np.stack([seen[i] for i in range(len(prompt) - 1)] + [result.logits])
+        if "int4" not in fixture:          # int4: the quantized model's, not the float one's
+            assert np.abs(got - expected).max() < 2e-4
+        theirs = plain.prefill(0, prompt)
+        assert np.array_equal(result.logits, theirs.logits) and result.layout == theirs.layout
+        kept = result.layout.kept
+        for i in range(scored.num_layers):
+            assert np.array_equal(scored.keys[i][0, :, :kept], plain.keys[i][0, :, :kept])
+
+
+def _drained(chunks):
+    while True:
+        try:
+            next(chunks)
+        except StopIteration as done:
+            return done.value

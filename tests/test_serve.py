@@ -175,7 +175,7 @@ def test_chat_errors_have_openai_shape(server, kwargs, status, fragment):
     (json.dumps({"model": "tiny", "prompt": [True]}).encode(), "prompt"),
     (json.dumps({"model": "tiny", "prompt": ["a", [5]]}).encode(), "prompt"),
     (json.dumps({"model": "tiny", "prompt": [5] * 513}).encode(), "513 tokens; this model's context allows"),
-    (json.dumps({"model": "tiny", "prompt": "x", "echo": True, "logprobs": 1}).encode(), "echo with logprobs"),
+    (json.dumps({"model": "tiny", "prompt": "x", "prompt_logprobs": 21}).encode(), "prompt_logprobs: Input should be less"),
     (b"[" * 1000 + b"]" * 1000, "nests deeper than 64 levels"),
     (b"[" * 100 + b"]" * 100, "nests deeper than 64 levels"),
     (b'{"model": "tiny", "prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}", "not valid JSON"),

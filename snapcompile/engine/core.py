@@ -19,7 +19,7 @@ import numpy as np
 
 from snapcompile.config import DEFAULT_SESSION_KEEP
 from snapcompile.engine.request import Request, Sequence, Status
-from snapcompile.engine.sampling import sample, token_logprob, top_logprobs
+from snapcompile.engine.sampling import PromptLogprob, prompt_logprob, sample, token_logprob, top_logprobs
 from snapcompile.engine.scheduler import Scheduler
 from snapcompile.errors import PromptError, SnapcompileError, first_line
 from snapcompile.memory import available_host_memory
@@ -45,6 +45,7 @@ class TokenStep:
     logprob: float | None = None                          # of token_id, when the request asked
     top_logprobs: list[tuple[int, float]] | None = None   # the request's top_logprobs likeliest
     cached_tokens: int = 0                                # prompt tokens resumed from a kept cache
+    prompt_logprobs: list[PromptLogprob] | None = None    # with the first token, when the request asked
     error: str | None = None
     prompt_error: PromptError | None = None
 
@@ -129,6 +130,9 @@ class EngineCore:
             raise SnapcompileError(f"request {request.request_id}: token ids must be in [0, {vocab})")
         if any(token >= vocab for token, _ in request.sampling.logit_bias):
             raise SnapcompileError(f"request {request.request_id}: logit_bias token ids must be in [0, {vocab})")
+        if request.prompt_logprobs is not None and not self.backend.scores_prompts:
+            raise SnapcompileError(f"request {request.request_id}: a prompt's log probabilities are computed by the "
+                                   "layer-by-layer prefill, which runs on ONNX Runtime with the standard lowering")
         request = self._with_leader(request)
         seq = Sequence(request, submitted_at=self.clock())
         self.sequences[request.request_id] = seq
@@ -200,15 +204,25 @@ class EngineCore:
         """The prefill generator of an admitted sequence: resumed from the session store's best
         kept cache for its prompt, or the whole prompt."""
         ids, partition = seq.request.prompt_ids, seq.request.cache_partition
-        seq.plan = self.sessions.lookup(ids, partition) if self.sessions is not None and partition is not None else None
+        scored = seq.request.prompt_logprobs is not None      # every position's logits: prefilled whole
+        seq.plan = self.sessions.lookup(ids, partition) \
+            if self.sessions is not None and partition is not None and not scored else None
         seq.reading = None
         if self.keeper is not None and partition is not None:
             seq.reading = prompt_reading(self.keeper, self.backend.manifest, seq.slot, seq.plan, ids)
         rows_to = seq.reading.layer if seq.reading is not None else None
         if seq.plan is None:
-            return self.backend.prefill_chunks(seq.slot, ids, rows_to=rows_to)
+            return self.backend.prefill_chunks(seq.slot, ids, rows_to=rows_to,
+                                               logits_to=self._prompt_scorer(seq) if scored else None)
         seq.cached_tokens = seq.plan.resume_at
         return resumed_prefill(self.backend, seq.slot, seq.plan, ids, self.keeper.resume_rows(seq.plan), rows_to)
+
+    @staticmethod
+    def _prompt_scorer(seq: Sequence):
+        """The prefill's logits_to for `seq`: each prompt token's PromptLogprob into seq.prompt_logprobs."""
+        ids, top = seq.request.prompt_ids, seq.request.prompt_logprobs
+        seq.prompt_logprobs = []
+        return lambda position, logits: seq.prompt_logprobs.append(prompt_logprob(logits, ids[position + 1], top))
 
     def _prefilled(self, seq: Sequence, result) -> None:
         """`seq`'s prefill ended with the runtime's `result`: its layout, the positions its slot
@@ -254,6 +268,7 @@ class EngineCore:
         for follower in followers:
             self.backend.move_slot(leader.slot, follower.slot, rows)
             follower.layout, follower.kept_positions = leader.layout, leader.kept_positions
+            follower.prompt_logprobs = leader.prompt_logprobs
             self.scheduler.prefill_done(follower)
         return followers
 
@@ -316,7 +331,7 @@ class EngineCore:
         if reason:
             self._finish(seq, reason)
         return TokenStep(request.request_id, token, seq.finished, now, seq.finish_reason, logprob, top,
-                         seq.cached_tokens)
+                         seq.cached_tokens, seq.prompt_logprobs if len(seq.output_ids) == 1 else None)
 
     def _end_reason(self, seq: Sequence, token: int) -> str | None:
         """Why `seq` ends with `token`, if it does (stop strings are the output processor's)."""

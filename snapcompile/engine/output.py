@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from snapcompile.engine.core import TokenStep
 from snapcompile.engine.request import Request
+from snapcompile.engine.sampling import PromptLogprob
 from snapcompile.errors import PromptError
 
 OUTCOMES = {"eos": "stop", "stop": "stop", "length": "length", "context": "length"}   # OpenAI's finish_reason
@@ -33,6 +34,7 @@ class TokenEvent:
     finish_reason: str | None = None
     logprob: float | None = None                          # of token_id, when the request asked
     top_logprobs: list[tuple[int, float]] | None = None   # the request's top_logprobs likeliest
+    prompt_logprobs: list[PromptLogprob] | None = None    # with the first token, when the request asked
 
 
 @dataclass(frozen=True)
@@ -49,6 +51,7 @@ class Result:
     token_logprobs: list[float] = ()              # per output token, when the request asked (logprobs)
     cached_tokens: int = 0                        # prompt tokens resumed from a kept cache, not prefilled
     prompt_error: PromptError | None = None       # set when it failed because its prompt does not fit
+    prompt_logprobs: list[PromptLogprob] | None = None   # prompt tokens 1.., when the request asked
 
     @property
     def failed(self) -> bool:
@@ -189,10 +192,13 @@ class RequestOutput:
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     first_at: float | None = None
     cached_tokens: int = 0
+    prompt_logprobs: list[PromptLogprob] | None = None
 
     def add(self, step: TokenStep) -> Processed:
         """This request's next step: its event, and its result when it ended (here or in the core)."""
         self.cached_tokens = step.cached_tokens
+        if step.prompt_logprobs is not None:
+            self.prompt_logprobs = step.prompt_logprobs
         reason = step.finish_reason if step.finished else None
         cut = False
         if step.token_id is not None:
@@ -205,7 +211,7 @@ class RequestOutput:
         elif reason is not None:
             self.held += self.text_of.rest()             # bytes no character completed: U+FFFD
         event = TokenEvent(self.request.request_id, step.token_id, self._give(finished=reason is not None),
-                           reason is not None, reason, step.logprob, step.top_logprobs)
+                           reason is not None, reason, step.logprob, step.top_logprobs, step.prompt_logprobs)
         if reason is None:
             return Processed(event)
         return Processed(event, self._result(step, reason), stop=not step.finished)
@@ -242,7 +248,7 @@ class RequestOutput:
         ttft = self.first_at - self.submitted_at if self.first_at is not None else None
         return Result(self.request.request_id, len(self.request.prompt_ids), list(self.ids), "".join(self.pieces),
                       reason, step.error, ttft, step.at - self.submitted_at, list(self.top_logprobs),
-                      list(self.token_logprobs), self.cached_tokens, step.prompt_error)
+                      list(self.token_logprobs), self.cached_tokens, step.prompt_error, self.prompt_logprobs)
 
 
 class OutputProcessor:

@@ -105,6 +105,9 @@ class Request:
     top_logprobs: int = 0          # record this many most likely tokens per generated token
     logprobs: bool = False         # record the log probability of each generated token
     ignore_eos: bool = False       # generate past EOS until max_new_tokens (fixed-length benchmarks)
+    # record each prompt token's log probability (and this many likeliest tokens at each prompt
+    # position): the prompt is then prefilled whole, never resumed (None: not asked)
+    prompt_logprobs: int | None = None
     # the session store's partition: resumed only from, and kept only for, requests of the same partition
     # (None: neither resumed nor kept). `serve` derives it from the API key and cache_salt.
     cache_partition: str | None = ""
@@ -122,6 +125,8 @@ class Request:
             raise SnapcompileError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
         if not _integer(self.top_logprobs) or self.top_logprobs < 0:
             raise SnapcompileError(f"top_logprobs must be an integer >= 0, got {self.top_logprobs!r}")
+        if self.prompt_logprobs is not None and (not _integer(self.prompt_logprobs) or self.prompt_logprobs < 0):
+            raise SnapcompileError(f"prompt_logprobs must be None or an integer >= 0, got {self.prompt_logprobs!r}")
         check_stop_strings(self.stop)
         if not isinstance(self.logprobs, bool) or not isinstance(self.ignore_eos, bool):
             raise SnapcompileError("logprobs and ignore_eos must be true or false")
@@ -165,6 +170,7 @@ class Sequence:
     plan: object = None            # the ResumePlan it resumed from (None: prefilled whole)
     reading: object = None         # while it prefills: the keeper's reading of its rows (restore.prompt_reading)
     cached_tokens: int = 0         # prompt tokens resumed from a kept cache
+    prompt_logprobs: list | None = None   # PromptLogprob of prompt tokens 1.. (when the request asked)
     prompt_error: object = None    # the PromptError it failed with (a prompt longer than a fresh prefill takes)
     prefill: object = None         # the backend's prefill generator while PREFILLING
 

@@ -3,6 +3,7 @@ min-p (SamplingParams states the semantics). Every step is numpy over the vocabu
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -50,10 +51,32 @@ def penalized_logits(logits: np.ndarray, params: SamplingParams, prompt_ids: Seq
     return adjusted
 
 
+@dataclass(frozen=True)
+class PromptLogprob:
+    """A prompt token's natural-log probability given the tokens before it, its rank among the
+    vocabulary (1: the likeliest; ties share the best rank) and the request's `top` likeliest tokens
+    there (as top_logprobs gives them)."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: list[tuple[int, float]]
+
+
+def prompt_logprob(logits: np.ndarray, token: int, k: int) -> PromptLogprob:
+    """`token`'s PromptLogprob under the logits [V] of the position before it, with the k likeliest."""
+    shifted, log_norm = _shifted_log_norm(logits)
+    rank = 1 + int(np.count_nonzero(shifted > shifted[token]))
+    return PromptLogprob(token, float(shifted[token] - log_norm), rank, _top(shifted, log_norm, k))
+
+
 def top_logprobs(logits: np.ndarray, k: int) -> list[tuple[int, float]]:
     """The k most likely tokens of logits [V] as (token id, natural-log probability), most likely
     first (ties to the lower id, as greedy sampling breaks them)."""
-    shifted, log_norm = _shifted_log_norm(logits)
+    return _top(*_shifted_log_norm(logits), k)
+
+
+def _top(shifted: np.ndarray, log_norm: float, k: int) -> list[tuple[int, float]]:
     k = min(k, shifted.size)
     if k <= 0:
         return []

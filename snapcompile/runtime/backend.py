@@ -19,9 +19,18 @@ import numpy as np
 from snapcompile.artifact.footprint import RELEASE_EVERY_STEPS, check_memory
 from snapcompile.artifact.manifest import Manifest, read_manifest
 from snapcompile.artifact.naming import decode_graph_size, graph_name
-from snapcompile.errors import PromptError
+from snapcompile.errors import PromptError, SnapcompileError
 from snapcompile.layout import DecodeStep
-from snapcompile.runtime.device import Device, LazyGraph, PrefillResult, ResumeFrom, RowsTo, chunk_starts, drain
+from snapcompile.runtime.device import (
+    Device,
+    LazyGraph,
+    LogitsTo,
+    PrefillResult,
+    ResumeFrom,
+    RowsTo,
+    chunk_starts,
+    drain,
+)
 from snapcompile.runtime.layer_prefill import LayerPrefill
 from snapcompile.runtime.prefill import PrefillRunner
 
@@ -47,6 +56,7 @@ class SlotBackend:
         self.values = [self._kv(self.slots, self.rows_per_slot) for _ in self._layers]
         layers = m.prefill_order == "layers" and device.runs_ort_graphs and prefill_order != "chunks"
         self.prefills = (LayerPrefill if layers else PrefillRunner)(self.folder, m, device, self.keys, self.values)
+        self._layer_scorer: LayerPrefill | None = None        # made at the first prompt scored (`_scorer`)
         self.decode_sizes = m.export.decode_sizes()
         self.decode_graphs = {k: LazyGraph(device, graph_name("decode", k, self.slots), m)   # slots -> graph
                               for k in self.decode_sizes}
@@ -137,15 +147,40 @@ class SlotBackend:
             raise PromptError("too_long", len(token_ids), self.max_prompt_len())
 
     def prefill_chunks(self, slot: int, token_ids: list[int], resume: ResumeFrom | None = None,
-                       rows_to: RowsTo | None = None):
+                       rows_to: RowsTo | None = None, logits_to: LogitsTo | None = None):
         """Generator form of `prefill`: yields the tokens each run covered (a chunk's, or its share of
         one layer) so an engine can interleave decode steps, and returns the PrefillResult. With
         `resume` the prompt's first `resume.position` tokens are the rows it loads (sessions/restore.py
         checks they fit: `max_resume_rows`); without, the whole prompt is prefilled (`check_prompt`).
-        rows_to: handed a compressed prompt's rows a layer at a time (device.RowsTo)."""
+        rows_to: handed a compressed prompt's rows a layer at a time (device.RowsTo). logits_to: handed
+        every prompt position's logits but the last (device.LogitsTo), by the layer-by-layer prefill
+        (`scores_prompts`); the prompt is then prefilled whole."""
         if resume is None:
             self.check_prompt(token_ids)
-        return (yield from self.prefills.chunks(slot, token_ids, resume, rows_to))
+        if logits_to is None:
+            return (yield from self.prefills.chunks(slot, token_ids, resume, rows_to))
+        if resume is not None:
+            raise SnapcompileError("a prompt's logits at every position need the whole prompt prefilled, not resumed")
+        return (yield from self._scorer().chunks(slot, token_ids, None, rows_to, logits_to))
+
+    @property
+    def scores_prompts(self) -> bool:
+        """Whether a prefill can hand out every prompt position's logits: on ONNX Runtime's graphs of
+        the standard lowering, which hold the layer-by-layer prefill's (its head runs on any position)."""
+        return self.device.runs_ort_graphs and self.manifest.lowering == "standard"
+
+    def _scorer(self) -> LayerPrefill:
+        """The layer-by-layer prefill: the artifact's own, or for one prefilled chunk by chunk one made
+        at the first prompt scored (its buffers: the prompt's hidden states and one layer's KV)."""
+        if not self.scores_prompts:
+            raise SnapcompileError("a prompt's log probabilities are computed by the layer-by-layer prefill, which "
+                                   "runs on ONNX Runtime with the standard lowering; this backend runs "
+                                   f"{self.manifest.lowering!r} graphs on {type(self.device).__name__}")
+        if not isinstance(self.prefills, LayerPrefill):
+            if self._layer_scorer is None:
+                self._layer_scorer = LayerPrefill(self.folder, self.manifest, self.device, self.keys, self.values)
+            return self._layer_scorer
+        return self.prefills
 
     def prefill(self, slot: int, token_ids: list[int]) -> PrefillResult:
         return drain(self.prefill_chunks(slot, token_ids))

@@ -94,6 +94,11 @@ only, and kept, [Hkv, kept] the rows its selection moved into the slot (None: ro
 called once a layer, in order, after the layer's selection (a keeper reads a prompt's rows so, sessions/keepers.py)."""
 
 
+LogitsTo = Callable[[int, np.ndarray], None]
+"""logits_to(i, logits) of a prefill asked for its prompt's logits: logits [V] float32 at new token i
+(host memory, valid during the call only), for every new token but the last, in order."""
+
+
 @dataclass(frozen=True)
 class ResumeFrom:
     """Where a resumed prefill starts, in rows: `rows` rows loaded first (kept(layer): keys, values

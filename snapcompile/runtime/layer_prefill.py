@@ -41,6 +41,7 @@ from snapcompile.layout import SlotLayout
 from snapcompile.runtime.device import (
     Device,
     LazyGraph,
+    LogitsTo,
     PrefillResult,
     ResumeFrom,
     RowsTo,
@@ -58,9 +59,10 @@ class LayerPrefill:
     tail_graph = None        # resumed turns' tails run on the layer graphs (module docstring)
 
     def __init__(self, folder: Path, manifest: Manifest, device: Device, keys: list, values: list):
+        """A dense artifact's prompts are prefilled chunk by chunk into their slots; one built for it
+        serves the prompts whose every position's logits are asked for (`chunks`' logits_to): its
+        kept rows are all of them."""
         m = manifest
-        if not m.policy.compressed:
-            raise SnapcompileError(f"{folder}: a dense prompt is prefilled into its slot, chunk by chunk")
         self.folder, self.manifest, self.device, self.keys, self.values = folder, m, device, keys, values
         self.num_layers, self.chunk, self.max_context = m.spec.num_layers, m.export.chunk, m.export.max_context
         self.buckets = sorted(m.export.prefill_buckets())
@@ -154,11 +156,15 @@ class LayerPrefill:
                 g.bind(name, array, output=True)
 
     # ---------------------------------------------------------------- the prefill
-    def chunks(self, slot: int, token_ids: list[int], resume: ResumeFrom | None, rows_to: RowsTo | None = None):
+    def chunks(self, slot: int, token_ids: list[int], resume: ResumeFrom | None, rows_to: RowsTo | None = None,
+               logits_to: LogitsTo | None = None):
         """Prefill `token_ids` for `slot` (from the rows `resume` loads, or whole) a layer at a time: a
         generator that yields each chunk's share of its tokens (count / layers: a chunk of one layer
         is that share of a chunk through the model) and returns the PrefillResult. rows_to(layer,
-        keys, values, kept): each layer's filled rows and the rows its selection kept, right after it."""
+        keys, values, kept): each layer's filled rows and the rows its selection kept, right after it
+        (a compressed prompt's). logits_to(i, logits): the logits [V] float32 at each new token i but
+        the last (whose are the result's), in order, once the last layer ran: the head over every
+        position's hidden states, run only when asked."""
         if self._bias_set:               # a resumed prefill abandoned mid-way (its request cancelled)
             self._clear_cache_bias()
         base, first_position = (resume.rows, resume.position) if resume else (0, 0)
@@ -186,17 +192,22 @@ class LayerPrefill:
             selected = time.perf_counter()
             kept_rows.append(self._into_slot(slot, layer, layout, filled))
             selecting += time.perf_counter() - selected
-            if rows_to is not None:
+            if rows_to is not None and self.manifest.policy.compressed:
                 keys, values = self.prompt.keys[0][0, :, :filled], self.prompt.values[0][0, :, :filled]
                 rows_to(layer, self.device.download(keys), self.device.download(values), kept_rows[-1])
             self.layers_done = layer + 1
+        for position in range(len(new) - 1) if logits_to is not None else ():
+            logits_to(position, self._head(position))
         logits = self._head(len(new) - 1)
+        self.device.release_pages()
         self.last_seconds = {"chunks": time.perf_counter() - began - selecting, "select": selecting}
-        return PrefillResult(logits, layout, None if layout.kept == filled else kept_rows, filled, compressed=True)
+        return PrefillResult(logits, layout, None if layout.kept == filled else kept_rows, filled,
+                             compressed=self.manifest.policy.compressed)
 
     def _layout(self, prompt_len: int, filled: int) -> SlotLayout:
         policy = self.manifest.policy
-        return SlotLayout.for_rows(prompt_len, filled, self.manifest.rows_per_slot, policy.resolved_prompt_share)
+        return SlotLayout.for_rows(prompt_len, filled, self.manifest.rows_per_slot,
+                                   policy.resolved_prompt_share if policy.compressed else None)
 
     def _embed(self, new: list[int], spans) -> None:
         """Every new token's embedding into `hidden` (a chunk's padding, token id 0, with the last)."""
@@ -235,11 +246,10 @@ class LayerPrefill:
         host[0, :len(tokens)] = tokens
         self.device.upload(self.ids, host)
 
-    def _head(self, last: int) -> np.ndarray:
-        """logits [V] of the new token `last` (its hidden states after the last layer)."""
-        self.last_hidden[0] = self.hidden[last]
+    def _head(self, position: int) -> np.ndarray:
+        """logits [V] of new token `position` (its hidden states after the last layer)."""
+        self.last_hidden[0] = self.hidden[position]
         self.head_graph.run()
-        self.device.release_pages()
         return self.device.download(self.logits)[0].copy()
 
     # ---------------------------------------------------------------- a resumed prompt's rows

@@ -16,6 +16,7 @@ from snapcompile.engine.constraints import GrammarTokenizer, JsonGrammar
 from snapcompile.engine.loop import EngineLoop, Update
 from snapcompile.engine.output import Result, TokenEvent
 from snapcompile.engine.request import Request, SamplingParams
+from snapcompile.engine.sampling import PromptLogprob
 from snapcompile.errors import PromptError, SnapcompileError
 from snapcompile.prompts import max_prompt_chars
 from snapcompile.serve import protocol, tools
@@ -100,6 +101,11 @@ class OpenAIServing:
         vocab = self.engine_loop.engine.backend.manifest.spec.vocab_size
         if any(token >= vocab for token, _ in sampling.logit_bias):
             raise ApiError(400, f"logit_bias token ids must lie in [0, {vocab})", param="logit_bias")
+        if params.prompt_logprob_count() is not None and not self.engine_loop.engine.backend.scores_prompts:
+            raise ApiError(400, "prompt log probabilities (echo with logprobs, prompt_logprobs) are computed by the "
+                                "layer-by-layer prefill, which this backend does not run (ONNX Runtime with the "
+                                "standard lowering does)", param="prompt_logprobs" if params.prompt_logprobs
+                           is not None else "echo")
         slots = self.engine_loop.engine.scheduler.pool.num_slots
         if params.n > slots:
             raise ApiError(400, f"n={params.n}: the samples of a prompt share its prefill in slots of their own, and "
@@ -149,7 +155,8 @@ class OpenAIServing:
         return Request(prompt, max_new_tokens=self._max_new_tokens(params, len(prompt)),
                        stop=tuple(params.stop), sampling=sampling, request_id=new_id("req"),
                        top_logprobs=top, logprobs=logprobs, ignore_eos=params.ignore_eos, cache_partition=partition,
-                       constraint=grammar.constraint() if grammar is not None else None)
+                       constraint=grammar.constraint() if grammar is not None else None,
+                       prompt_logprobs=params.prompt_logprob_count())
 
     def _max_new_tokens(self, params: ChatRequest | CompletionRequest, prompt_len: int) -> int:
         """The request's max_tokens (default: up to the artifact's context), refused with the counts
@@ -282,7 +289,8 @@ class OpenAIServing:
             if call.kind == "chat":
                 for index in range(len(call.requests)):
                     yield _sse(self._chunk(call, index, {"role": "assistant", "content": ""}, None))
-            for index, echo in enumerate(call.echoes):
+            scored = call.kind == "completion" and call.requests[0].prompt_logprobs is not None
+            for index, echo in enumerate(call.echoes if not scored else ()):   # scored: with the first token
                 yield _sse(self._chunk(call, index, echo, None))
             whole = tools.active(call.params)      # a tool call is known only once its answer is complete
             events: list[list[TokenEvent]] = [[] for _ in call.requests]
@@ -292,6 +300,8 @@ class OpenAIServing:
                 if update.result is not None and update.result.failed:
                     yield _sse(_generation_error(call, update.result).body())
                     break
+                if scored and update.event.prompt_logprobs is not None:
+                    yield _sse(self._prompt_chunk(call, index, update.event.prompt_logprobs))
                 if whole and update.event.token_id is not None:
                     events[index].append(update.event)
                 chunk = self._event_chunk(call, index, update) if not whole else \
@@ -317,9 +327,65 @@ class OpenAIServing:
                 choices.append({"index": index, "message": message, "logprobs": logprobs, "finish_reason": reason})
             else:
                 text = (call.echoes[index] if call.echoes else "") + result.text
-                choices.append({"index": index, "text": text, "logprobs": logprobs, "finish_reason": result.outcome})
-        return {"id": call.response_id, "object": _object(call, chunk=False), "created": now(), "model": call.model,
+                choices.append({"index": index, "text": text, "finish_reason": result.outcome,
+                                **self._prompt_fields(call, index, result.prompt_logprobs, logprobs)})
+        body = {"id": call.response_id, "object": _object(call, chunk=False), "created": now(), "model": call.model,
                 "choices": choices, "usage": _usage(call, results)}
+        if call.kind == "chat" and call.params.prompt_logprobs is not None:        # vLLM's place: one prompt
+            body["prompt_logprobs"] = self._vllm_prompt_logprobs(
+                call.requests[0].prompt_ids, results[0].prompt_logprobs, call.params.prompt_logprobs)
+        return body
+
+    # ------------------------------------------------------------------ a prompt's log probabilities
+    def _prompt_fields(self, call: Call, index: int, scores: list[PromptLogprob] | None,
+                       generated: dict | None) -> dict:
+        """A completion choice's `logprobs` (with echo and logprobs: the prompt's tokens first, then
+        `generated`'s) and, when asked, vLLM's `prompt_logprobs`."""
+        params, prompt = call.params, call.requests[index].prompt_ids
+        fields = {"logprobs": generated}
+        if call.echoes and params.logprobs is not None and scores is not None:
+            echoed = self._legacy_prompt_logprobs(prompt, scores, params.logprobs)
+            fields["logprobs"] = {key: echoed[key] + (generated or {}).get(key, []) for key in echoed}
+        if params.prompt_logprobs is not None:
+            fields["prompt_logprobs"] = self._vllm_prompt_logprobs(prompt, scores, params.prompt_logprobs)
+        return fields
+
+    def _prompt_chunk(self, call: Call, index: int, scores: list[PromptLogprob]) -> dict:
+        """A streamed completion choice's first chunk when the prompt is scored: the echo (if asked)
+        with the prompt's log probabilities, sent once the prefill computed them."""
+        fields = self._prompt_fields(call, index, scores, None)
+        chunk = self._chunk(call, index, call.echoes[index] if call.echoes else "", None, fields.pop("logprobs"))
+        chunk["choices"][0].update(fields)
+        return chunk
+
+    def _legacy_prompt_logprobs(self, prompt: list[int], scores: list[PromptLogprob], top: int) -> dict:
+        """OpenAI's legacy logprobs block of the prompt's tokens (the first has no log probability)."""
+        return {"tokens": [self._token_text(token) for token in prompt],
+                "token_logprobs": [None] + [score.logprob for score in scores],
+                "top_logprobs": [None] + [self._top_by_text(score.top[:top]) for score in scores]}
+
+    def _top_by_text(self, pairs: list[tuple[int, float]]) -> dict[str, float]:
+        """The legacy format's {token text: logprob} of (token id, logprob) pairs, likeliest first:
+        tokens whose texts are the same (byte pieces of one character) keep the likeliest's."""
+        top: dict[str, float] = {}
+        for token, logprob in pairs:
+            top.setdefault(self._token_text(token), logprob)
+        return top
+
+    def _vllm_prompt_logprobs(self, prompt: list[int], scores: list[PromptLogprob] | None, top: int) -> list | None:
+        """vLLM's prompt_logprobs: None for the first token, then per token {id: {logprob, rank,
+        decoded_token}} of the token itself and the `top` likeliest there (None: not computed)."""
+        if scores is None:
+            return None
+        def entry(token: int, logprob: float, rank: int) -> dict:
+            return {"logprob": logprob, "rank": rank, "decoded_token": self._token_text(token)}
+        positions = []
+        for score in scores:
+            position = {str(score.token_id): entry(score.token_id, score.logprob, score.rank)}
+            for rank, (token, logprob) in enumerate(score.top[:top], start=1):
+                position.setdefault(str(token), entry(token, logprob, rank))
+            positions.append(position)
+        return [None, *positions]
 
     def _event_chunk(self, call: Call, index: int, update: Update) -> dict | None:
         event = update.event
@@ -355,7 +421,7 @@ class OpenAIServing:
             return {"content": [self._chat_logprob(event) for event in tokens]}
         return {"tokens": [self._token_text(e.token_id) for e in tokens],
                 "token_logprobs": [e.logprob for e in tokens],
-                "top_logprobs": [{self._token_text(i): lp for i, lp in (e.top_logprobs or [])} for e in tokens]}
+                "top_logprobs": [self._top_by_text(e.top_logprobs or []) for e in tokens]}
 
     def _chat_logprob(self, event: TokenEvent) -> dict:
         entry = self._token_entry(event.token_id, event.logprob)

@@ -35,9 +35,9 @@ MAX_N = 16                 # samples per prompt (each needs a slot of its own at
 UNSUPPORTED = {"functions": None, "suffix": None, "best_of": 1, "typical_p": 1.0, "top_a": 0.0,
                "min_tokens": 0, "use_beam_search": False, "length_penalty": 1.0, "stop_token_ids": None,
                "bad_words": None, "guided_json": None, "guided_regex": None, "guided_choice": None,
-               "guided_grammar": None, "structured_outputs": None, "prompt_logprobs": None,
-               "truncate_prompt_tokens": None, "repeat_penalty": 1.0, "repeat_last_n": None,
-               "penalty_last_n": None, "mirostat": 0, "tfs_z": 1.0, "dry_multiplier": 0.0, "xtc_probability": 0.0,
+               "guided_grammar": None, "structured_outputs": None, "truncate_prompt_tokens": None,
+               "repeat_penalty": 1.0, "repeat_last_n": None, "penalty_last_n": None, "mirostat": 0, "tfs_z": 1.0,
+               "dry_multiplier": 0.0, "xtc_probability": 0.0,
                "grammar": None, "json_schema": None, "samplers": None, "dynatemp_range": 0.0,
                "chat_template_kwargs": None, "continue_final_message": False, "add_generation_prompt": True,
                "chat_template": None}
@@ -87,6 +87,8 @@ class _Sampling(BaseModel):
     n: int = Field(1, ge=1, le=MAX_N)         # samples of each prompt, sharing its prefill
     ignore_eos: bool = False               # vLLM's extension, for fixed-length benchmarks
     cache_salt: str | None = Field(None, min_length=1, max_length=MAX_SALT_CHARS)   # vLLM's: who shares kept caches
+    # vLLM's: each prompt token's log probability with this many likeliest tokens at its position
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
 
     @field_validator("stop")
     @classmethod
@@ -212,6 +214,13 @@ class ChatRequest(_Sampling):
             raise ApiError(400, "top_logprobs needs logprobs to be true", param="top_logprobs")
         return self.logprobs, (self.top_logprobs or 0) if self.logprobs else 0
 
+    def prompt_logprob_count(self) -> int | None:
+        """How many likeliest tokens to record at each prompt position (None: no prompt log probabilities)."""
+        if self.prompt_logprobs is not None and self.stream:
+            raise ApiError(400, "prompt_logprobs is not streamed on /v1/chat/completions: ask without stream",
+                           param="prompt_logprobs")
+        return self.prompt_logprobs
+
 
 PromptItem = str | list[int]       # one prompt: text, or token ids
 
@@ -242,10 +251,14 @@ class CompletionRequest(_Sampling):
         return self.max_tokens or default
 
     def logprob_counts(self) -> tuple[bool, int]:
-        if self.echo and self.logprobs is not None:
-            raise ApiError(400, "echo with logprobs is not supported: the prompt's log probabilities are not "
-                                "computed (prefill returns the last position's logits only)", param="echo")
         return self.logprobs is not None, self.logprobs or 0
+
+    def prompt_logprob_count(self) -> int | None:
+        """How many likeliest tokens to record at each prompt position: echo with logprobs gives the
+        prompt's in the logprobs block, prompt_logprobs vLLM's list (None: neither asked)."""
+        echoed = self.logprobs if self.echo else None
+        counts = [count for count in (echoed, self.prompt_logprobs) if count is not None]
+        return max(counts) if counts else None
 
 
 class TokenizeRequest(BaseModel):
