@@ -36,6 +36,10 @@ class FileTokenizer:
             and type(core.model).__name__ != "BPE"      # transformers skips it for BPE, which it would corrupt
         self._template = None
 
+    def set_chat_template(self, template: str) -> None:
+        """Replace the chat template (serve --chat-template)."""
+        self.chat_template, self._template = template, None
+
     @classmethod
     def from_folder(cls, folder: Path, files: list[str]) -> FileTokenizer:
         """The tokenizer of `folder`'s files tokenizer.json, tokenizer_config.json and, when `files`
@@ -90,16 +94,18 @@ class FileTokenizer:
 
     # ------------------------------------------------------------------ chat
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = False, tokenize: bool = False,
-                            tools: list[dict] | None = None) -> str:
-        """The template's text for `messages` (and `tools`, JSON schemas), as transformers renders it."""
+                            tools: list[dict] | None = None, **variables) -> str:
+        """The template's text for `messages` (and `tools`, JSON schemas), as transformers renders it;
+        `variables` are the template's extra variables (transformers' chat template kwargs: a
+        special token's name among them overrides the tokenizer's, the arguments above do not)."""
         if tokenize:
             raise ValueError("FileTokenizer renders text only (tokenize=False); encode the text after")
         if self.chat_template is None:
             raise ValueError("this tokenizer has no chat template")
         if self._template is None:
             self._template = _compile(self.chat_template)
-        return self._template.render(messages=messages, tools=tools, documents=None,
-                                     add_generation_prompt=add_generation_prompt, **self.special_tokens_map)
+        return self._template.render({**self.special_tokens_map, **variables, "messages": messages, "tools": tools,
+                                      "documents": None, "add_generation_prompt": add_generation_prompt})
 
     def __deepcopy__(self, memo) -> FileTokenizer:
         """A copy with a Rust tokenizer of its own (a thread's; the Rust state is borrowed per call)."""

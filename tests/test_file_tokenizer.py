@@ -12,7 +12,7 @@ from snapcompile.evaluation.tasks import fidelity_text, make_cases
 from snapcompile.models.file_tokenizer import FileTokenizer
 from snapcompile.models.tokenizer import load_tokenizer
 from snapcompile.passkeys import demo_prompts, passkey_prompt
-from snapcompile.prompts import encode_messages
+from snapcompile.prompts import encode_messages, set_chat_template
 
 FILES = ["tokenizer.json", "tokenizer_config.json", "chat_template.jinja"]
 CHATS = [
@@ -89,3 +89,23 @@ def test_a_template_failure_or_a_bad_file_is_one_clear_error(tmp_path, tiny_dens
     (tmp_path / "tokenizer.json").write_text("{")
     with pytest.raises(SnapcompileError, match="cannot load the tokenizer"):
         FileTokenizer.from_folder(tmp_path, FILES)
+
+
+@pytest.mark.parametrize("which", ["smollm2", "tiny byte-level"])
+def test_template_options_render_as_transformers_renders_them(which, smol_pair, tiny_dense_dir):
+    """continue_final_message (the text cut after the final message) and extra template variables,
+    through render_messages on our tokenizer and on transformers' (whose own options they are)."""
+    from snapcompile.prompts import TemplateOptions, render_messages
+    hf, mine = smol_pair if which == "smollm2" else _pair(tiny_dense_dir, read_manifest(tiny_dense_dir).support_files())
+    hf, mine = copy.deepcopy(hf), copy.deepcopy(mine)            # the fixture's stay as they are
+    template = "{{ greeting }}|" + mine.chat_template
+    for tokenizer in (hf, mine):
+        set_chat_template(tokenizer, template)
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "The sky is  "}]
+    continuing = TemplateOptions(add_generation_prompt=False, continue_final_message=True,
+                                 variables=(("greeting", "hello"),))
+    expected = hf.apply_chat_template(chat, continue_final_message=True, tokenize=False, greeting="hello")
+    assert render_messages(mine, chat, options=continuing) == render_messages(hf, chat, options=continuing) == expected
+    assert expected.startswith("hello|") and expected.endswith("The sky is  ")
+    with pytest.raises(SnapcompileError, match="cannot both be true"):
+        TemplateOptions(continue_final_message=True)

@@ -91,12 +91,16 @@ _SHARING_SAID = {"shared": "shared by every client that sends no cache_salt (loo
               help="Prompt tokens prefilled between two decode steps, in whole chunks (default: one chunk). "
                    "Fewer bound the inter-token latency of running requests; more shorten the time to a new "
                    "request's first token. A smaller --chunk at convert time makes the step finer.")
+@click.option("--chat-template", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+              help="A Jinja chat template file used instead of the artifact's (as transformers renders it: "
+                   "messages, tools, add_generation_prompt, the special tokens; at most 1 MiB). Rendered in the "
+                   "tokenizer workers within --render-timeout, as the artifact's own.")
 @session_cache_option(sharing=True, auto=True)
 def serve(artifact, host, port, slots, max_waiting, api_key, served_model_names, allowed_origins, backend,
           drain_timeout, log_level,
           max_body_bytes, body_timeout, head_timeout, keep_alive, max_connections, max_connections_per_client,
           forwarded_allow_ips, max_requests_per_client, send_timeout, render_timeout, tokenizer_workers,
-          max_prompts_per_request, prefill_tokens_per_step,
+          max_prompts_per_request, prefill_tokens_per_step, chat_template,
           session_cache_bytes, session_keep, session_sharing):
     """Serve ARTIFACT over an OpenAI-compatible HTTP API.
 
@@ -114,6 +118,9 @@ def serve(artifact, host, port, slots, max_waiting, api_key, served_model_names,
     from snapcompile.serve.server import serve as run_server
     manifest = read_manifest(artifact)                 # bad artifacts fail here, before the port opens
     check_files(artifact, manifest, checksums=False)
+    if chat_template is not None:
+        from snapcompile.prompts import read_chat_template
+        read_chat_template(chat_template)              # a bad file fails here, before the port opens
     if api_key is not None and not api_key.strip():
         raise click.BadParameter("the API key is empty", param_hint="--api-key")
     if api_key is not None and not all("!" <= char <= "~" for char in api_key):
@@ -137,7 +144,7 @@ def serve(artifact, host, port, slots, max_waiting, api_key, served_model_names,
     settings = ServerSettings(Path(artifact), names[0], api_key,
                               max_waiting, slots, backend, limits, prefill_tokens_per_step, session_cache_bytes,
                               session_keep, sharing, aliases=tuple(names[1:]),
-                              allowed_origins=_origins(allowed_origins))
+                              allowed_origins=_origins(allowed_origins), chat_template=chat_template)
     run_server(settings, host, port, drain_timeout, log_level)
 
 

@@ -19,6 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from snapcompile.config import DEFAULT_SESSION_KEEP
 from snapcompile.engine.loop import EngineLoop
+from snapcompile.prompts import read_chat_template, set_chat_template
 from snapcompile.serve import protocol
 from snapcompile.serve.bodies import BodyParser, max_values
 from snapcompile.serve.bounds import MAX_WAITING, ServerLimits
@@ -48,6 +49,7 @@ class ServerSettings:
     session_sharing: str = "private"               # who shares kept caches without a key or salt (partition_of)
     aliases: tuple[str, ...] = ()                  # more names clients may send (--served-model-name repeated)
     allowed_origins: tuple[str, ...] = ()          # browser origins CORS allows (--allowed-origins; none: off)
+    chat_template: Path | None = None              # a Jinja file replacing the artifact's (--chat-template)
 
     @property
     def model_names(self) -> tuple[str, ...]:
@@ -108,8 +110,10 @@ def load_engine(state: ServerState) -> None:
     engine_loop.start()
     export = engine.backend.manifest.export
     state.engine_loop = engine_loop
+    if settings.chat_template is not None:
+        set_chat_template(engine.tokenizer, read_chat_template(settings.chat_template))
     state.tokenizers = TokenizerPool(settings.artifact, settings.limits.tokenizer_workers,
-                                     settings.limits.render_timeout_s)
+                                     settings.limits.render_timeout_s, chat_template=settings.chat_template)
     state.bodies = BodyParser(max_values(settings.limits.max_prompts, engine.prompt_limit),
                               timeout_s=settings.limits.body_timeout_s)
     state.serving = OpenAIServing(engine_loop, engine.tokenizer, settings.model_names,

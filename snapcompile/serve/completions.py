@@ -221,9 +221,15 @@ class OpenAIServing:
         active tools, serve.tools)."""
         if self.tokenizer.chat_template is None:
             raise ApiError(400, "this model has no chat template; use /v1/completions", param="messages")
+        options = params.template_options()
+        if options.continue_final_message and (tools.active(params) or getattr(params, "json_schema", None)
+                                               and params.json_schema() is not None):
+            raise ApiError(400, "continue_final_message cannot be combined with tools or a JSON response_format: the "
+                                "answer's grammar starts where the message it continues does not",
+                           param="continue_final_message")
         messages = tools.template_messages(params)
         self._check_size(sum(len(m["content"]) + len(m["role"]) for m in messages), "messages")
-        return self.tokenizers.chat(messages, self.max_prompt_chars)
+        return self.tokenizers.chat(messages, self.max_prompt_chars, options)
 
     def _raw_prompt(self, prompt: PromptItem) -> list[int]:
         """A completion prompt's token ids: given as they are, or those of its text."""

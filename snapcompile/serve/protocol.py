@@ -8,6 +8,7 @@ with a 400 naming the field, never dropped.
 """
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from typing import Annotated, Any, Literal
@@ -26,6 +27,7 @@ from snapcompile.engine.sampling_bounds import (
     TopP,
 )
 from snapcompile.errors import SnapcompileError
+from snapcompile.prompts import TemplateOptions
 from snapcompile.serve.partitions import MAX_SALT_CHARS
 
 MAX_TOP_LOGPROBS = 20
@@ -39,8 +41,12 @@ UNSUPPORTED = {"functions": None, "suffix": None, "best_of": 1, "typical_p": 1.0
                "repeat_penalty": 1.0, "repeat_last_n": None, "penalty_last_n": None, "mirostat": 0, "tfs_z": 1.0,
                "dry_multiplier": 0.0, "xtc_probability": 0.0,
                "grammar": None, "json_schema": None, "samplers": None, "dynatemp_range": 0.0,
-               "chat_template_kwargs": None, "continue_final_message": False, "add_generation_prompt": True,
                "chat_template": None}
+MAX_TEMPLATE_VARIABLES = 16        # chat_template_kwargs entries
+MAX_TEMPLATE_VALUE_CHARS = 4096
+# what the renderer itself passes the template: a chat_template_kwargs entry may not replace it
+RESERVED_TEMPLATE_NAMES = {"messages", "tools", "documents", "add_generation_prompt", "continue_final_message",
+                           "tokenize", "chat_template"}
 
 
 class ApiError(Exception):
@@ -194,10 +200,37 @@ class Message(BaseModel):
 # the same prompt (serve.tools.template_messages reads them from either).
 Tools = Annotated[list[ToolDef] | None, Field(max_length=128)]
 ToolChoice = Literal["none", "auto", "required"] | dict | None
+TemplateValue = Annotated[str, Field(max_length=MAX_TEMPLATE_VALUE_CHARS)] | bool | int | float | None
 
 
-class ChatRequest(_Sampling):
+class _ChatTemplate(BaseModel):
+    """How the chat template renders a chat (/v1/chat/completions and /tokenize alike), as vLLM takes it."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
     messages: list[Message] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, TemplateValue] | None = Field(None, max_length=MAX_TEMPLATE_VARIABLES)
+
+    def template_options(self) -> TemplateOptions:
+        """TemplateOptions of these fields (a 400 naming the field when they do not fit)."""
+        variables = self.chat_template_kwargs or {}
+        for name in variables:
+            if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]{0,63}", name) or name in RESERVED_TEMPLATE_NAMES:
+                raise ApiError(400, f"chat_template_kwargs: {name[:64]!r} is not a template variable one may set "
+                                    f"(a name of letters, digits and _, not one of "
+                                    f"{', '.join(sorted(RESERVED_TEMPLATE_NAMES))})", param="chat_template_kwargs")
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise ApiError(400, "continue_final_message continues the final message, which must be the assistant's",
+                           param="continue_final_message")
+        try:
+            return TemplateOptions(self.add_generation_prompt, self.continue_final_message,
+                                   tuple(sorted(variables.items())))
+        except SnapcompileError as err:
+            raise ApiError(400, str(err), param="continue_final_message") from None
+
+
+class ChatRequest(_Sampling, _ChatTemplate):
     tools: Tools = None
     tool_choice: ToolChoice = None
     max_tokens: int | None = Field(None, ge=1)
@@ -261,12 +294,11 @@ class CompletionRequest(_Sampling):
         return max(counts) if counts else None
 
 
-class TokenizeRequest(BaseModel):
-    """/tokenize, in vLLM's form (`prompt`, or chat `messages` through the template, with `tools` and
-    `tool_choice` as a chat completion takes them) or llama-server's (`content`): exactly one of the
-    three."""
+class TokenizeRequest(_ChatTemplate):
+    """/tokenize, in vLLM's form (`prompt`, or chat `messages` through the template, with `tools`,
+    `tool_choice` and the template fields as a chat completion takes them) or llama-server's
+    (`content`): exactly one of the three."""
 
-    model_config = ConfigDict(extra="allow", strict=True)
     model: str | None = None
     prompt: str | None = None
     content: str | None = None

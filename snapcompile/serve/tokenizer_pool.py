@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from snapcompile.prompts import TemplateOptions
 from snapcompile.serve.workers import Lane, WorkerProcess, start_all
 
 HEADROOM_BYTES = 2 * 2**30      # what a worker may allocate beyond its loaded tokenizer
@@ -24,15 +25,19 @@ class TokenizerPool:
     `text(text)` return token ids or raise SnapcompileError; both block (call them from a worker
     thread) for at most `timeout_s`. Thread-safe."""
 
-    def __init__(self, folder: Path, workers: int = 1, timeout_s: float = 10.0, headroom_bytes: int = HEADROOM_BYTES):
+    def __init__(self, folder: Path, workers: int = 1, timeout_s: float = 10.0, headroom_bytes: int = HEADROOM_BYTES,
+                 chat_template: Path | None = None):
+        """chat_template: a Jinja file replacing the artifact's chat template (serve --chat-template)."""
         self.timeout_s = timeout_s
-        args = [str(Path(folder)), str(headroom_bytes)]
+        args = [str(Path(folder)), str(headroom_bytes), str(chat_template or "")]
         self._lanes = {lane: Lane(lane, [_worker(args) for _ in range(workers)]) for lane in LANES}
         start_all(self._all_workers())
 
-    def chat(self, messages: list[dict], max_chars: int | None = None) -> list[int]:
-        """The token ids of `messages` through the chat template, rendered to at most `max_chars`."""
-        return self._lanes["chat"].run(("chat", messages, max_chars), self.timeout_s,
+    def chat(self, messages: list[dict], max_chars: int | None = None,
+             options: TemplateOptions | None = None) -> list[int]:
+        """The token ids of `messages` through the chat template with `options`, rendered to at most
+        `max_chars` characters."""
+        return self._lanes["chat"].run(("chat", (messages, options or TemplateOptions()), max_chars), self.timeout_s,
                                        f"the chat template did not render within {self.timeout_s:g} s; refused")
 
     def text(self, text: str) -> list[int]:

@@ -1,9 +1,10 @@
 """A tokenizer worker process (serve.tokenizer_pool): `python -m snapcompile.serve.tokenizer_worker
-FOLDER HEADROOM_BYTES FD`.
+FOLDER HEADROOM_BYTES TEMPLATE FD` (TEMPLATE: a chat template file replacing the artifact's, or "").
 
 Loads the artifact's tokenizer (a FileTokenizer: neither transformers nor torch; an artifact
-without tokenizer.json goes through transformers, kept from torch), then answers ("chat", messages, max_chars) or
-("text", text, None) with ("ok", ids) | ("error", message) (serve.worker_side.run_worker).
+without tokenizer.json goes through transformers, kept from torch), then answers ("chat", (messages,
+TemplateOptions), max_chars) or ("text", text, None) with ("ok", ids) | ("error", message)
+(serve.worker_side.run_worker).
 """
 from __future__ import annotations
 
@@ -13,11 +14,15 @@ from pathlib import Path
 from snapcompile.serve.worker_side import run_worker
 
 
-def _load(folder: Path):
+def _load(folder: Path, template: str):
     sys.modules["torch"] = None       # should transformers load, as tokenizer-only (~120 MB instead of ~310 MB)
     from snapcompile.artifact.files import artifact_tokenizer
     from snapcompile.artifact.manifest import read_manifest
-    return artifact_tokenizer(folder, read_manifest(folder))
+    from snapcompile.prompts import read_chat_template, set_chat_template
+    tokenizer = artifact_tokenizer(folder, read_manifest(folder))
+    if template:
+        set_chat_template(tokenizer, read_chat_template(Path(template)))
+    return tokenizer
 
 
 def _answer(tokenizer, job) -> tuple[str, object]:
@@ -26,12 +31,13 @@ def _answer(tokenizer, job) -> tuple[str, object]:
     kind, payload, max_chars = job
     try:
         if kind == "chat":
-            return "ok", encode_messages(tokenizer, payload, timeout_s=None, max_chars=max_chars)
+            messages, options = payload
+            return "ok", encode_messages(tokenizer, messages, timeout_s=None, max_chars=max_chars, options=options)
         return "ok", encode_text(tokenizer, payload)
     except SnapcompileError as err:
         return "error", str(err)
 
 
 if __name__ == "__main__":
-    folder, headroom, fd = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
-    run_worker(fd, headroom, lambda: _load(folder), _answer)
+    folder, headroom, template, fd = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+    run_worker(fd, headroom, lambda: _load(folder, template), _answer)
