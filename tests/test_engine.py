@@ -9,7 +9,7 @@ from transformers import AutoTokenizer
 
 from snapcompile.engine.engine import Engine
 from snapcompile.engine.request import Request, SamplingParams, Sequence, Status
-from snapcompile.engine.sampling import sample, top_logprobs
+from snapcompile.engine.sampling import prompt_logprobs, sample, top_logprobs
 from snapcompile.engine.scheduler import Scheduler
 from snapcompile.engine.slots import SlotPool
 from snapcompile.errors import SnapcompileError
@@ -464,3 +464,23 @@ def test_the_generation_limit_is_what_the_engine_generates(request, artifact):
                                    Request(prompt, max_new_tokens=limit + 1, ignore_eos=True)])
     assert (exact.finish_reason, len(exact.output_ids)) == ("length", limit)
     assert (past.finish_reason, len(past.output_ids)) == ("context", limit)
+
+
+def test_prompt_logprobs_reduce_a_block_of_positions_exactly():
+    """Each row's log probability (float64 reference), rank (1 + the tokens strictly likelier), top k
+    (top_logprobs' ids); a row's likeliest token has exactly the top entry's value (lm-eval's greedy check)."""
+    rng = np.random.default_rng(3)
+    logits = (rng.standard_normal((6, 300)) * 4).astype(np.float32)
+    logits[2, 17] = logits[2, 40] = logits[2].max() + 1          # a tie for the likeliest
+    tokens = [5, 299, 40, int(np.argmax(logits[3])), 0, 17]
+    scores = prompt_logprobs(logits, tokens, 3)
+    reference = logits.astype(np.float64) - np.log(np.exp(logits.astype(np.float64)).sum(axis=1, keepdims=True))
+    for row, (score, token) in enumerate(zip(scores, tokens)):
+        assert score.token_id == token and abs(score.logprob - reference[row, token]) < 1e-5
+        assert score.rank == 1 + int(np.sum(logits[row] > logits[row, token]))
+        assert [i for i, _ in score.top] == [i for i, _ in top_logprobs(logits[row], 3)]
+    assert scores[2].rank == 1 and scores[2].top[0] == (17, scores[2].top[0][1])    # ties to the lower id
+    assert scores[3].logprob == scores[3].top[0][1] and scores[3].rank == 1
+    assert prompt_logprobs(logits, tokens, 0)[0].top == []
+    for one, three in zip(prompt_logprobs(logits, tokens, 1), scores):       # k = 1 has a way of its own
+        assert one.top == three.top[:1] and (one.logprob, one.rank) == (three.logprob, three.rank)

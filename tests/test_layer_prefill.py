@@ -193,8 +193,8 @@ def test_a_prompts_logits_at_every_position_are_the_models(fixture, request, tin
     scored, plain = OrtBackend(folder), OrtBackend(folder)
     for prompt in random_prompts((5, 64, 130), seed=57):
         seen = {}
-        def record(i, logits, seen=seen):
-            seen[i] = logits.copy()
+        def record(first, logits, seen=seen):
+            seen.update({first + row: logits[row].copy() for row in range(len(logits))})
         result = _drained(scored.prefill_chunks(0, prompt, logits_to=record))
         with torch.no_grad():
             expected = tiny_llama.model(torch.tensor([prompt])).logits[0].float().numpy()

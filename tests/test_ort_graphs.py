@@ -104,7 +104,7 @@ def test_every_weight_format_runs_the_same_numbers_on_its_family_graphs(fmt, for
 def test_ort_graphs_are_written_with_their_size_symbolic_and_name_their_members():
     export, policy = ExportConfig(slots=4, max_context=1024), PolicyConfig(budget=256)
     graphs = ort_graphs(export, policy, "standard", layers=2)
-    layer_major = {"prefill_embed", "prefill_layer_0", "prefill_layer_1", "prefill_head"}
+    layer_major = {"prefill_embed", "prefill_layer_0", "prefill_layer_1", "prefill_head", "prefill_scores"}
     assert set(graphs) == {"prefill", "decode", "select", "prefill_tail", "select_layer"} | layer_major
     assert graphs["decode"] == {"decode": 4, "decode_1": 1, "decode_2": 2}
     assert graphs["prefill"]["prefill"] == 1024 and graphs["prefill_tail"] == {"prefill_tail": None}

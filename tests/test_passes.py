@@ -146,7 +146,8 @@ def test_compressing_twice_is_refused(dense_graphs, tiny_llama):
     policy = PolicyConfig(budget=48, window=8, kernel=5)
     graphs = compress_graphs(GraphSet(dict(dense_graphs.static), dict(dense_graphs.ort)), manifest, policy)
     assert set(graphs.static) == {"prefill", "prefill_64", "prefill_tail", "decode", "decode_1", "select", "select_64"}
-    layer_major = {"prefill_embed", "prefill_layer_0", "prefill_layer_1", "prefill_head", "select_layer"}
+    layer_major = {"prefill_embed", "prefill_layer_0", "prefill_layer_1", "prefill_head", "prefill_scores",
+                   "select_layer"}
     assert set(graphs.ort) == {"prefill", "prefill_tail", "decode", "select"} | layer_major
     layer = {o.name for o in graphs.ort["prefill_layer_1"].graph.output}
     assert layer == {"key.0", "value.0", "hidden_out", "window_query.0"}

@@ -1264,3 +1264,23 @@ def test_template_fields_are_honoured_as_transformers_renders_them(artifact, tmp
     bad.write_text("{% for m in messages %}")
     result = CliRunner().invoke(main, ["serve", str(artifact), "--chat-template", str(bad)])
     assert result.exit_code != 0 and "is not valid Jinja" in result.output
+
+
+def test_info_log_has_a_line_a_request_and_the_drain(artifact, tmp_path):
+    """--log-level info: each HTTP request's line (the response id the client got, tokens, TTFT, how it
+    ended), streamed or not; snapcompile's own lines reach the log (the drain's at the stop)."""
+    log = tmp_path / "server.log"
+    server = ServerProcess(artifact, "--log-level", "info", log=log).wait_ready()
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        whole = client.completions.create(model="tiny", prompt=["a b c", "d e"], max_tokens=3, temperature=0,
+                                          extra_body={"ignore_eos": True})
+        streamed = list(client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                                       max_tokens=2, stream=True))
+    finally:
+        assert server.stop() == 0
+    text = log.read_text()
+    line = next(line for line in text.splitlines() if f"request {whole.id}:" in line)
+    assert "2 choices" in line and f"{whole.usage.prompt_tokens} prompt tokens (0 cached), 6 generated" in line
+    assert "first token" in line and line.endswith("length,length")
+    assert f"request {streamed[0].id}: 1 choice," in text and "draining:" in text

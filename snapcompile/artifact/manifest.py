@@ -21,16 +21,17 @@ from snapcompile.models.spec import ModelSpec
 MANIFEST = "manifest.json"
 WEIGHTS = "weights.bin"
 ORT_WEIGHTS = "ort_weights.bin"    # the weights in the forms ONNX Runtime's graphs read (export/weights.py)
-FORMAT_VERSION = 8      # 2: every file's size and sha256 in the manifest; 3: export.weight_format;
+FORMAT_VERSION = 9      # 2: every file's size and sha256 in the manifest; 3: export.weight_format;
                         # 4: prefill graphs take `position` apart from `start` (resumed conversations);
                         # 5: prefill buckets step by L/8 above the doubling ones (another set of graphs);
                         # 6: the graphs ONNX Runtime opens (ort_graphs) and their weights;
                         # 7: the layer-by-layer prefill's graphs, prefill_order;
-                        # 8: every node's size known at load (per-head prefill attention by Gather)
-GRAPHS_REVISION = 11    # bumped whenever the artifacts change (2: prefill buckets, 3: select buckets, 4: checksums,
+                        # 8: every node's size known at load (per-head prefill attention by Gather);
+                        # 9: prefill_scores (the head over a chunk of positions: a prompt's log probabilities)
+GRAPHS_REVISION = 12    # bumped whenever the artifacts change (2: prefill buckets, 3: select buckets, 4: checksums,
                         # 5: opset 21, --weights, 6: deterministic node names, 7: decode slot buckets,
                         # 8: joined prefill attention, finer prefill buckets, 9: ONNX Runtime's graphs,
-                        # 10: the layer-by-layer prefill, 11: per-head attention by Gather)
+                        # 10: the layer-by-layer prefill, 11: per-head attention by Gather, 12: prefill_scores)
 METADATA_KEY = "snapcompile.config"
 
 

@@ -97,6 +97,7 @@ class FamilySize:
 FAMILY_SIZES = {"prefill": FamilySize("rows", "past_key.0", 2), "select": FamilySize("rows", "key.0", 2),
                 "decode": FamilySize("slots", "cache_len", 0)}
 PREFILL_EMBED, PREFILL_HEAD, SELECT_LAYER = "prefill_embed", "prefill_head", "select_layer"
+PREFILL_SCORES = "prefill_scores"      # the head over a chunk of positions (a prompt's log probabilities)
 
 
 def prefill_layer(layer: int) -> str:
@@ -129,7 +130,8 @@ def ort_graphs(export: ExportConfig, policy: PolicyConfig, lowering: str, layers
 
     The chunk-by-chunk prefill: the prefill family, the tail, and for snapstream the select family.
     With the standard lowering also the layer-by-layer one (`layer_major`): prefill_embed, one
-    prefill_layer_<i> for each of the `layers` decoder layers, prefill_head, and for snapstream
+    prefill_layer_<i> for each of the `layers` decoder layers, prefill_head, prefill_scores (the head
+    over a chunk of positions, run only for a prompt's log probabilities), and for snapstream
     select_layer (one layer's selection). A dense artifact, the passes' input, holds the layer graphs
     too: the lowering is chosen when it is compressed."""
     static = expected_graphs(export, policy)
@@ -143,6 +145,7 @@ def ort_graphs(export: ExportConfig, policy: PolicyConfig, lowering: str, layers
         graphs["select"] = _members("select", static, export)
     rows = [*export.prefill_buckets(), export.max_context]
     graphs[PREFILL_EMBED], graphs[PREFILL_HEAD] = {PREFILL_EMBED: None}, {PREFILL_HEAD: None}
+    graphs[PREFILL_SCORES] = {PREFILL_SCORES: None}
     for layer in range(layers):
         graphs[prefill_layer(layer)] = {graph_name(prefill_layer(layer), r, export.max_context): r for r in rows}
     if policy.policy == "snapstream":

@@ -19,7 +19,7 @@ import numpy as np
 
 from snapcompile.config import DEFAULT_SESSION_KEEP
 from snapcompile.engine.request import Request, Sequence, Status
-from snapcompile.engine.sampling import PromptLogprob, prompt_logprob, sample, token_logprob, top_logprobs
+from snapcompile.engine.sampling import PromptLogprob, prompt_logprobs, sample, token_logprob, top_logprobs
 from snapcompile.engine.scheduler import Scheduler
 from snapcompile.errors import PromptError, SnapcompileError, first_line
 from snapcompile.memory import available_host_memory
@@ -222,7 +222,8 @@ class EngineCore:
         """The prefill's logits_to for `seq`: each prompt token's PromptLogprob into seq.prompt_logprobs."""
         ids, top = seq.request.prompt_ids, seq.request.prompt_logprobs
         seq.prompt_logprobs = []
-        return lambda position, logits: seq.prompt_logprobs.append(prompt_logprob(logits, ids[position + 1], top))
+        return lambda first, logits: seq.prompt_logprobs.extend(
+            prompt_logprobs(logits, ids[first + 1:first + 1 + len(logits)], top))
 
     def _prefilled(self, seq: Sequence, result) -> None:
         """`seq`'s prefill ended with the runtime's `result`: its layout, the positions its slot

@@ -50,6 +50,25 @@ class NoMetrics:
     def set_sessions(self, store) -> None: ...
 
 
+class Reporters:
+    """Reports to each of `targets` in turn (a server's metrics and its throughput log)."""
+
+    def __init__(self, *targets):
+        self.targets = targets
+
+    def on_event(self, event: TokenEvent, result: Result | None) -> None:
+        for target in self.targets:
+            target.on_event(event, result)
+
+    def set_load(self, **gauges) -> None:
+        for target in self.targets:
+            target.set_load(**gauges)
+
+    def set_sessions(self, store) -> None:
+        for target in self.targets:
+            target.set_sessions(store)
+
+
 class EngineLoop:
     """Owns `engine`'s core on a daemon thread and its output on another; `submit` and `abort` may be
     called from any thread."""

@@ -63,11 +63,23 @@ class PromptLogprob:
     top: list[tuple[int, float]]
 
 
-def prompt_logprob(logits: np.ndarray, token: int, k: int) -> PromptLogprob:
-    """`token`'s PromptLogprob under the logits [V] of the position before it, with the k likeliest."""
-    shifted, log_norm = _shifted_log_norm(logits)
-    rank = 1 + int(np.count_nonzero(shifted > shifted[token]))
-    return PromptLogprob(token, float(shifted[token] - log_norm), rank, _top(shifted, log_norm, k))
+def prompt_logprobs(logits: np.ndarray, tokens, k: int) -> list[PromptLogprob]:
+    """Each row's PromptLogprob: `tokens[r]` under logits [R, V] float32 of the position before it,
+    with the k likeliest there (ties to the lower id). Exponentials in float32, sums in float64: a
+    token's log probability and the top entries' come from the same numbers (a greedy token's equals
+    the top one's exactly)."""
+    rows = np.arange(len(logits))
+    shifted = logits - logits.max(axis=1, keepdims=True)
+    log_norm = np.log(np.exp(shifted).sum(axis=1, dtype=np.float64))
+    picked = shifted[rows, np.asarray(tokens)]
+    ranks = 1 + np.count_nonzero(shifted > picked[:, None], axis=1)
+    if k == 1:                     # lm-eval's case: argmax (the lowest id of a tie) of every row at once
+        likeliest = shifted.argmax(axis=1)
+        tops = [[(int(i), float(shifted[r, i]) - float(log_norm[r]))] for r, i in enumerate(likeliest)]
+    else:
+        tops = [_top(shifted[r], float(log_norm[r]), k) for r in rows]
+    return [PromptLogprob(int(token), float(picked[r]) - float(log_norm[r]), int(ranks[r]), tops[r])
+            for r, token in enumerate(tokens)]
 
 
 def top_logprobs(logits: np.ndarray, k: int) -> list[tuple[int, float]]:
@@ -83,7 +95,7 @@ def _top(shifted: np.ndarray, log_norm: float, k: int) -> list[tuple[int, float]
     kth = np.partition(shifted, shifted.size - k)[shifted.size - k]   # O(V): no sort of the vocabulary
     candidates = np.flatnonzero(shifted >= kth)
     order = candidates[np.lexsort((candidates, -shifted[candidates]))][:k]
-    return [(int(i), float(shifted[i] - log_norm)) for i in order]
+    return [(int(i), float(shifted[i]) - log_norm) for i in order]
 
 
 def token_logprob(logits: np.ndarray, token: int) -> float:

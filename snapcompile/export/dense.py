@@ -7,7 +7,15 @@ from pathlib import Path
 
 from snapcompile.artifact.footprint import check_memory
 from snapcompile.artifact.manifest import ORT_WEIGHTS, WEIGHTS, Manifest
-from snapcompile.artifact.naming import FAMILY_SIZES, PREFILL_EMBED, PREFILL_HEAD, TAIL_GRAPH, graph_name, prefill_layer
+from snapcompile.artifact.naming import (
+    FAMILY_SIZES,
+    PREFILL_EMBED,
+    PREFILL_HEAD,
+    PREFILL_SCORES,
+    TAIL_GRAPH,
+    graph_name,
+    prefill_layer,
+)
 from snapcompile.artifact.onnx_io import GraphSet, WeightsFile, WeightStores, save_graphs
 from snapcompile.atomic import atomic_directory
 from snapcompile.config import ExportConfig, PolicyConfig
@@ -116,6 +124,7 @@ def _ort_writers(spec, weights: Weights, export: ExportConfig, store, ort_store)
     for layer in range(spec.num_layers):
         writers[prefill_layer(layer)] = partial(PrefillLayerWriter, spec, weights, export, layer, rows, stores)
     writers[PREFILL_HEAD] = partial(PrefillHeadWriter, spec, weights, export, stores, target="ort")
+    writers[PREFILL_SCORES] = partial(PrefillHeadWriter, spec, weights, export, stores, target="ort", rows=export.chunk)
     return writers
 
 

@@ -30,7 +30,7 @@ from functools import partial
 
 import numpy as np
 
-from snapcompile.artifact.naming import PREFILL_EMBED, PREFILL_HEAD, graph_name, prefill_layer
+from snapcompile.artifact.naming import PREFILL_EMBED, PREFILL_HEAD, PREFILL_SCORES, graph_name, prefill_layer
 from snapcompile.config import ExportConfig
 from snapcompile.export.quantize import emit_matmul, emit_nbits_matmul
 from snapcompile.export.weights import Weights, float32_name
@@ -244,13 +244,19 @@ class PrefillLayerWriter(PrefillWriter):
 
 class PrefillHeadWriter(LlamaGraphWriter):
     """prefill_head (layer by layer, target "ort"): hidden [1, hidden] (the last layer's output at
-    the prompt's last token) -> logits [1, V]."""
+    the prompt's last token) -> logits [1, V]; with `rows` C, prefill_scores: hidden [C, hidden] (a
+    chunk of positions) -> logits [C, V], run only for a prompt's log probabilities."""
+
+    def __init__(self, spec: ModelSpec, weights: Weights, export: ExportConfig, store=None, target: str = "ort",
+                 rows: int = 1):
+        super().__init__(spec, weights, export, store, target)
+        self.rows = rows
 
     def build(self) -> GraphBuilder:
-        b = GraphBuilder(PREFILL_HEAD, self.store)
+        b = GraphBuilder(PREFILL_HEAD if self.rows == 1 else PREFILL_SCORES, self.store)
         self._attach_weights(b)
-        hidden = b.input("hidden", np.float32, [1, self.spec.hidden_size])
-        b.output(self._logits(b, hidden), "logits", np.float32, [1, self.spec.vocab_size])
+        hidden = b.input("hidden", np.float32, [self.rows, self.spec.hidden_size])
+        b.output(self._logits(b, hidden), "logits", np.float32, [self.rows, self.spec.vocab_size])
         return b
 
 

@@ -95,8 +95,9 @@ called once a layer, in order, after the layer's selection (a keeper reads a pro
 
 
 LogitsTo = Callable[[int, np.ndarray], None]
-"""logits_to(i, logits) of a prefill asked for its prompt's logits: logits [V] float32 at new token i
-(host memory, valid during the call only), for every new token but the last, in order."""
+"""logits_to(first, logits) of a prefill asked for its prompt's logits: logits [R, V] float32 at new
+tokens first .. first + R - 1 (host memory, valid during the call only); called in order until every
+new token but the last was handed over."""
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ from snapcompile.artifact.manifest import Manifest
 from snapcompile.artifact.naming import (
     PREFILL_EMBED,
     PREFILL_HEAD,
+    PREFILL_SCORES,
     SELECT_LAYER,
     graph_name,
     prefill_layer,
@@ -70,6 +71,7 @@ class LayerPrefill:
         self.layers_done = 0         # of the prefill under way (or the latest), for progress and studies
         rows = [*self.buckets, self.max_context]
         self.embed_graph, self.head_graph = LazyGraph(device, PREFILL_EMBED, m), LazyGraph(device, PREFILL_HEAD, m)
+        self.scores_graph = LazyGraph(device, PREFILL_SCORES, m)     # made, and its buffers, at the first scoring
         self.layer_graphs = [{r: LazyGraph(device, graph_name(prefill_layer(i), r, self.max_context), m) for r in rows}
                              for i in range(self.num_layers)]                  # layer -> rows -> graph
         self.select_graphs = {r: LazyGraph(device, graph_name(SELECT_LAYER, r, self.max_context), m)
@@ -111,6 +113,7 @@ class LayerPrefill:
         self.window_q = zeros((1, s.num_heads, m.policy.window, s.head_dim), "float32")
         self.last_hidden = zeros((1, s.hidden_size), "float32")
         self.logits = zeros((1, s.vocab_size), "float32")
+        self.score_hidden = self.score_logits = None       # prefill_scores' buffers, made at the first scoring
         self.prompt = PromptCache(self.device, 1, s.num_kv_heads, s.head_dim, self.max_context, m.export.kv_dtype)
         self.embed_graph.bind("input_ids", self.ids)
         self.embed_graph.bind("hidden", self.embedded, output=True)
@@ -162,9 +165,9 @@ class LayerPrefill:
         generator that yields each chunk's share of its tokens (count / layers: a chunk of one layer
         is that share of a chunk through the model) and returns the PrefillResult. rows_to(layer,
         keys, values, kept): each layer's filled rows and the rows its selection kept, right after it
-        (a compressed prompt's). logits_to(i, logits): the logits [V] float32 at each new token i but
-        the last (whose are the result's), in order, once the last layer ran: the head over every
-        position's hidden states, run only when asked."""
+        (a compressed prompt's). logits_to(first, logits): the logits [R, V] float32 of every new token
+        but the last (whose are the result's), a chunk of positions at a time, in order, once the last
+        layer ran: the head over those positions' hidden states, run only when asked."""
         if self._bias_set:               # a resumed prefill abandoned mid-way (its request cancelled)
             self._clear_cache_bias()
         base, first_position = (resume.rows, resume.position) if resume else (0, 0)
@@ -196,8 +199,8 @@ class LayerPrefill:
                 keys, values = self.prompt.keys[0][0, :, :filled], self.prompt.values[0][0, :, :filled]
                 rows_to(layer, self.device.download(keys), self.device.download(values), kept_rows[-1])
             self.layers_done = layer + 1
-        for position in range(len(new) - 1) if logits_to is not None else ():
-            logits_to(position, self._head(position))
+        if logits_to is not None:
+            self._score(len(new) - 1, logits_to)
         logits = self._head(len(new) - 1)
         self.device.release_pages()
         self.last_seconds = {"chunks": time.perf_counter() - began - selecting, "select": selecting}
@@ -245,6 +248,20 @@ class LayerPrefill:
         host = np.zeros(self.ids.shape, np.int64)
         host[0, :len(tokens)] = tokens
         self.device.upload(self.ids, host)
+
+    def _score(self, positions: int, logits_to: LogitsTo) -> None:
+        """The logits of new tokens [0, positions) to logits_to, a chunk of positions a run."""
+        if self.score_logits is None:
+            s = self.manifest.spec
+            self.score_hidden = self.device.zeros((self.chunk, s.hidden_size), "float32")
+            self.score_logits = self.device.zeros((self.chunk, s.vocab_size), "float32")
+            self.scores_graph.bind("hidden", self.score_hidden)
+            self.scores_graph.bind("logits", self.score_logits, output=True)
+        for first in range(0, positions, self.chunk):
+            count = min(self.chunk, positions - first)
+            self.score_hidden[:count] = self.hidden[first:first + count]
+            self.scores_graph.run()
+            logits_to(first, self.device.download(self.score_logits)[:count])
 
     def _head(self, position: int) -> np.ndarray:
         """logits [V] of new token `position` (its hidden states after the last layer)."""

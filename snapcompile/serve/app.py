@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from snapcompile.config import DEFAULT_SESSION_KEEP
-from snapcompile.engine.loop import EngineLoop
+from snapcompile.engine.loop import EngineLoop, Reporters
 from snapcompile.prompts import read_chat_template, set_chat_template
 from snapcompile.serve import protocol
 from snapcompile.serve.bodies import BodyParser, max_values
@@ -28,6 +28,7 @@ from snapcompile.serve.limits import PeerBudget, PeerRequests, read_json_body
 from snapcompile.serve.metrics import CONTENT_TYPE, Metrics
 from snapcompile.serve.partitions import cache_partition
 from snapcompile.serve.protocol import ApiError, ChatRequest, CompletionRequest, now, parse
+from snapcompile.serve.throughput_log import ThroughputLog
 from snapcompile.serve.tokenizer_pool import TokenizerPool
 
 log = logging.getLogger("snapcompile.serve")
@@ -106,7 +107,7 @@ def load_engine(state: ServerState) -> None:
                                   session_keep=settings.session_keep)
     engine.backend.make_graphs()                  # ready means no request waits for a graph to be made
     state.metrics.set_totals(engine.scheduler.pool.num_slots, engine.kv_bytes_allocated())
-    engine_loop = EngineLoop(engine, state.metrics)
+    engine_loop = EngineLoop(engine, Reporters(state.metrics, ThroughputLog(engine.scheduler.pool.num_slots)))
     engine_loop.start()
     export = engine.backend.manifest.export
     state.engine_loop = engine_loop

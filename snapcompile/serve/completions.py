@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
+import logging
 import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
@@ -24,6 +25,7 @@ from snapcompile.serve.protocol import ApiError, ChatRequest, CompletionRequest,
 from snapcompile.serve.tokenizer_pool import TokenizerPool
 
 DISCONNECT_POLL_S = 0.1     # how often a non-streamed request checks that its client is still there
+log = logging.getLogger("snapcompile.serve")
 
 
 @dataclass(frozen=True)
@@ -285,6 +287,8 @@ class OpenAIServing:
         except asyncio.CancelledError:
             self._abort(call, results)
             raise
+        finally:
+            log_request(call, results)
 
     async def stream(self, call: Call) -> AsyncIterator[str]:
         """Server-sent events in OpenAI's chunk format, ending with `data: [DONE]`; the request is
@@ -320,6 +324,7 @@ class OpenAIServing:
             yield "data: [DONE]\n\n"
         finally:
             self._abort(call, results)
+            log_request(call, results)
 
     def _final_body(self, call: Call, results: list[Result], tokens: list[list[TokenEvent]]) -> dict:
         choices = []
@@ -440,6 +445,23 @@ class OpenAIServing:
 
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
+
+
+def log_request(call: Call, results: list[Result | None]) -> None:
+    """The request's line at --log-level info: its id (the response's), choices, prompt tokens (and
+    those resumed from a kept cache), generated tokens, time to the first token, time in all and how
+    each choice ended ("abort" for one the client left before it ended)."""
+    if not log.isEnabledFor(logging.INFO):
+        return
+    ended = [r for r in results if r is not None]
+    prompts = [r for request, r in zip(call.requests, results) if r is not None and request.shares_prefill_of is None]
+    firsts = [r.ttft_s for r in ended if r.ttft_s is not None]
+    outcomes = ",".join(r.outcome for r in ended) + ",abort" * (len(results) - len(ended))
+    log.info("request %s: %d choice%s, %d prompt tokens (%d cached), %d generated, first token %s, %.2f s in all, %s",
+             call.response_id, len(results), "s" * (len(results) != 1), sum(r.prompt_tokens for r in prompts),
+             sum(r.cached_tokens for r in prompts), sum(len(r.output_ids) for r in ended),
+             f"{min(firsts):.2f} s" if firsts else "none", max((r.latency_s for r in ended), default=0.0),
+             outcomes.lstrip(","))
 
 
 def _usage(call: Call, results: list[Result]) -> dict:

@@ -3,6 +3,7 @@ graceful drain on SIGTERM / Ctrl-C (a second signal stops at once)."""
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import socket
 import sys
@@ -75,6 +76,7 @@ def serve(settings: ServerSettings, host: str, port: int, drain_timeout_s: float
     state = ServerState(settings)
     limits = settings.limits
     config = uvicorn.Config(create_app(state), host=host, port=port, log_level=log_level,
+                            log_config=_log_config(log_level),
                             timeout_graceful_shutdown=5, lifespan="off",
                             http=bounded_h11_protocol(limits, PeerBudget(limits.max_connections_per_client)),
                             timeout_keep_alive=limits.keep_alive_s,
@@ -92,6 +94,15 @@ def serve(settings: ServerSettings, host: str, port: int, drain_timeout_s: float
         raise SnapcompileError(f"cannot serve {settings.artifact}: {state.load_error}")
     if state.engine_failed is not None:
         raise EngineFailure(f"stopped serving {settings.artifact}: {state.engine_failed}")
+
+
+def _log_config(log_level: str) -> dict:
+    """uvicorn's logging configuration with snapcompile's own loggers (the request and throughput
+    lines, draining) on its stderr handler at `log_level`."""
+    config = copy.deepcopy(uvicorn.config.LOGGING_CONFIG)
+    config["loggers"]["snapcompile"] = {"handlers": ["default"], "level": uvicorn.config.LOG_LEVELS[log_level],
+                                        "propagate": False}
+    return config
 
 
 def _check_bindable(host: str, port: int) -> None:
