@@ -148,3 +148,20 @@ def test_resumed_turns_parity(tiny_llama, tmp_path, policy):
     assert summary["resumed_tokens"] == [0, 190, 261, 0, 60, 131]
     assert not summary["selection_mismatches"]
     assert summary["max_abs_logit_diff"] <= 1e-4 and summary["greedy_agreement"] == 1.0
+
+
+def test_validation_reports_each_prefill_and_decode_step_as_it_goes(tiny_llama, tiny_snap_dir):
+    """progress(units, what) after every prompt's prefill and every decode step, adding up to
+    `work`, in one-prompt batches (5 prompts over the artifact's slots) and in turns."""
+    validator = Validator(tiny_snap_dir, tiny_llama.model)
+    seen = []
+    prompts = random_prompts([20] * (validator.backend.slots + 1), seed=5)
+    validator.run(prompts, 3, progress=lambda units, what: seen.append((units, what)))
+    assert sum(units for units, _ in seen) == validator.work(len(prompts), 3) == len(prompts) + 2 * 3
+    assert seen[0][1] == "prefilled a 20-token prompt" and seen[-1][1] == "decode step 3 of 3"
+    seen.clear()
+    reports = validator.run_turns(prompts[:1], 8, 2, random_prompts([10], seed=6)[0],
+                                  progress=lambda units, what: seen.append((units, what)))
+    assert summarize(reports, 8)["max_abs_logit_diff"] <= 1e-4      # a short second turn: nothing selected
+    assert sum(units for units, _ in seen) == validator.work(1, 8, turns=2) == 2 * 9
+    assert seen[0][1] == "turn 1: prefilled 20 tokens" and seen[9][1].startswith("turn 2: prefilled")

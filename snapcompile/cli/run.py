@@ -360,9 +360,13 @@ def validate(artifact, prompt, prompts_file, demo, steps, raw, tolerance, min_ag
     validator = Validator(artifact, oracle_model(artifact, manifest), tie_gap=tie_gap, backend=backend,
                           exact_matmul=matmul == "fp32")
     from snapcompile.cli import progress_bar
-    with progress_bar(total=len(prompts), desc="validate", unit="prompt", disable=as_json) as bar:
-        reports = (validator.run_turns(prompts, steps, turns, follow_ids, progress=bar.update) if turns > 1
-                   else validator.run(prompts, steps, progress=bar.update))
+    with progress_bar(total=validator.work(len(prompts), steps, turns), desc="validate", unit="step",
+                      disable=as_json) as bar:
+        def advance(units: int, what: str) -> None:
+            bar.set_postfix_str(what, refresh=False)
+            bar.update(units)
+        reports = (validator.run_turns(prompts, steps, turns, follow_ids, progress=advance) if turns > 1
+                   else validator.run(prompts, steps, progress=advance))
     summary = summarize(reports, steps)
     summary.update(tolerance=tolerance, min_agreement=min_agreement, weight_format=manifest.export.weight_format,
                    matmul=matmul)

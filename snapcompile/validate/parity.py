@@ -56,6 +56,8 @@ def compare_selection(backend_kept: list[np.ndarray], reference, tie_gap: float)
     """Per layer/head: positions kept by only one side; near-ties when the score gap < tie_gap."""
     ties, mismatches = [], []
     for layer, (ours, theirs) in enumerate(zip(backend_kept, reference)):
+        if theirs is None:          # the oracle selected nothing (all fit): its logits are compared still
+            continue
         theirs_idx = theirs.indices.numpy()
         for head in range(ours.shape[0]):
             only_ours = sorted(set(ours[head].tolist()) - set(theirs_idx[head].tolist()))
@@ -75,21 +77,32 @@ def compare_selection(backend_kept: list[np.ndarray], reference, tie_gap: float)
     return ties, mismatches
 
 
+def _no_progress(units: int, what: str) -> None: ...
+
+
 class Validator:
     def __init__(self, folder, model, provider: str = "cpu", tie_gap: float = DEFAULT_TIE_GAP,
                  backend: str = "ort", exact_matmul: bool = True):
         self.backend = open_backend(folder, backend, provider=provider, exact_matmul=exact_matmul)
         self.manifest = self.backend.manifest
         self.model, self.tie_gap = model, tie_gap
+        self._progress = _no_progress          # the running validation's progress(units, what)
+
+    def work(self, prompts: int, steps: int, turns: int = 1) -> int:
+        """The units `run` (turns 1) or `run_turns` reports to its progress: a prompt's (or a turn's)
+        prefill on both sides is one, a decode step of a batch (of a conversation) one."""
+        if turns > 1:
+            return prompts * turns * (1 + steps)
+        return prompts + -(-prompts // self.backend.slots) * steps
 
     def run(self, prompts: list[list[int]], steps: int, progress=None) -> list[PromptReport]:
-        """prompts: token ids. Runs them N slots at a time; `progress(n)` after each prompt batch."""
+        """prompts: token ids. Runs them N slots at a time; `progress(n, what)` after each unit of
+        `work` (what: the unit just done, in words)."""
         reports = []
         slots = self.backend.slots
+        self._progress = progress or _no_progress
         for first in range(0, len(prompts), slots):
             reports += self._run_batch(prompts[first:first + slots], steps)
-            if progress:
-                progress(len(prompts[first:first + slots]))
         return reports
 
     def _reference(self, prompt_len: int, steps: int, forced=None) -> ReferenceSequence:
@@ -116,6 +129,7 @@ class Validator:
             layouts.append(result.layout)
             ref_logits.append(logits.numpy())
             our_logits.append(result.logits)
+            self._progress(1, f"prefilled a {len(ids)}-token prompt")
         dense = self._dense_references(prompts, steps)
         dense_logits = [d.feed(ids).numpy() if d else None for d, ids in zip(dense, prompts)]
         for g in range(steps + 1):
@@ -135,6 +149,7 @@ class Validator:
                 ref_logits[i] = refs[i].feed([tokens[i]]).numpy()
                 if dense[i] is not None:
                     dense_logits[i] = dense[i].feed([tokens[i]]).numpy()
+            self._progress(1, f"decode step {g + 1} of {steps}")
         return reports
 
     def run_turns(self, prompts: list[list[int]], steps: int, turns: int, follow_up: list[int],
@@ -142,8 +157,10 @@ class Validator:
         """Conversations of `turns` turns (docs/design.md, "Conversations that keep their cache"):
         turn 1 is the prompt; each later turn is everything so far (prompt, the `steps + 1` greedy
         tokens of each turn) plus `follow_up`, resumed from the previous turn's kept cache on both
-        sides. Every turn is compared step by step; one report per prompt and turn."""
+        sides. Every turn is compared step by step; one report per prompt and turn. `progress(n, what)`
+        after each unit of `work`."""
         reports = []
+        self._progress = progress or _no_progress
         window = self.manifest.policy.selection_window
         for ids in prompts:
             total = len(ids) + turns * (steps + 1 + len(follow_up))
@@ -153,6 +170,7 @@ class Validator:
             result = drain(self.backend.prefill_chunks(0, ids, rows_to=reading.layer if reading else None))
             logits, resumed, plan = ref.feed(ids), 0, None
             for turn in range(1, turns + 1):
+                self._progress(1, f"turn {turn}: prefilled {len(ids) - resumed} tokens")
                 report = PromptReport(len(ids), result.layout.compressed, turn=turn, resumed_tokens=resumed)
                 positions = kept_positions(plan, len(ids), result)
                 if positions is not None:
@@ -177,8 +195,6 @@ class Validator:
                 result = drain(resumed_prefill(self.backend, 0, plan, ids, keeper.resume_rows(plan),
                                                reading.layer if reading else None))
                 logits, resumed = ref.resume(ids, plan.resume_at), plan.resume_at
-            if progress:
-                progress(1)
         return reports
 
     def _follow(self, layout, ref, report: PromptReport, ours: np.ndarray, theirs: np.ndarray,
@@ -193,6 +209,7 @@ class Validator:
             if g < steps:
                 ours = self.backend.decode({0: tokens[-1]}, {0: layout.step(g)})[0].copy()
                 theirs = ref.feed([tokens[-1]]).numpy()
+                self._progress(1, f"decode step {g + 1} of {steps}")
         return tokens
 
     def _dense_references(self, prompts, steps) -> list[ReferenceSequence | None]:
