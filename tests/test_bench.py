@@ -206,3 +206,23 @@ def test_the_whole_prompt_schedule_runs_every_chunk_on_the_prompt_s_bucket(tiny_
     with _whole_prompt(backend, 300):
         assert {backend.chunk_rows(start) for start in (0, 64, 256)} == {backend.prefill_rows(300)}
     assert backend.chunk_rows(0) < backend.prefill_rows(300)
+
+
+def test_a_one_point_log_plot_gets_labelled_y_values():
+    """bench's plots with one context (or values within a decade) label the y axis at the values:
+    matplotlib puts no labelled tick on a log axis narrower than a decade."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from snapcompile.bench.report import label_narrow_log_axis
+    fig, (one, many, wide) = plt.subplots(1, 3)
+    for ax, values in ((one, [57.3]), (many, list(range(20, 31))), (wide, [1.0, 500.0])):
+        ax.plot(range(len(values)), values)
+        ax.set(yscale="log")
+        label_narrow_log_axis(ax, values)
+    fig.canvas.draw()
+    assert [t.get_text() for t in one.get_yticklabels()] == ["57.3"]
+    assert len(many.get_yticks()) == 6 and many.get_yticklabels()[0].get_text() == "20"
+    assert "57.3" not in [t.get_text() for t in wide.get_yticklabels()]      # a wide axis keeps its own ticks
+    plt.close(fig)

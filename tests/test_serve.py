@@ -637,7 +637,9 @@ def test_bench_serve_conversations_report_ttft_and_resumed_tokens_per_turn(serve
         assert turn["cached_tokens_mean"] == sum(r["cached_tokens"] for r in mine) / 2
     tokens = [t["prompt_tokens_mean"] for t in per_turn]
     assert tokens[0] == 100 < tokens[1] < tokens[2]
-    assert "Conversations of 3 turns" in out.with_suffix(".md").read_text()
+    table = out.with_suffix(".md").read_text()
+    assert "Conversations of 3 turns" in table and table.startswith("2 conversations of 3 turns (6 requests),")
+    assert "| 6 | 0 |" in table                     # completed, failed: the requests the header counts
 
 
 def test_bench_serve_follow_ups_are_drawn_within_their_bounds():

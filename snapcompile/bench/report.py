@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
+
 from snapcompile.atomic import save_figure_atomic
 from snapcompile.bench.runner import reference_systems
 
@@ -89,13 +91,16 @@ def plots(result: dict, stem: Path) -> list[Path]:
                if any(s in p["systems"] for p in points)]
     fig, axes = plt.subplots(1, len(slot_counts), figsize=(4 * len(slot_counts), 3.2), squeeze=False)
     for ax, slots in zip(axes[0], slot_counts):
+        values = []
         for name in systems:
             xs = [(p["context"], p["systems"][name]["tokens_per_s"]["median"]) for p in points
                   if p["slots"] == slots and name in p["systems"]]
             if xs:
                 ax.plot(*zip(*sorted(xs)), marker="o", label=name)
+                values += [y for _, y in xs]
         ax.set(title=f"{slots} slots", xlabel="context (tokens)", ylabel="decode tok/s", xscale="log", yscale="log")
         _context_ticks(ax, points)
+        label_narrow_log_axis(ax, values)
         ax.legend(fontsize=7)
     fig.tight_layout()
     paths = [stem.with_name(stem.name + "-decode.png")]
@@ -111,6 +116,7 @@ def plots(result: dict, stem: Path) -> list[Path]:
              label=f"snapstream B={budget}")
     mem.set(xlabel="context (tokens)", ylabel="KV MiB per slot", xscale="log", yscale="log", title="KV memory per slot")
     _context_ticks(mem, points)
+    label_narrow_log_axis(mem, [c * per_token / 2**20 for c in contexts])
     mem.legend(fontsize=7)
     fits = result["fits"]
     fit.plot([f["context"] for f in fits], [f["dense_max_slots"] for f in fits], marker="o", label="dense")
@@ -118,12 +124,28 @@ def plots(result: dict, stem: Path) -> list[Path]:
     fit.set(xlabel="context (tokens)", ylabel="max slots", xscale="log", yscale="log",
             title=f"slots that fit in {result['config']['memory_limit_gib']:g} GiB")
     _context_ticks(fit, points)
+    label_narrow_log_axis(fit, [f[key] for f in fits for key in ("dense_max_slots", "snapstream_max_slots")])
     fit.legend(fontsize=7)
     fig.tight_layout()
     paths.append(stem.with_name(stem.name + "-memory.png"))
     save_figure_atomic(fig, paths[1])
     plt.close(fig)
     return paths
+
+
+MAX_VALUE_TICKS = 6
+
+
+def label_narrow_log_axis(ax, values: list[float]) -> None:
+    """Label a log y axis that spans less than a decade (one point, or close ones), where matplotlib
+    puts no labelled tick: ticks at the plotted values (at most MAX_VALUE_TICKS, spread in log space)."""
+    positive = sorted({float(v) for v in values if v and v > 0})
+    if not positive or positive[-1] / positive[0] >= 10:
+        return
+    if len(positive) > MAX_VALUE_TICKS:
+        positive = [float(v) for v in np.geomspace(positive[0], positive[-1], MAX_VALUE_TICKS)]
+    ax.set_yticks(positive, [f"{v:.3g}" for v in positive])
+    ax.minorticks_off()
 
 
 def _context_ticks(ax, points: list[dict]) -> None:

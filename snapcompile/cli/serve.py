@@ -271,7 +271,8 @@ def bench_serve(url, model, num_requests, concurrency, prompt_tokens, output_tok
         lines = ([{"prompt": p} for p in prompts] if turns == 1 else
                  [{"turns": parts} for parts in conversation_parts(prompts, turns)])
         write_text_atomic(check_output_file(save_prompts, force), "".join(json.dumps(x) + "\n" for x in lines))
-    with progress_bar(total=num_requests, desc="requests", unit="req", disable=as_json) as bar:
+    unit = "conversation" if turns > 1 else "request"
+    with progress_bar(total=num_requests, desc=unit + "s", unit=unit[:4], disable=as_json) as bar:
         result = run_serve_bench(config, prompts, progress=lambda: bar.update(1))
     table = markdown(result)
     write_json_atomic(output, result)

@@ -243,8 +243,12 @@ def _stats(seconds: list[float]) -> dict:
 def markdown(result: dict) -> str:
     s, c = result["summary"], result["config"]
     rate = "all at once" if c["request_rate"] is None else f"{c['request_rate']:g} req/s"
-    lines = [f"{c['requests']} requests, concurrency {c['concurrency']}, {c['prompt_tokens']} prompt tokens, "
-             f"{c['output_tokens']} output tokens each, arrivals {rate}", "",
+    turns = c.get("turns", 1)
+    sent = (f"{c['requests']} requests" if turns == 1 else
+            f"{c['requests']} conversations of {turns} turns ({c['requests'] * turns} requests)")
+    lines = [f"{sent}, concurrency {c['concurrency']}, {c['prompt_tokens']} prompt tokens "
+             f"{'each' if turns == 1 else 'a first part'}, {c['output_tokens']} output tokens each, arrivals {rate}",
+             "",
              "| completed | failed | duration s | requests/s | output tok/s | input tok/s |",
              "|---|---|---|---|---|---|",
              f"| {s['completed']} | {s['failed']} | {s['duration_s']:.1f} | {s['requests_per_s']:.3f} | "
