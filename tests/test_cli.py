@@ -233,13 +233,14 @@ def test_run_takes_conversations_whose_turns_resume_the_kept_cache(tiny_snap_dir
 
 def test_the_shipped_example_prompts_file_runs(tiny_snap_dir, tmp_path):
     """examples/prompts.jsonl, which the README's quick start uses: prompts with their own sampling
-    and stop strings, and a two-turn conversation."""
+    and stop strings, and a two-turn conversation whose second turn resumes the first's kept cache."""
     examples = Path(__file__).resolve().parents[1] / "examples"
     result = invoke("run", tiny_snap_dir, "--prompts", examples / "prompts.jsonl",
                     "-o", tmp_path / "results.jsonl", "--json")
     assert result.exit_code == 0, result.output
     rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
     assert [row["id"] for row in rows] == ["colours", "capital", "story", "trip/1", "trip/2"]
+    assert rows[3]["cached_tokens"] == 0 and rows[4]["cached_tokens"] >= rows[3]["prompt_tokens"] - 32
 
 
 def test_a_stopped_run_says_where_its_results_are_and_the_same_command_resumes(artifact, tmp_path):
