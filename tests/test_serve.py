@@ -1154,8 +1154,9 @@ def long_client(tiny_llama, tmp_path_factory):
 def test_a_tool_call_round_trip_through_the_openai_client(long_client):
     """tool_choice "required": the answer is a tool call whose arguments follow the tool's schema
     (finish_reason tool_calls); the call and its result sent back, tool_choice "none" gives a text
-    answer; "auto" answers either a call or text, both well formed; streamed, the call comes whole
-    in one chunk the SDK's stream accumulator assembles into the same message."""
+    answer; "auto" answers either a call or text, both well formed, a cut one text (never the JSON
+    wrapper); streamed, the call comes as OpenAI's deltas (id and name first, then the arguments in
+    pieces) that the SDK's stream accumulator assembles into the same message."""
     client = long_client
     messages = [{"role": "user", "content": "What is the weather in Paris?"}]
     reply = client.chat.completions.create(model="tiny", messages=messages, tools=[WEATHER_TOOL],
@@ -1176,11 +1177,20 @@ def test_a_tool_call_round_trip_through_the_openai_client(long_client):
                                               temperature=1.0, seed=seed).choices[0]
         assert (auto.finish_reason == "tool_calls" and auto.message.tool_calls) or \
             (auto.finish_reason in ("stop", "length") and isinstance(auto.message.content, str))
+        cut = client.chat.completions.create(model="tiny", messages=messages, tools=[WEATHER_TOOL], max_tokens=6,
+                                             temperature=1.0, seed=seed).choices[0]
+        assert not (cut.message.content or "").startswith("{")        # a cut answer's text, not the wrapper
     with client.chat.completions.stream(model="tiny", messages=messages, tools=[WEATHER_TOOL], tool_choice="required",
                                         max_tokens=128, temperature=0) as stream:
         streamed = stream.get_final_completion().choices[0]
     assert streamed.finish_reason == "tool_calls" and streamed.message.tool_calls[0].function.name == "get_weather"
     assert streamed.message.tool_calls[0].function.arguments == call.function.arguments
+    deltas = [c.choices[0].delta for c in client.chat.completions.create(
+        model="tiny", messages=messages, tools=[WEATHER_TOOL], tool_choice="required", max_tokens=128, temperature=0,
+        stream=True) if c.choices and c.choices[0].delta.tool_calls]
+    assert deltas[0].tool_calls[0].id.startswith("call_") and deltas[0].tool_calls[0].function.name == "get_weather"
+    assert len(deltas) > 3 and all(d.tool_calls[0].id is None for d in deltas[1:])
+    assert "".join(d.tool_calls[0].function.arguments or "" for d in deltas) == call.function.arguments
     chunks = list(client.chat.completions.create(model="tiny", messages=messages, tools=[WEATHER_TOOL],
                                                  tool_choice="none", max_tokens=4, temperature=0, stream=True))
     assert chunks[-1].choices[0].finish_reason in ("stop", "length")

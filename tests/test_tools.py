@@ -1,10 +1,11 @@
 """serve.tools: function calling on any chat template (llama.cpp's generic format)."""
 import json
+import random
 
 import pytest
 
 from snapcompile.serve.protocol import ApiError, ChatRequest
-from snapcompile.serve.tools import answer_schema, parse_answer, template_messages
+from snapcompile.serve.tools import AnswerStream, answer_schema, parse_answer, template_messages
 
 TOOL = {"type": "function", "function": {"name": "add", "parameters": {"type": "object", "properties": {
     "a": {"type": "integer"}}, "required": ["a"]}}}
@@ -43,4 +44,35 @@ def test_answers_become_tool_calls_or_content():
     content, calls, reason = parse_answer('{"tool_call": {"name": "add", "arguments": {"a": 2}}}', "stop")
     assert content is None and reason == "tool_calls" and json.loads(calls[0]["function"]["arguments"]) == {"a": 2}
     assert parse_answer('{"response": "four"}', "stop") == ("four", None, "stop")
-    assert parse_answer('{"tool_call": {"na', "length") == ('{"tool_call": {"na', None, "length")
+    assert parse_answer('{"tool_call": {"na', "length") == ("", None, "length")       # the wrapper never comes out
+    assert parse_answer('{"tool_call": {"name": "add", "arguments": {"a": ', "length") == (None, None, "length")
+    assert parse_answer('{"response": "Paris is a c\\u00e9l\\', "length") == ("Paris is a cél", None, "length")
+
+
+ANSWERS = ['{"tool_call": {"name": "get_weather", "arguments": {"city": "S\\u00e3o \\"Paulo\\"", '
+           '"days": [1, {"x": "}"}]}}}',
+           '{"response": "line\\none \\ud83d\\ude00 and \\\\ then \\"quoted\\" caf\\u00e9"}',
+           '{"response": ""}']
+
+
+@pytest.mark.parametrize("answer", ANSWERS)
+def test_a_streamed_answer_gives_the_whole_answers_message_in_any_pieces(answer):
+    """AnswerStream fed in pieces of 1..7 characters: the content decodes as json.loads decodes it
+    (escapes and a surrogate pair split anywhere), or the call's id and name come first and its
+    arguments' text adds up to the raw arguments; parse_answer of the whole text says the same."""
+    content, calls, reason = parse_answer(answer, "stop")
+    rng = random.Random(len(answer))
+    for _ in range(30):
+        stream, deltas, at = AnswerStream(), [], 0
+        while at < len(answer):
+            step = rng.randint(1, 7)
+            deltas += stream.feed(answer[at:at + step])
+            at += step
+        if calls is None:
+            assert "".join(d["content"] for d in deltas) == content == json.loads(answer)["response"]
+            continue
+        first = deltas[0]["tool_calls"][0]
+        assert first["id"] == stream.call_id and first["function"] == {"name": "get_weather", "arguments": ""}
+        arguments = "".join(d["tool_calls"][0]["function"]["arguments"] for d in deltas)
+        assert arguments == calls[0]["function"]["arguments"]
+        assert json.loads(arguments) == json.loads(answer)["tool_call"]["arguments"]

@@ -302,8 +302,8 @@ class OpenAIServing:
             scored = call.kind == "completion" and call.requests[0].prompt_logprobs is not None
             for index, echo in enumerate(call.echoes if not scored else ()):   # scored: with the first token
                 yield _sse(self._chunk(call, index, echo, None))
-            whole = tools.active(call.params)      # a tool call is known only once its answer is complete
-            events: list[list[TokenEvent]] = [[] for _ in call.requests]
+            answers = [tools.AnswerStream() for _ in call.requests] if tools.active(call.params) else None
+            pending: list[list[TokenEvent]] = [[] for _ in call.requests]     # tokens not yet in a chunk
             while None in results:
                 index, update = await updates.get()
                 results[index] = update.result
@@ -312,12 +312,11 @@ class OpenAIServing:
                     break
                 if scored and update.event.prompt_logprobs is not None:
                     yield _sse(self._prompt_chunk(call, index, update.event.prompt_logprobs))
-                if whole and update.event.token_id is not None:
-                    events[index].append(update.event)
-                chunk = self._event_chunk(call, index, update) if not whole else \
-                    self._answer_chunk(call, index, update.result, events[index]) if update.result else None
-                if chunk is not None:
-                    yield _sse(chunk)
+                chunks = [self._event_chunk(call, index, update)] if answers is None else \
+                    self._answer_chunks(call, index, update, answers[index], pending[index])
+                for chunk in chunks:
+                    if chunk is not None:
+                        yield _sse(chunk)
             else:
                 if call.params.include_usage:
                     yield _sse(self._usage_chunk(call, results))
@@ -408,12 +407,24 @@ class OpenAIServing:
         return self._chunk(call, index, delta if call.kind == "chat" else event.text, reason,
                            self._logprobs(call, tokens))
 
-    def _answer_chunk(self, call: Call, index: int, result: Result, events: list[TokenEvent]) -> dict:
-        """A chat answer with active tools, streamed whole once it is complete: its tool calls
-        (each delta entry with its index, as OpenAI streams them) or its content."""
-        content, calls, reason = tools.parse_answer(result.text, result.outcome)
-        delta = {"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]} if calls else {"content": content}
-        return self._chunk(call, index, delta, reason, self._logprobs(call, events))
+    def _answer_chunks(self, call: Call, index: int, update: Update, answer: tools.AnswerStream,
+                       pending: list[TokenEvent]) -> list[dict]:
+        """A chat answer with active tools, streamed as it is generated: each delta its text completes
+        (content, or the tool call's name and then its arguments, serve.tools.AnswerStream) with the
+        log probabilities of the tokens since the last chunk; at the end an empty delta with the
+        finish reason ("tool_calls" for a complete call)."""
+        if update.event.token_id is not None:
+            pending.append(update.event)
+        chunks = []
+        for delta in answer.feed(update.event.text) if update.event.text else ():
+            chunks.append(self._chunk(call, index, delta, None, self._logprobs(call, pending)))
+            pending.clear()
+        if update.result is not None:
+            outcome = update.result.outcome
+            reason = "tool_calls" if answer.kind == "call" and outcome == "stop" else outcome
+            chunks.append(self._chunk(call, index, {}, reason, self._logprobs(call, pending)))
+            pending.clear()
+        return chunks
 
     def _chunk(self, call: Call, index: int, delta, reason: str | None, logprobs=None) -> dict:
         choice = {"index": index, "logprobs": logprobs, "finish_reason": reason}
