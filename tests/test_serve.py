@@ -1296,3 +1296,28 @@ def test_info_log_has_a_line_a_request_and_the_drain(artifact, tmp_path):
     assert "2 choices" in line and f"{whole.usage.prompt_tokens} prompt tokens (0 cached), 6 generated" in line
     assert "first token" in line and line.endswith("length,length")
     assert f"request {streamed[0].id}: 1 choice," in text and "draining:" in text
+
+
+def test_reasoning_parser_gives_the_thinking_apart(artifact, client, tmp_path):
+    """--reasoning-parser: a chat answer's text through serve.reasoning (its splitting is tested in
+    tests/test_reasoning.py). The random model never closes a <think>, so with deepseek_r1 (thinking
+    opened by the template) all of it is reasoning_content, streamed or not, and equals the answer a
+    server without a parser gives as content; with qwen3 it stays content."""
+    messages = [{"role": "user", "content": "Think first."}]
+    plain = client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0)
+    text = plain.choices[0].message.content
+    assert "</think>" not in text and getattr(plain.choices[0].message, "reasoning_content", None) is None
+    for parser, expected in (("deepseek_r1", (text, None)), ("qwen3", (None, text))):
+        server = ServerProcess(artifact, "--reasoning-parser", parser, log=tmp_path / f"{parser}.log").wait_ready()
+        try:
+            other = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+            whole = other.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0)
+            message = whole.choices[0].message
+            assert (message.reasoning_content, message.content) == expected
+            chunks = list(other.chat.completions.create(model="tiny", messages=messages, max_tokens=12,
+                                                         temperature=0, stream=True))
+            deltas = [c.choices[0].delta for c in chunks if c.choices]
+            assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == (expected[0] or "")
+            assert "".join(d.content or "" for d in deltas) == (expected[1] or "")
+        finally:
+            assert server.stop() == 0

@@ -95,12 +95,15 @@ _SHARING_SAID = {"shared": "shared by every client that sends no cache_salt (loo
               help="A Jinja chat template file used instead of the artifact's (as transformers renders it: "
                    "messages, tools, add_generation_prompt, the special tokens; at most 1 MiB). Rendered in the "
                    "tokenizer workers within --render-timeout, as the artifact's own.")
+@click.option("--reasoning-parser", type=click.Choice(["deepseek_r1", "qwen3"]), default=None,
+              help="Give a reasoning model's thinking (<think>...</think>) as the chat message's reasoning_content "
+                   "apart from its content, as vLLM's parsers of these names do (default: none, all is content).")
 @session_cache_option(sharing=True, auto=True)
 def serve(artifact, host, port, slots, max_waiting, api_key, served_model_names, allowed_origins, backend,
           drain_timeout, log_level,
           max_body_bytes, body_timeout, head_timeout, keep_alive, max_connections, max_connections_per_client,
           forwarded_allow_ips, max_requests_per_client, send_timeout, render_timeout, tokenizer_workers,
-          max_prompts_per_request, prefill_tokens_per_step, chat_template,
+          max_prompts_per_request, prefill_tokens_per_step, chat_template, reasoning_parser,
           session_cache_bytes, session_keep, session_sharing):
     """Serve ARTIFACT over an OpenAI-compatible HTTP API.
 
@@ -144,7 +147,8 @@ def serve(artifact, host, port, slots, max_waiting, api_key, served_model_names,
     settings = ServerSettings(Path(artifact), names[0], api_key,
                               max_waiting, slots, backend, limits, prefill_tokens_per_step, session_cache_bytes,
                               session_keep, sharing, aliases=tuple(names[1:]),
-                              allowed_origins=_origins(allowed_origins), chat_template=chat_template)
+                              allowed_origins=_origins(allowed_origins), chat_template=chat_template,
+                              reasoning_parser=reasoning_parser)
     run_server(settings, host, port, drain_timeout, log_level)
 
 

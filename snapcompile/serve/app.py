@@ -51,6 +51,7 @@ class ServerSettings:
     aliases: tuple[str, ...] = ()                  # more names clients may send (--served-model-name repeated)
     allowed_origins: tuple[str, ...] = ()          # browser origins CORS allows (--allowed-origins; none: off)
     chat_template: Path | None = None              # a Jinja file replacing the artifact's (--chat-template)
+    reasoning_parser: str | None = None            # serve.reasoning.PARSERS (--reasoning-parser; None: off)
 
     @property
     def model_names(self) -> tuple[str, ...]:
@@ -119,7 +120,7 @@ def load_engine(state: ServerState) -> None:
                               timeout_s=settings.limits.body_timeout_s)
     state.serving = OpenAIServing(engine_loop, engine.tokenizer, settings.model_names,
                                   max(export.max_context, engine.prompt_limit + 1),
-                                  state.tokenizers, settings.limits.max_prompts)
+                                  state.tokenizers, settings.limits.max_prompts, settings.reasoning_parser)
 
 
 def create_app(state: ServerState) -> FastAPI:

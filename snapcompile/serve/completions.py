@@ -22,6 +22,7 @@ from snapcompile.errors import PromptError, SnapcompileError
 from snapcompile.prompts import max_prompt_chars
 from snapcompile.serve import protocol, tools
 from snapcompile.serve.protocol import ApiError, ChatRequest, CompletionRequest, PromptItem, new_id, now, usage
+from snapcompile.serve.reasoning import ReasoningSplit, split_reasoning
 from snapcompile.serve.tokenizer_pool import TokenizerPool
 
 DISCONNECT_POLL_S = 0.1     # how often a non-streamed request checks that its client is still there
@@ -50,10 +51,12 @@ def check_model(model: str | None, names: tuple[str, ...]) -> None:
 
 class OpenAIServing:
     def __init__(self, engine_loop: EngineLoop, tokenizer, model_names: tuple[str, ...], max_context: int,
-                 tokenizers: TokenizerPool, max_prompts: int = 32):
+                 tokenizers: TokenizerPool, max_prompts: int = 32, reasoning_parser: str | None = None):
         """`tokenizer` decodes (echoes); `tokenizers` renders chat templates and tokenizes prompts in
         worker processes, each job bounded in time and memory; `model_names`: the names clients may
-        send (a response gives the one its request sent, else the first)."""
+        send (a response gives the one its request sent, else the first); `reasoning_parser`: how a
+        chat answer's thinking is told from its content (serve.reasoning; None: it is not)."""
+        self.reasoning_parser = reasoning_parser
         self.engine_loop, self.tokenizer, self.model_names = engine_loop, tokenizer, tuple(model_names)
         self.max_context, self.tokenizers, self.max_prompts = max_context, tokenizers, max_prompts
         self.max_prompt_chars = max_prompt_chars(tokenizer, engine_loop.engine.prompt_limit)
@@ -304,6 +307,7 @@ class OpenAIServing:
                 yield _sse(self._chunk(call, index, echo, None))
             answers = [tools.AnswerStream() for _ in call.requests] if tools.active(call.params) else None
             pending: list[list[TokenEvent]] = [[] for _ in call.requests]     # tokens not yet in a chunk
+            splits = [self._reasoning_split(call) for _ in call.requests]
             while None in results:
                 index, update = await updates.get()
                 results[index] = update.result
@@ -312,7 +316,7 @@ class OpenAIServing:
                     break
                 if scored and update.event.prompt_logprobs is not None:
                     yield _sse(self._prompt_chunk(call, index, update.event.prompt_logprobs))
-                chunks = [self._event_chunk(call, index, update)] if answers is None else \
+                chunks = [self._event_chunk(call, index, update, splits[index])] if answers is None else \
                     self._answer_chunks(call, index, update, answers[index], pending[index])
                 for chunk in chunks:
                     if chunk is not None:
@@ -330,10 +334,13 @@ class OpenAIServing:
         for index, (result, events) in enumerate(zip(results, tokens)):
             logprobs = self._logprobs(call, events)
             if call.kind == "chat":
-                content, calls, reason = result.text, None, result.outcome
+                content, calls, reason, thinking = result.text, None, result.outcome, None
                 if tools.active(call.params) and not result.failed:
                     content, calls, reason = tools.parse_answer(result.text, result.outcome)
-                message = {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
+                elif self._reasoning_split(call) is not None:
+                    thinking, content = split_reasoning(result.text, self.reasoning_parser)
+                message = {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {}),
+                           **({"reasoning_content": thinking} if self.reasoning_parser else {})}
                 choices.append({"index": index, "message": message, "logprobs": logprobs, "finish_reason": reason})
             else:
                 text = (call.echoes[index] if call.echoes else "") + result.text
@@ -397,15 +404,31 @@ class OpenAIServing:
             positions.append(position)
         return [None, *positions]
 
-    def _event_chunk(self, call: Call, index: int, update: Update) -> dict | None:
+    def _event_chunk(self, call: Call, index: int, update: Update, split: ReasoningSplit | None) -> dict | None:
+        """A streamed token's chunk: its text (a chat's split into reasoning_content and content by
+        the reasoning parser, when the server has one), the finish reason at the end."""
         event = update.event
         reason = update.result.outcome if update.result is not None else None
         tokens = [event] if event.token_id is not None else []
-        if not event.text and reason is None and not (tokens and call.requests[index].logprobs):
+        if split is None:
+            delta = {"content": event.text} if event.text else {}
+        else:
+            parts = split.feed(event.text)
+            if reason is not None:
+                parts = tuple(a + b for a, b in zip(parts, split.finish()))
+            delta = {key: text for key, text in zip(("reasoning_content", "content"), parts) if text}
+        if not delta and reason is None and not (tokens and call.requests[index].logprobs):
             return None
-        delta = {"content": event.text} if event.text else {}
         return self._chunk(call, index, delta if call.kind == "chat" else event.text, reason,
                            self._logprobs(call, tokens))
+
+    def _reasoning_split(self, call: Call) -> ReasoningSplit | None:
+        """A chat answer's reasoning splitter when the server has a parser (not for a constrained
+        answer: tools or a JSON response_format leave no room for thinking)."""
+        if self.reasoning_parser is None or call.kind != "chat" or tools.active(call.params) \
+                or call.params.json_schema() is not None:
+            return None
+        return ReasoningSplit(self.reasoning_parser)
 
     def _answer_chunks(self, call: Call, index: int, update: Update, answer: tools.AnswerStream,
                        pending: list[TokenEvent]) -> list[dict]:
