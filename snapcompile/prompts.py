@@ -17,11 +17,13 @@ class TemplateOptions:
     """How a chat is rendered, as transformers' apply_chat_template takes it: with the assistant's
     generation prompt (the default), or ending inside the final message so the model continues it
     (`continue_final_message`: the rendered text cut right after that message's content), and extra
-    variables the template reads (`variables`: (name, JSON scalar) pairs, e.g. enable_thinking)."""
+    variables the template reads (`variables`: (name, JSON scalar) pairs, e.g. enable_thinking), and
+    the tools for a template that renders them itself."""
 
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     variables: tuple[tuple[str, object], ...] = ()
+    tools: tuple[dict, ...] = ()      # tool definitions for a template that renders them (serve.tool_formats)
 
     def __post_init__(self):
         if self.add_generation_prompt and self.continue_final_message:
@@ -49,7 +51,8 @@ def render_messages(tokenizer, messages: list[dict], timeout_s: float | None = R
     try:
         with time_limit(timeout_s) if timeout_s is not None else contextlib.nullcontext():
             rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=options.add_generation_prompt,
-                                                     tokenize=False, **dict(options.variables))
+                                                     tokenize=False, tools=list(options.tools) or None,
+                                                     **dict(options.variables))
         if options.continue_final_message:
             rendered = cut_after_final_message(rendered, messages)
     except TimeLimitExceeded:

@@ -1141,12 +1141,17 @@ WEATHER_TOOL = {"type": "function", "function": {
 
 
 @pytest.fixture(scope="module")
-def long_client(tiny_llama, tmp_path_factory):
-    """A server on a 2048-position tiny artifact (the byte-level tokenizer spends a token a
-    character, and a tools prompt has a few hundred)."""
-    folder = build_artifact(tiny_llama, tmp_path_factory.mktemp("tools") / "tiny", ExportConfig(slots=2,
-                            max_context=2048, chunk=64), TINY_SNAPSTREAM)
-    process = ServerProcess(folder, log=tmp_path_factory.mktemp("log") / "tools.log").wait_ready()
+def long_artifact(tiny_llama, tmp_path_factory):
+    """A 2048-position tiny artifact (the byte-level tokenizer spends a token a character, and a
+    tools prompt has a few hundred)."""
+    return build_artifact(tiny_llama, tmp_path_factory.mktemp("tools") / "tiny", ExportConfig(slots=2,
+                          max_context=2048, chunk=64), TINY_SNAPSTREAM)
+
+
+@pytest.fixture(scope="module")
+def long_client(long_artifact, tmp_path_factory):
+    """A server on long_artifact."""
+    process = ServerProcess(long_artifact, log=tmp_path_factory.mktemp("log") / "tools.log").wait_ready()
     yield openai.OpenAI(base_url=process.url + "/v1", api_key="unused", max_retries=0, timeout=120)
     assert process.stop() == 0
 
@@ -1321,3 +1326,47 @@ def test_reasoning_parser_gives_the_thinking_apart(artifact, client, tmp_path):
             assert "".join(d.content or "" for d in deltas) == (expected[1] or "")
         finally:
             assert server.stop() == 0
+
+
+HERMES_TEMPLATE = (  # Qwen2.5's way, shortened: tools in the system turn, calls as <tool_call> blocks
+    "{%- if tools %}<|system|>Tools: <tools>{% for t in tools %}{{ t.function.name }}{% endfor %}</tools>"
+    "{% endif %}{%- for m in messages %}{%- if m.role == 'assistant' and m.tool_calls %}<|assistant|>"
+    "{% for c in m.tool_calls %}<tool_call>{\"name\": \"{{ c.function.name }}\", \"arguments\": "
+    "{{ c.function.arguments | tojson }}}</tool_call>{% endfor %}{%- elif m.role == 'tool' %}<|tool|>{{ m.content }}"
+    "{%- else %}<|{{ m.role }}|>{{ m.content }}{%- endif %}{%- endfor %}{%- if add_generation_prompt %}<|assistant|>"
+    "{% endif %}")
+
+
+def test_a_template_with_its_own_tool_format_renders_and_reads_it(long_artifact, tmp_path):
+    """A Hermes-style template (it writes <tool_call>): with tool_choice auto the tools and the
+    history's calls are rendered by the template itself, the answer is not constrained and is read
+    in that format (the random model answers text: content, streamed as it comes); tool_choice
+    required still answers a call, in the generic constrained format."""
+    template = tmp_path / "hermes.jinja"
+    template.write_text(HERMES_TEMPLATE)
+    server = ServerProcess(long_artifact, "--chat-template", str(template), log=tmp_path / "server.log").wait_ready()
+    try:
+        history = [{"role": "user", "content": "Weather in Oslo?"},
+                   {"role": "assistant", "tool_calls": [{"id": "call_1", "type": "function", "function": {
+                       "name": "get_weather", "arguments": '{"city": "Oslo", "celsius": true}'}}]},
+                   {"role": "tool", "tool_call_id": "call_1", "content": "3 degrees"}]
+        tokens = httpx.post(server.url + "/tokenize", json={"messages": history, "tools": [WEATHER_TOOL]},
+                            timeout=30).json()["tokens"]
+        prompt = httpx.post(server.url + "/detokenize", json={"tokens": tokens}, timeout=30).json()["prompt"]
+        assert prompt == ('<|system|>Tools: <tools>get_weather</tools><|user|>Weather in Oslo?<|assistant|>'
+                          '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo", "celsius": true}}'
+                          '</tool_call><|tool|>3 degrees<|assistant|>')
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        auto = client.chat.completions.create(model="tiny", messages=history, tools=[WEATHER_TOOL], max_tokens=24,
+                                              temperature=0)
+        assert auto.usage.prompt_tokens == len(tokens) and auto.choices[0].message.tool_calls is None
+        assert auto.choices[0].finish_reason in ("stop", "length") and auto.choices[0].message.content
+        chunks = list(client.chat.completions.create(model="tiny", messages=history, tools=[WEATHER_TOOL],
+                                                     max_tokens=24, temperature=0, stream=True))
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == auto.choices[0].message.content
+        required = client.chat.completions.create(model="tiny", messages=history[:1], tools=[WEATHER_TOOL],
+                                                  tool_choice="required", max_tokens=128, temperature=0)
+        assert required.choices[0].finish_reason == "tool_calls"
+        assert required.choices[0].message.tool_calls[0].function.name == "get_weather"
+    finally:
+        assert server.stop() == 0

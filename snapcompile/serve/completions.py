@@ -20,7 +20,7 @@ from snapcompile.engine.request import Request, SamplingParams
 from snapcompile.engine.sampling import PromptLogprob
 from snapcompile.errors import PromptError, SnapcompileError
 from snapcompile.prompts import max_prompt_chars
-from snapcompile.serve import protocol, tools
+from snapcompile.serve import protocol, tool_formats, tools
 from snapcompile.serve.protocol import ApiError, ChatRequest, CompletionRequest, PromptItem, new_id, now, usage
 from snapcompile.serve.reasoning import ReasoningSplit, split_reasoning
 from snapcompile.serve.tokenizer_pool import TokenizerPool
@@ -40,6 +40,7 @@ class Call:
     response_id: str
     model: str
     echoes: tuple[str, ...] = ()     # per choice, the prompt's text (completions with echo)
+    tool_format: str | None = None   # a chat answered in its family's tool format (serve.tool_formats)
 
 
 def check_model(model: str | None, names: tuple[str, ...]) -> None:
@@ -57,6 +58,7 @@ class OpenAIServing:
         send (a response gives the one its request sent, else the first); `reasoning_parser`: how a
         chat answer's thinking is told from its content (serve.reasoning; None: it is not)."""
         self.reasoning_parser = reasoning_parser
+        self.tool_format = tool_formats.format_of(tokenizer.chat_template)     # its tool calls' own syntax
         self.engine_loop, self.tokenizer, self.model_names = engine_loop, tokenizer, tuple(model_names)
         self.max_context, self.tokenizers, self.max_prompts = max_context, tokenizers, max_prompts
         self.max_prompt_chars = max_prompt_chars(tokenizer, engine_loop.engine.prompt_limit)
@@ -92,7 +94,8 @@ class OpenAIServing:
         echo = kind == "completion" and params.echo
         echoes = await asyncio.to_thread(self._echoes, [request.prompt_ids for request in requests]) if echo else ()
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
-        return Call(kind, params, requests, new_id(prefix), params.model or self.model_names[0], echoes)
+        return Call(kind, params, requests, new_id(prefix), params.model or self.model_names[0], echoes,
+                    self._family(params) if kind == "chat" else None)
 
     def _echoes(self, prompts: list[list[int]]) -> tuple[str, ...]:
         return tuple(self._thread_tokenizer().decode(prompt) for prompt in prompts)
@@ -135,7 +138,8 @@ class OpenAIServing:
     def _grammar(self, params: ChatRequest | CompletionRequest) -> JsonGrammar | None:
         """The grammar of active tools or of `response_format` (checked once per HTTP request; each
         engine request gets its own constraint from it), or None."""
-        tool_schema = tools.answer_schema(params) if isinstance(params, ChatRequest) else None
+        tool_schema = tools.answer_schema(params) if isinstance(params, ChatRequest) and not self._family(params) \
+            else None
         format_schema = params.json_schema()
         if tool_schema is not None and format_schema is not None:
             raise ApiError(400, "give tools or a JSON response_format, not both", param="response_format")
@@ -232,9 +236,20 @@ class OpenAIServing:
             raise ApiError(400, "continue_final_message cannot be combined with tools or a JSON response_format: the "
                                 "answer's grammar starts where the message it continues does not",
                            param="continue_final_message")
-        messages = tools.template_messages(params)
+        if self._family(params):
+            messages, tool_list = tool_formats.native_messages(params)
+            options = replace(options, tools=tuple(tool_list))
+        else:
+            messages = tools.template_messages(params)
         self._check_size(sum(len(m["content"]) + len(m["role"]) for m in messages), "messages")
         return self.tokenizers.chat(messages, self.max_prompt_chars, options)
+
+    def _family(self, params) -> str | None:
+        """The family tool format this chat is answered in: its template's own (serve.tool_formats) when
+        it offers tools with tool_choice "auto"; None for the generic constrained format, or no tools."""
+        if self.tool_format == "generic" or not tools.active(params) or tools.tool_choice_of(params) != "auto":
+            return None
+        return self.tool_format
 
     def _raw_prompt(self, prompt: PromptItem) -> list[int]:
         """A completion prompt's token ids: given as they are, or those of its text."""
@@ -305,7 +320,8 @@ class OpenAIServing:
             scored = call.kind == "completion" and call.requests[0].prompt_logprobs is not None
             for index, echo in enumerate(call.echoes if not scored else ()):   # scored: with the first token
                 yield _sse(self._chunk(call, index, echo, None))
-            answers = [tools.AnswerStream() for _ in call.requests] if tools.active(call.params) else None
+            answers = [tool_formats.FamilyAnswer(call.tool_format) if call.tool_format else tools.AnswerStream()
+                       for _ in call.requests] if tools.active(call.params) else None
             pending: list[list[TokenEvent]] = [[] for _ in call.requests]     # tokens not yet in a chunk
             splits = [self._reasoning_split(call) for _ in call.requests]
             while None in results:
@@ -335,7 +351,10 @@ class OpenAIServing:
             logprobs = self._logprobs(call, events)
             if call.kind == "chat":
                 content, calls, reason, thinking = result.text, None, result.outcome, None
-                if tools.active(call.params) and not result.failed:
+                if call.tool_format and not result.failed:
+                    content, calls = tool_formats.parse_family_answer(call.tool_format, result.text)
+                    reason = "tool_calls" if calls and result.outcome == "stop" else result.outcome
+                elif tools.active(call.params) and not result.failed:
                     content, calls, reason = tools.parse_answer(result.text, result.outcome)
                 elif self._reasoning_split(call) is not None:
                     thinking, content = split_reasoning(result.text, self.reasoning_parser)
@@ -430,21 +449,25 @@ class OpenAIServing:
             return None
         return ReasoningSplit(self.reasoning_parser)
 
-    def _answer_chunks(self, call: Call, index: int, update: Update, answer: tools.AnswerStream,
-                       pending: list[TokenEvent]) -> list[dict]:
+    def _answer_chunks(self, call: Call, index: int, update: Update,
+                       answer: tools.AnswerStream | tool_formats.FamilyAnswer, pending: list[TokenEvent]) -> list[dict]:
         """A chat answer with active tools, streamed as it is generated: each delta its text completes
-        (content, or the tool call's name and then its arguments, serve.tools.AnswerStream) with the
-        log probabilities of the tokens since the last chunk; at the end an empty delta with the
-        finish reason ("tool_calls" for a complete call)."""
+        (content or tool calls: serve.tools.AnswerStream for the generic format, serve.tool_formats.
+        FamilyAnswer for a family's own) with the log probabilities of the tokens since the last
+        chunk; at the end what was held back, and an empty delta with the finish reason
+        ("tool_calls" for a complete call)."""
         if update.event.token_id is not None:
             pending.append(update.event)
         chunks = []
-        for delta in answer.feed(update.event.text) if update.event.text else ():
+        deltas = answer.feed(update.event.text) if update.event.text else []
+        if update.result is not None:
+            deltas += answer.finish()
+        for delta in deltas:
             chunks.append(self._chunk(call, index, delta, None, self._logprobs(call, pending)))
             pending.clear()
         if update.result is not None:
             outcome = update.result.outcome
-            reason = "tool_calls" if answer.kind == "call" and outcome == "stop" else outcome
+            reason = "tool_calls" if answer.called and outcome == "stop" else outcome
             chunks.append(self._chunk(call, index, {}, reason, self._logprobs(call, pending)))
             pending.clear()
         return chunks

@@ -1,4 +1,6 @@
-"""OpenAI function calling on any chat template, the way llama.cpp's generic format does it.
+"""OpenAI function calling on any chat template, the way llama.cpp's generic format does it (a
+template that renders tools itself answers tool_choice "auto" in its family's format instead:
+serve/tool_formats.py).
 
 With `tools` (and `tool_choice` other than "none") the chat gets a system message listing the tools
 and the answer format, and the answer is constrained (engine.constraints) to one JSON object:
@@ -38,13 +40,13 @@ def template_messages(request: ChatRequest | TokenizeRequest) -> list[dict]:
             messages.append({"role": "user", "content": f"Result of tool call {message.tool_call_id or ''}: "
                                                         f"{message.text()}"})
         elif message.role == "assistant" and message.tool_calls:
-            calls = [{"tool_call": {"name": call.function.name, "arguments": _arguments(call.function.arguments)}}
+            calls = [{"tool_call": {"name": call.function.name, "arguments": arguments_json(call.function.arguments)}}
                      for call in message.tool_calls]
             messages.append({"role": "assistant", "content": " ".join(json.dumps(call) for call in calls)})
         else:
             messages.append({"role": message.role, "content": message.text()})
     if active(request):
-        prompt = TOOLS_PROMPT.format(direct=DIRECT if _choice(request) == "auto" else "",
+        prompt = TOOLS_PROMPT.format(direct=DIRECT if tool_choice_of(request) == "auto" else "",
                                      tools=json.dumps([tool.model_dump(exclude_none=True) for tool in request.tools]))
         if messages and messages[0]["role"] in ("system", "developer"):
             messages[0] = {"role": messages[0]["role"], "content": messages[0]["content"] + "\n\n" + prompt}
@@ -57,7 +59,7 @@ def answer_schema(request: ChatRequest) -> dict | None:
     """The JSON schema the answer must follow when tools are active, else None."""
     if not active(request):
         return None
-    choice = _choice(request)
+    choice = tool_choice_of(request)
     tools = request.tools if choice in ("auto", "required") else [t for t in request.tools if t.function.name == choice]
     if not tools:
         raise ApiError(400, f"tool_choice names {choice!r}, which is not among the tools", param="tool_choice")
@@ -106,6 +108,15 @@ class AnswerStream:
         self._separator = len(ARGUMENTS_PREFIX) - 1     # characters between the name's quote and the arguments
         self._body = _StringBody()            # the response's text
         self._scan = _ObjectEnd()             # the arguments object
+
+    @property
+    def called(self) -> bool:
+        """The answer is a call (its deltas began going out)."""
+        return self.kind == "call"
+
+    def finish(self) -> list[dict]:
+        """Nothing is held back at the end (the grammar made the answer complete, or it was cut)."""
+        return []
 
     def feed(self, piece: str) -> list[dict]:
         """The deltas `piece` (the answer's next text) completes."""
@@ -194,7 +205,7 @@ class _StringBody:
         return ""
 
 
-def _choice(request: ChatRequest | TokenizeRequest) -> str:
+def tool_choice_of(request: ChatRequest | TokenizeRequest) -> str:
     """"auto", "required", or the one tool's name tool_choice names."""
     choice = request.tool_choice or "auto"
     if isinstance(choice, dict):
@@ -216,7 +227,7 @@ def _object(properties: dict) -> dict:
     return {"type": "object", "properties": properties, "required": list(properties), "additionalProperties": False}
 
 
-def _arguments(text: str):
+def arguments_json(text: str):
     """An earlier call's arguments as JSON (its text when it is not JSON)."""
     try:
         return json.loads(text)
