@@ -9,6 +9,7 @@ built from it only when asked (`LoadedModel.model`).
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import math
@@ -243,6 +244,7 @@ def check_gguf_file(path: Path) -> None:
     import gguf
     reader = gguf.GGUFReader(str(path))
     _check_gguf_spans(reader, path)
+    _check_gguf_types(reader, path)
     _check_gguf_counts(reader, path)
 
 
@@ -275,6 +277,29 @@ def _check_gguf_spans(reader, path: Path) -> None:
                                    "(a tensor's type or offset is not its own)")
     if spans and spans[-1][1] > reader.data.size:
         raise SnapcompileError(f"GGUF file {path}: tensor {spans[-1][2]}'s data runs past the end of the file")
+
+
+def _check_gguf_types(reader, path: Path) -> None:
+    """Every tensor is of a type snapcompile reads (`readable_gguf_type`), refused by name otherwise."""
+    for tensor in reader.tensors:
+        if not readable_gguf_type(tensor.tensor_type):
+            readable = ", ".join(t.name for t in type(tensor.tensor_type) if readable_gguf_type(t))
+            raise SnapcompileError(f"GGUF file {path}: tensor {tensor.name} is of type {tensor.tensor_type.name}, "
+                                   f"which snapcompile cannot read (it reads {readable})")
+
+
+@functools.cache
+def readable_gguf_type(kind) -> bool:
+    """Whether gguf's reader dequantizes tensors of GGMLQuantizationType `kind` (floats, and the
+    quantized types it implements: Q4_0 .. Q8_0, the K-quants Q2_K .. Q6_K, the IQ types, ...): asked
+    of one block of zeros."""
+    import gguf
+    _, block_bytes = gguf.GGML_QUANT_SIZES[kind]
+    try:
+        gguf.quants.dequantize(np.zeros(block_bytes, np.uint8), kind)
+    except NotImplementedError:
+        return False
+    return kind.name.startswith(("F", "BF", "Q", "IQ", "TQ", "MX", "NV"))       # not the integer types
 
 
 def _check_gguf_counts(reader, path: Path) -> None:

@@ -215,6 +215,14 @@ class GGUFTensors:
         mapping.madvise(mmap.MADV_DONTNEED, start, tensor.data_offset + tensor.n_bytes - start)
 
 
+def gguf_values(tensor) -> np.ndarray:
+    """A GGUF tensor's values as float32 [rows, row length] (the file's dims reversed), dequantized
+    as llama.cpp dequantizes its type (gguf's reader; the K-quants and Q5_0 checked value for value
+    against a decoder written from llama.cpp's block layouts in tests/test_gguf_kquants.py)."""
+    import gguf
+    return gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
+
+
 class GGUFSource(TensorSource):
     """The tensors of a GGUF file, each dequantized when read."""
 
@@ -231,10 +239,8 @@ class GGUFSource(TensorSource):
         self.shapes = dict(expected)
 
     def read(self, name: str) -> np.ndarray:
-        import gguf
         tensor = self.file.by_name[self._stored[name]]
-        values = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
-        values = values.reshape(self.shapes[name])
+        values = gguf_values(tensor).reshape(self.shapes[name])
         order = gguf_row_order(name, self.config)
         values = np.ascontiguousarray(values if order is None else values[order])
         self.file.release(tensor)

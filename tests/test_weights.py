@@ -220,10 +220,30 @@ def test_a_gguf_tensor_quantized_again_is_counted_and_convert_warns_of_it(block,
     raw = gguf_quantize(weight, gguf.GGMLQuantizationType.Q4_1)
     name = "model.layers.0.mlp.up_proj.weight"
     blocks = {name: (*_split_blocks(raw, "Q4_1"), 8)}
-    quantizer = Quantizer(ExportConfig(weight_format="int4", block_size=block), blocks)
-    matrix = quantizer(name, dequantize(raw, gguf.GGMLQuantizationType.Q4_1))
+    quantizer = Quantizer(ExportConfig(weight_format="int4", block_size=block), blocks, {name: "Q4_1"})
+    source = dequantize(raw, gguf.GGMLQuantizationType.Q4_1)
+    matrix = quantizer(name, source)
     report = quantizer.report()
     assert (matrix.exact_blocks > 0) == kept and report["gguf_tensors_requantized"] == (0 if kept else 1)
-    warn_requantized_gguf(SimpleNamespace(weights_report=report, export=ExportConfig(block_size=block)))
+    warn_requantized_gguf(SimpleNamespace(weights_report=report, export=ExportConfig(weight_format="int4",
+                                                                                    block_size=block)))
     warning = capsys.readouterr().err
-    assert ("quantized blocks of 1 tensor were quantized again at blocks of 64" in warning) != kept
+    assert ("quantized blocks of 1 tensor (Q4_1 x1) were quantized again at int4 blocks of 64" in warning) != kept
+    if not kept:
+        error = np.linalg.norm(matrix.dequantize() - source) / np.linalg.norm(source)
+        assert np.isclose(report["gguf_tensor_errors"][name][1], error) and 0 < error < 0.5
+        assert f"relative error median {error:.3g}, worst {error:.3g} ({name})" in warning
+
+
+def test_a_k_quant_tensor_is_quantized_again_with_its_error_stated():
+    """A tensor the file holds as Q6_K (not a kept kind) is quantized here at any block size, and its
+    relative error against the file's values is in the report, by type."""
+    from snapcompile.export.weights import Quantizer
+    weight = np.random.default_rng(4).standard_normal((4, 256)).astype(np.float32)
+    quantizer = Quantizer(ExportConfig(weight_format="int8", block_size=32), {}, {"w.weight": "Q6_K"})
+    matrix = quantizer("w.weight", weight)
+    report = quantizer.report()
+    assert matrix.exact_blocks == 0 and report["gguf_requantized_types"] == {"Q6_K": 1}
+    assert report["gguf_requantized_error"]["worst"] == "w.weight"
+    assert np.isclose(report["gguf_requantized_error"]["max"],
+                      np.linalg.norm(matrix.dequantize() - weight) / np.linalg.norm(weight))

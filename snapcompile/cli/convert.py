@@ -187,14 +187,21 @@ def peak_memory() -> str:
 
 
 def warn_requantized_gguf(manifest) -> None:
-    """On stderr: how many of a GGUF's own quantized tensors were rounded a second time (its blocks
-    are kept exactly only at --block-size 32, with at least the file's bits)."""
-    count = manifest.weights_report.get("gguf_tensors_requantized", 0)
-    if count:
-        click.echo(f"warning: the GGUF file's quantized blocks of {count} tensor{'s' * (count != 1)} were quantized "
-                   f"again at blocks of {manifest.export.block_size} (the file's blocks are kept exactly only at "
-                   "--block-size 32 with --weights of at least the file's bits): a second rounding, which costs "
-                   "accuracy (docs/results/weights.md, \"Blocks coarser than 32\")", err=True)
+    """On stderr: the GGUF's quantized tensors rounded a second time here (K-quants always; Q4_0 /
+    Q4_1 / Q8_0 blocks unless kept exactly), by type, with what it cost against the file's own values."""
+    report = manifest.weights_report
+    count = report.get("gguf_tensors_requantized", 0)
+    if not count:
+        return
+    types = ", ".join(f"{kind} x{n}" for kind, n in report.get("gguf_requantized_types", {}).items())
+    error = report.get("gguf_requantized_error")
+    cost = f"; relative error median {error['median']:.3g}, worst {error['max']:.3g} ({error['worst']})" \
+        if error else ""
+    click.echo(f"warning: the GGUF file's quantized blocks of {count} tensor{'s' * (count != 1)}"
+               f"{f' ({types})' if types else ''} were quantized again at {manifest.export.weight_format} blocks of "
+               f"{manifest.export.block_size}: a second rounding{cost}. The file's blocks are kept exactly only for "
+               "Q4_0 / Q4_1 / Q8_0 at --block-size 32 with --weights of at least the file's bits; --weights fp32 "
+               "keeps every value; `validate` measures the cost (docs/results/weights.md)", err=True)
 
 
 def decode_blocks(manifest) -> int:

@@ -60,6 +60,10 @@ def _weights_line(manifest, file_bytes: int) -> str:
     if export.quantized:
         line += (f" (blocks of {export.block_size}, LM head {report.get('head_bits')}-bit; GGUF blocks kept "
                  f"{report.get('exact_blocks')}, quantized here {report.get('requantized_blocks')})")
+        error = report.get("gguf_requantized_error")
+        if error:
+            line += (f"; {report['gguf_tensors_requantized']} GGUF tensors quantized again, relative error median "
+                     f"{error['median']:.3g}, worst {error['max']:.3g}")
     return line + f", weights.bin {_mib(file_bytes)}"
 
 

@@ -62,7 +62,7 @@ def build_dense_graphs(loaded: LoadedModel, export: ExportConfig, store: Weights
         if loaded.gguf is not None:
             from snapcompile.export.gguf_blocks import GGUFBlocks
             gguf = GGUFBlocks(loaded.gguf, loaded.config)
-        quantizer = Quantizer(export, gguf)
+        quantizer = Quantizer(export, gguf, gguf.quantized_types() if gguf is not None else None)
     weights = Weights(loaded.tensors, loaded.spec, loaded.config, quantizer, half=export.weight_format == "fp16",
                       store=store, progress=on_tensor, ort_store=ort_store)
     static = _static_writers(loaded.spec, weights, export, store)

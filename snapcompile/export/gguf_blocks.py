@@ -16,6 +16,7 @@ from snapcompile.models.tensors import GGUFTensors, gguf_row_order
 
 GGUF_BLOCK = 32
 KEPT_KINDS = ("Q4_0", "Q4_1", "Q8_0")
+FLOAT_KINDS = ("F32", "F16", "BF16", "F64")
 
 
 class GGUFBlocks:
@@ -27,6 +28,11 @@ class GGUFBlocks:
     def __init__(self, path: Path, config):
         self.config = config
         self.file = GGUFTensors(path)
+
+    def quantized_types(self) -> dict[str, str]:
+        """HF name -> type of every quantized tensor of the file (whatever its type: K-quants too)."""
+        return {name: tensor.tensor_type.name for name, tensor in self.file.by_name.items()
+                if tensor.tensor_type.name not in FLOAT_KINDS}
 
     def __contains__(self, name: str) -> bool:
         tensor = self.file.by_name.get(name)

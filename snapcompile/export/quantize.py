@@ -54,14 +54,26 @@ class BlockQuantized:
     def shape(self) -> tuple[int, int]:
         return self.values.shape
 
-    def dequantize(self) -> np.ndarray:
-        """W as float32 [N, K], computed as the graph's DequantizeLinear (+ offset) defines it."""
-        n, k = self.values.shape
-        blocks = self.values.reshape(n, k // self.block_size, self.block_size).astype(np.float32)
-        w = blocks * self.scales[:, :, None]
+    def dequantize(self, rows: slice = slice(None)) -> np.ndarray:
+        """W's `rows` (all by default) as float32 [n, K], computed as the graph's DequantizeLinear
+        (+ offset) defines it."""
+        values, scales = self.values[rows], self.scales[rows]
+        n, k = values.shape
+        w = values.reshape(n, k // self.block_size, self.block_size).astype(np.float32) * scales[:, :, None]
         if self.offsets is not None:
-            w = w + self.offsets[:, :, None]
+            w = w + self.offsets[rows][:, :, None]
         return w.reshape(n, k)
+
+    def relative_error(self, weight: np.ndarray, rows_at_once: int = 1024) -> float:
+        """||W - dequantize()|| / ||W|| (Frobenius) against the float weight W [N, K] it stands for,
+        a few rows at a time (no temporary the size of an LM head)."""
+        error = norm = 0.0
+        for start in range(0, weight.shape[0], rows_at_once):
+            rows = slice(start, start + rows_at_once)
+            source = weight[rows].astype(np.float64)
+            error += float(np.square(self.dequantize(rows) - source).sum())
+            norm += float(np.square(source).sum())
+        return (error / norm) ** 0.5 if norm else 0.0
 
     def nbits_initializers(self, name: str) -> list[TensorProto]:
         """`name`.nbits and .nbits_scales: the values and scales in MatMulNBits' layout

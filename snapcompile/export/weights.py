@@ -17,6 +17,8 @@ float32 copy into every session).
 """
 from __future__ import annotations
 
+from collections import Counter
+
 import numpy as np
 import torch
 from onnx import TensorProto, numpy_helper
@@ -34,13 +36,19 @@ QK_NORMS = ("q_norm", "k_norm")     # self_attn.{q_norm,k_norm}.weight [D], wher
 class Quantizer:
     """Chooses each linear weight's stored form for `export.weight_format`: the GGUF file's own blocks
     where they are kept exactly (same block size, enough bits, verified values), else block
-    quantization of the float weight here. Counts blocks of each kind."""
+    quantization of the float weight here. Counts blocks of each kind, and for a GGUF tensor that
+    was quantized in the file and is quantized again here (a K-quant, or blocks that cannot be kept)
+    measures what the second rounding costs: its relative error against the file's own values."""
 
-    def __init__(self, export: ExportConfig, gguf_blocks: dict | None = None):
+    def __init__(self, export: ExportConfig, gguf_blocks: dict | None = None, gguf_types: dict | None = None):
+        """gguf_blocks: HF name -> the file's blocks that may be kept (GGUFBlocks); gguf_types: HF name
+        -> the quantized type of the file's tensor (GGUFBlocks.quantized_types)."""
         self.bits = QUANT_BITS[export.weight_format]
         self.block_size = export.block_size
         self.gguf = gguf_blocks or {}
-        self.exact = self.requantized = self.tensors = self.gguf_requantized = 0
+        self.gguf_types = gguf_types or {}
+        self.exact = self.requantized = self.tensors = 0
+        self.gguf_errors: dict[str, tuple[str, float]] = {}    # requantized GGUF tensor -> (its type, error)
 
     def __call__(self, hf_name: str, weight: np.ndarray, head: bool = False) -> BlockQuantized:
         from snapcompile.export.gguf_blocks import GGUF_BLOCK, kept_blocks
@@ -50,16 +58,26 @@ class Quantizer:
             matrix = kept_blocks(self.gguf[hf_name], weight, bits)
         if matrix is None:
             matrix = quantize(weight, bits, self.block_size, hf_name)
-            self.gguf_requantized += hf_name in self.gguf
+            if hf_name in self.gguf_types:
+                self.gguf_errors[hf_name] = (self.gguf_types[hf_name], matrix.relative_error(weight))
         self.tensors += 1
         self.exact += matrix.exact_blocks
         self.requantized += matrix.requantized_blocks
         return matrix
 
     def report(self) -> dict:
-        return {"tensors": self.tensors, "block_size": self.block_size, "bits": self.bits, "head_bits": HEAD_BITS,
-                "exact_blocks": self.exact, "requantized_blocks": self.requantized,
-                "gguf_source": bool(self.gguf), "gguf_tensors_requantized": self.gguf_requantized}
+        report = {"tensors": self.tensors, "block_size": self.block_size, "bits": self.bits, "head_bits": HEAD_BITS,
+                  "exact_blocks": self.exact, "requantized_blocks": self.requantized,
+                  "gguf_source": bool(self.gguf_types), "gguf_tensors_requantized": len(self.gguf_errors)}
+        if self.gguf_errors:
+            errors = {name: error for name, (_, error) in self.gguf_errors.items()}
+            worst = max(errors, key=errors.get)
+            report["gguf_requantized_types"] = dict(sorted(Counter(kind for kind, _ in self.gguf_errors.values())
+                                                           .items()))
+            report["gguf_requantized_error"] = {"median": float(np.median(list(errors.values()))),
+                                                "max": errors[worst], "worst": worst}
+            report["gguf_tensor_errors"] = {name: [kind, error] for name, (kind, error) in self.gguf_errors.items()}
+        return report
 
 
 class Weights:
