@@ -21,6 +21,7 @@ from snapcompile.engine.sampling import PromptLogprob
 from snapcompile.errors import PromptError, SnapcompileError
 from snapcompile.prompts import max_prompt_chars
 from snapcompile.serve import protocol, tool_formats, tools
+from snapcompile.serve.logprob_format import LogprobFormat
 from snapcompile.serve.protocol import ApiError, ChatRequest, CompletionRequest, PromptItem, new_id, now, usage
 from snapcompile.serve.reasoning import ReasoningSplit, split_reasoning
 from snapcompile.serve.tokenizer_pool import TokenizerPool
@@ -60,6 +61,7 @@ class OpenAIServing:
         self.reasoning_parser = reasoning_parser
         self.tool_format = tool_formats.format_of(tokenizer.chat_template)     # its tool calls' own syntax
         self.engine_loop, self.tokenizer, self.model_names = engine_loop, tokenizer, tuple(model_names)
+        self.logprob_format = LogprobFormat(tokenizer)
         self.max_context, self.tokenizers, self.max_prompts = max_context, tokenizers, max_prompts
         self.max_prompt_chars = max_prompt_chars(tokenizer, engine_loop.engine.prompt_limit)
         self._per_thread = threading.local()
@@ -368,8 +370,8 @@ class OpenAIServing:
         body = {"id": call.response_id, "object": _object(call, chunk=False), "created": now(), "model": call.model,
                 "choices": choices, "usage": _usage(call, results)}
         if call.kind == "chat" and call.params.prompt_logprobs is not None:        # vLLM's place: one prompt
-            body["prompt_logprobs"] = self._vllm_prompt_logprobs(
-                call.requests[0].prompt_ids, results[0].prompt_logprobs, call.params.prompt_logprobs)
+            body["prompt_logprobs"] = self.logprob_format.vllm_prompt(results[0].prompt_logprobs,
+                                                                       call.params.prompt_logprobs)
         return body
 
     # ------------------------------------------------------------------ a prompt's log probabilities
@@ -380,10 +382,10 @@ class OpenAIServing:
         params, prompt = call.params, call.requests[index].prompt_ids
         fields = {"logprobs": generated}
         if call.echoes and params.logprobs is not None and scores is not None:
-            echoed = self._legacy_prompt_logprobs(prompt, scores, params.logprobs)
+            echoed = self.logprob_format.legacy_prompt(prompt, scores, params.logprobs)
             fields["logprobs"] = {key: echoed[key] + (generated or {}).get(key, []) for key in echoed}
         if params.prompt_logprobs is not None:
-            fields["prompt_logprobs"] = self._vllm_prompt_logprobs(prompt, scores, params.prompt_logprobs)
+            fields["prompt_logprobs"] = self.logprob_format.vllm_prompt(scores, params.prompt_logprobs)
         return fields
 
     def _prompt_chunk(self, call: Call, index: int, scores: list[PromptLogprob]) -> dict:
@@ -393,35 +395,6 @@ class OpenAIServing:
         chunk = self._chunk(call, index, call.echoes[index] if call.echoes else "", None, fields.pop("logprobs"))
         chunk["choices"][0].update(fields)
         return chunk
-
-    def _legacy_prompt_logprobs(self, prompt: list[int], scores: list[PromptLogprob], top: int) -> dict:
-        """OpenAI's legacy logprobs block of the prompt's tokens (the first has no log probability)."""
-        return {"tokens": [self._token_text(token) for token in prompt],
-                "token_logprobs": [None] + [score.logprob for score in scores],
-                "top_logprobs": [None] + [self._top_by_text(score.top[:top]) for score in scores]}
-
-    def _top_by_text(self, pairs: list[tuple[int, float]]) -> dict[str, float]:
-        """The legacy format's {token text: logprob} of (token id, logprob) pairs, likeliest first:
-        tokens whose texts are the same (byte pieces of one character) keep the likeliest's."""
-        top: dict[str, float] = {}
-        for token, logprob in pairs:
-            top.setdefault(self._token_text(token), logprob)
-        return top
-
-    def _vllm_prompt_logprobs(self, prompt: list[int], scores: list[PromptLogprob] | None, top: int) -> list | None:
-        """vLLM's prompt_logprobs: None for the first token, then per token {id: {logprob, rank,
-        decoded_token}} of the token itself and the `top` likeliest there (None: not computed)."""
-        if scores is None:
-            return None
-        def entry(token: int, logprob: float, rank: int) -> dict:
-            return {"logprob": logprob, "rank": rank, "decoded_token": self._token_text(token)}
-        positions = []
-        for score in scores:
-            position = {str(score.token_id): entry(score.token_id, score.logprob, score.rank)}
-            for rank, (token, logprob) in enumerate(score.top[:top], start=1):
-                position.setdefault(str(token), entry(token, logprob, rank))
-            positions.append(position)
-        return [None, *positions]
 
     def _event_chunk(self, call: Call, index: int, update: Update, split: ReasoningSplit | None) -> dict | None:
         """A streamed token's chunk: its text (a chat's split into reasoning_content and content by
@@ -483,25 +456,11 @@ class OpenAIServing:
                 "choices": [], "usage": _usage(call, results)}
 
     def _logprobs(self, call: Call, tokens: list[TokenEvent]) -> dict | None:
+        """The generated tokens' log probabilities in the endpoint's shape, when the request asked."""
         if not call.requests[0].logprobs:
             return None
-        if call.kind == "chat":
-            return {"content": [self._chat_logprob(event) for event in tokens]}
-        return {"tokens": [self._token_text(e.token_id) for e in tokens],
-                "token_logprobs": [e.logprob for e in tokens],
-                "top_logprobs": [self._top_by_text(e.top_logprobs or []) for e in tokens]}
+        return self.logprob_format.chat(tokens) if call.kind == "chat" else self.logprob_format.legacy(tokens)
 
-    def _chat_logprob(self, event: TokenEvent) -> dict:
-        entry = self._token_entry(event.token_id, event.logprob)
-        entry["top_logprobs"] = [self._token_entry(i, lp) for i, lp in (event.top_logprobs or [])]
-        return entry
-
-    def _token_entry(self, token_id: int, logprob: float) -> dict:
-        text = self._token_text(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
-
-    def _token_text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
 
 
 def log_request(call: Call, results: list[Result | None]) -> None:
