@@ -1370,3 +1370,30 @@ def test_a_template_with_its_own_tool_format_renders_and_reads_it(long_artifact,
         assert required.choices[0].message.tool_calls[0].function.name == "get_weather"
     finally:
         assert server.stop() == 0
+
+
+def test_thinking_before_a_family_tool_call_is_split_off_first(long_artifact, tmp_path):
+    """--reasoning-parser with a template of its own tool format: the answer's thinking is split off
+    before its calls are read (Qwen3 thinks, then writes <tool_call>). The random model never closes
+    its thinking, so with deepseek_r1 all of it is reasoning_content and no call or content is read
+    from it, streamed or not; the generic constrained format (tool_choice required) is not split."""
+    template = tmp_path / "hermes.jinja"
+    template.write_text(HERMES_TEMPLATE)
+    server = ServerProcess(long_artifact, "--chat-template", str(template), "--reasoning-parser", "deepseek_r1",
+                           log=tmp_path / "server.log").wait_ready()
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        messages = [{"role": "user", "content": "Weather in Oslo?"}]
+        whole = client.chat.completions.create(model="tiny", messages=messages, tools=[WEATHER_TOOL], max_tokens=24,
+                                               temperature=0).choices[0].message
+        assert whole.reasoning_content and whole.content is None and whole.tool_calls is None
+        deltas = [c.choices[0].delta for c in client.chat.completions.create(
+            model="tiny", messages=messages, tools=[WEATHER_TOOL], max_tokens=24, temperature=0, stream=True)
+            if c.choices]
+        assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == whole.reasoning_content
+        assert not any(d.content or d.tool_calls for d in deltas)
+        required = client.chat.completions.create(model="tiny", messages=messages, tools=[WEATHER_TOOL],
+                                                  tool_choice="required", max_tokens=128, temperature=0)
+        assert required.choices[0].message.tool_calls and required.choices[0].message.reasoning_content is None
+    finally:
+        assert server.stop() == 0

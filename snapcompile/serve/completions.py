@@ -335,7 +335,7 @@ class OpenAIServing:
                 if scored and update.event.prompt_logprobs is not None:
                     yield _sse(self._prompt_chunk(call, index, update.event.prompt_logprobs))
                 chunks = [self._event_chunk(call, index, update, splits[index])] if answers is None else \
-                    self._answer_chunks(call, index, update, answers[index], pending[index])
+                    self._answer_chunks(call, index, update, answers[index], pending[index], splits[index])
                 for chunk in chunks:
                     if chunk is not None:
                         yield _sse(chunk)
@@ -353,13 +353,14 @@ class OpenAIServing:
             logprobs = self._logprobs(call, events)
             if call.kind == "chat":
                 content, calls, reason, thinking = result.text, None, result.outcome, None
+                if self._reasoning_split(call) is not None:
+                    thinking, content = split_reasoning(result.text, self.reasoning_parser)
                 if call.tool_format and not result.failed:
-                    content, calls = tool_formats.parse_family_answer(call.tool_format, result.text)
+                    content, calls = tool_formats.parse_family_answer(call.tool_format, content or "")
+                    content = content or (None if thinking or calls else content)     # all thinking: no content
                     reason = "tool_calls" if calls and result.outcome == "stop" else result.outcome
                 elif tools.active(call.params) and not result.failed:
                     content, calls, reason = tools.parse_answer(result.text, result.outcome)
-                elif self._reasoning_split(call) is not None:
-                    thinking, content = split_reasoning(result.text, self.reasoning_parser)
                 message = {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {}),
                            **({"reasoning_content": thinking} if self.reasoning_parser else {})}
                 choices.append({"index": index, "message": message, "logprobs": logprobs, "finish_reason": reason})
@@ -415,24 +416,31 @@ class OpenAIServing:
                            self._logprobs(call, tokens))
 
     def _reasoning_split(self, call: Call) -> ReasoningSplit | None:
-        """A chat answer's reasoning splitter when the server has a parser (not for a constrained
-        answer: tools or a JSON response_format leave no room for thinking)."""
-        if self.reasoning_parser is None or call.kind != "chat" or tools.active(call.params) \
-                or call.params.json_schema() is not None:
+        """A chat answer's reasoning splitter when the server has a parser and the answer is not
+        constrained (the generic tool format or a JSON response_format leave no room for thinking; a
+        family's own tool format does: its calls are read from the content after the thinking)."""
+        constrained = (tools.active(call.params) and not call.tool_format) or call.params.json_schema() is not None
+        if self.reasoning_parser is None or call.kind != "chat" or constrained:
             return None
         return ReasoningSplit(self.reasoning_parser)
 
     def _answer_chunks(self, call: Call, index: int, update: Update,
-                       answer: tools.AnswerStream | tool_formats.FamilyAnswer, pending: list[TokenEvent]) -> list[dict]:
+                       answer: tools.AnswerStream | tool_formats.FamilyAnswer, pending: list[TokenEvent],
+                       split: ReasoningSplit | None) -> list[dict]:
         """A chat answer with active tools, streamed as it is generated: each delta its text completes
-        (content or tool calls: serve.tools.AnswerStream for the generic format, serve.tool_formats.
-        FamilyAnswer for a family's own) with the log probabilities of the tokens since the last
-        chunk; at the end what was held back, and an empty delta with the finish reason
-        ("tool_calls" for a complete call)."""
+        (its thinking first when a reasoning parser splits it; then content or tool calls:
+        serve.tools.AnswerStream for the generic format, serve.tool_formats.FamilyAnswer for a
+        family's own) with the log probabilities of the tokens since the last chunk; at the end what
+        was held back, and an empty delta with the finish reason ("tool_calls" for a complete call)."""
         if update.event.token_id is not None:
             pending.append(update.event)
-        chunks = []
-        deltas = answer.feed(update.event.text) if update.event.text else []
+        chunks, deltas, text = [], [], update.event.text
+        if split is not None:
+            thinking, text = split.feed(text)
+            if update.result is not None:
+                thinking, text = (a + b for a, b in zip((thinking, text), split.finish()))
+            deltas += [{"reasoning_content": thinking}] if thinking else []
+        deltas += answer.feed(text) if text else []
         if update.result is not None:
             deltas += answer.finish()
         for delta in deltas:
