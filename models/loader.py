@@ -227,6 +227,7 @@ def _load_gguf(path: Path, name: str) -> LoadedModel:
         check_gguf_file(path)
         config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name, trust_remote_code=False,
                                             local_files_only=True)
+        _declared_head_dim(config, path)
         spec = ModelSpec.from_hf_config(config)
         check_rope(config, str(path))
         tensors = GGUFSource(path, config, expected_shapes(config))
@@ -236,6 +237,17 @@ def _load_gguf(path: Path, name: str) -> LoadedModel:
     except Exception as err:  # the GGUF reader raises many types for corrupt files
         raise SnapcompileError(f"cannot read GGUF file {path}: {first_line(err)}") from None
     return LoadedModel(name, tokenizer, spec, config, tensors, chat=tokenizer.chat_template is not None, gguf=path)
+
+
+def _declared_head_dim(config, path: Path) -> None:
+    """The head size the GGUF declares ({arch}.attention.key_length) on `config`: transformers' GGUF
+    reader does not map it for every architecture (Qwen3's config then keeps its default of 128)."""
+    import gguf
+    reader = gguf.GGUFReader(str(path))
+    arch = reader.fields["general.architecture"].contents()
+    declared = reader.fields.get(f"{arch}.attention.key_length")
+    if declared is not None and hasattr(config, "head_dim"):
+        config.head_dim = int(declared.contents())
 
 
 def check_gguf_file(path: Path) -> None:

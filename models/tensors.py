@@ -157,7 +157,8 @@ _GGUF_LAYER = {"attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": 
                "attn_v.weight": "self_attn.v_proj.weight", "attn_output.weight": "self_attn.o_proj.weight",
                "attn_q.bias": "self_attn.q_proj.bias", "attn_k.bias": "self_attn.k_proj.bias",
                "attn_v.bias": "self_attn.v_proj.bias", "ffn_gate.weight": "mlp.gate_proj.weight",
-               "ffn_up.weight": "mlp.up_proj.weight", "ffn_down.weight": "mlp.down_proj.weight"}
+               "ffn_up.weight": "mlp.up_proj.weight", "ffn_down.weight": "mlp.down_proj.weight",
+               "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight"}
 _GGUF_TOP = {"token_embd.weight": EMBED, "output.weight": HEAD, "output_norm.weight": "model.norm.weight"}
 GGUF_SKIPPED = ("rope_freqs.weight",)    # llama3 files carry the RoPE frequencies the config also gives
 
