@@ -168,3 +168,15 @@ def _loglikelihood(model, tokenizer, context: str, continuation: str) -> float:
     with torch.no_grad():
         logprobs = torch.log_softmax(model(torch.tensor([whole])).logits[0].double(), -1)
     return float(sum(logprobs[i - 1, whole[i]] for i in range(len(context_ids), len(whole))))
+
+
+def test_n_samples_of_a_scored_prompt_share_its_log_probabilities(served):
+    """n = 2: the second sample starts from the first's prefill and carries the same prompt part."""
+    _, process = served
+    answer = _client(process).completions.create(model="tiny", prompt=PROMPT, max_tokens=3, temperature=1.0, seed=5,
+                                                 n=2, echo=True, logprobs=1)
+    first, second = (choice.logprobs for choice in answer.choices)
+    prompt = len(PROMPT)
+    assert first.token_logprobs[:prompt] == second.token_logprobs[:prompt] and first.token_logprobs[1] is not None
+    assert first.top_logprobs[:prompt] == second.top_logprobs[:prompt]
+    assert answer.usage.prompt_tokens == prompt           # prefilled once
