@@ -180,3 +180,26 @@ def test_n_samples_of_a_scored_prompt_share_its_log_probabilities(served):
     assert first.token_logprobs[:prompt] == second.token_logprobs[:prompt] and first.token_logprobs[1] is not None
     assert first.top_logprobs[:prompt] == second.top_logprobs[:prompt]
     assert answer.usage.prompt_tokens == prompt           # prefilled once
+
+
+def test_prompt_log_probabilities_are_bounded_per_request():
+    """Prompt tokens x (k + 1) x n past MAX_PROMPT_LOGPROB_ENTRIES is a 400 naming the field, whatever
+    the server's context and slots allow (at 32k tokens, 32 prompts, k 20 and n 16 would be 352M)."""
+    from types import SimpleNamespace
+
+    from snapcompile.serve.completions import MAX_PROMPT_LOGPROB_ENTRIES, OpenAIServing
+    from snapcompile.serve.protocol import ApiError, CompletionRequest
+    serving = SimpleNamespace(engine_loop=SimpleNamespace(engine=SimpleNamespace(
+        backend=SimpleNamespace(scores_prompts=True))))
+    prompts = [[7] * 4000] * 12
+    fits = CompletionRequest(model="m", prompt=prompts, prompt_logprobs=20)         # 1,008,000 entries at n 1
+    for params, refused in ((fits.model_copy(update={"prompt_logprobs": 19}), False), (fits, True),
+                            (CompletionRequest(model="m", prompt=prompts, echo=True, logprobs=5, n=4), True)):
+        entries = 12 * 4000 * ((params.prompt_logprob_count() or 0) + 1) * params.n
+        assert (entries > MAX_PROMPT_LOGPROB_ENTRIES) == refused
+        if not refused:
+            OpenAIServing._check_prompt_logprobs(serving, params, prompts)
+            continue
+        with pytest.raises(ApiError, match=f"make {entries} entries") as error:
+            OpenAIServing._check_prompt_logprobs(serving, params, prompts)
+        assert error.value.param == ("prompt_logprobs" if params.prompt_logprobs is not None else "echo")

@@ -27,6 +27,7 @@ from snapcompile.serve.reasoning import ReasoningSplit, split_reasoning
 from snapcompile.serve.tokenizer_pool import TokenizerPool
 
 DISCONNECT_POLL_S = 0.1     # how often a non-streamed request checks that its client is still there
+MAX_PROMPT_LOGPROB_ENTRIES = 1_000_000     # prompt tokens x (k + 1) x n a request's prompt log probabilities make
 log = logging.getLogger("snapcompile.serve")
 
 
@@ -111,11 +112,7 @@ class OpenAIServing:
         vocab = self.engine_loop.engine.backend.manifest.spec.vocab_size
         if any(token >= vocab for token, _ in sampling.logit_bias):
             raise ApiError(400, f"logit_bias token ids must lie in [0, {vocab})", param="logit_bias")
-        if params.prompt_logprob_count() is not None and not self.engine_loop.engine.backend.scores_prompts:
-            raise ApiError(400, "prompt log probabilities (echo with logprobs, prompt_logprobs) are computed by the "
-                                "layer-by-layer prefill, which this backend does not run (ONNX Runtime with the "
-                                "standard lowering does)", param="prompt_logprobs" if params.prompt_logprobs
-                           is not None else "echo")
+        self._check_prompt_logprobs(params, prompts)
         slots = self.engine_loop.engine.scheduler.pool.num_slots
         if params.n > slots:
             raise ApiError(400, f"n={params.n}: the samples of a prompt share its prefill in slots of their own, and "
@@ -126,6 +123,24 @@ class OpenAIServing:
                          for request in self._samples(params, sampling, grammar, prompt, partition))
         except SnapcompileError as err:
             raise ApiError(400, str(err)) from None
+
+    def _check_prompt_logprobs(self, params: ChatRequest | CompletionRequest, prompts: list[list[int]]) -> None:
+        """Prompt log probabilities only where the backend computes them, and no more entries (a
+        prompt token's and its top k, in every choice) than MAX_PROMPT_LOGPROB_ENTRIES: a response's
+        size is bounded whatever n, k and the prompts' lengths."""
+        top = params.prompt_logprob_count()
+        if top is None:
+            return
+        param = "prompt_logprobs" if params.prompt_logprobs is not None else "echo"
+        if not self.engine_loop.engine.backend.scores_prompts:
+            raise ApiError(400, "prompt log probabilities (echo with logprobs, prompt_logprobs) are computed by the "
+                                "layer-by-layer prefill, which this backend does not run (ONNX Runtime with the "
+                                "standard lowering does)", param=param)
+        entries = sum(len(prompt) for prompt in prompts) * (top + 1) * params.n
+        if entries > MAX_PROMPT_LOGPROB_ENTRIES:
+            raise ApiError(400, f"the prompt log probabilities asked for make {entries} entries (prompt tokens x "
+                                f"(k + 1) x n); at most {MAX_PROMPT_LOGPROB_ENTRIES} a request: ask for fewer",
+                           param=param)
 
     def _samples(self, params: ChatRequest | CompletionRequest, sampling: SamplingParams, grammar: JsonGrammar | None,
                  prompt: list[int], partition: str | None) -> list[Request]:
