@@ -1275,6 +1275,12 @@ def test_template_fields_are_honoured_as_transformers_renders_them(artifact, tmp
                                 "response_format": {"type": "json_object"}}, "continue_final_message")):
             response = httpx.post(server.url + "/v1/chat/completions", json={"model": "tiny", **fields}, timeout=30)
             assert response.status_code == 400 and response.json()["error"]["param"].startswith(param), response.text
+        for fields, param in (({"chat_template_kwargs": {"thinking": True}}, "chat_template_kwargs"),
+                              ({"add_generation_prompt": False}, "add_generation_prompt"),
+                              ({"continue_final_message": True}, "continue_final_message"),
+                              ({"tools": [WEATHER_TOOL]}, "tools")):      # a text prompt has no template to shape
+            response = httpx.post(server.url + "/tokenize", json={"prompt": "hi", **fields}, timeout=30)
+            assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
     finally:
         assert server.stop() == 0
     bad = tmp_path / "bad.jinja"

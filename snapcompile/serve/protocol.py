@@ -313,6 +313,11 @@ class TokenizeRequest(_ChatTemplate):
             raise ApiError(400, "give exactly one of prompt, content (text) or messages (a chat)", param="prompt")
         if self.messages is None and (self.tools is not None or self.tool_choice is not None):
             raise ApiError(400, "tools and tool_choice belong to a chat: give them with messages", param="tools")
+        template = {"add_generation_prompt": not self.add_generation_prompt, "continue_final_message":
+                    self.continue_final_message, "chat_template_kwargs": self.chat_template_kwargs is not None}
+        for name, given in template.items():
+            if self.messages is None and given:
+                raise ApiError(400, f"{name} shapes a chat's rendering: give it with messages", param=name)
         for name in ("add_special_tokens", "add_special"):
             if getattr(self, name):
                 raise ApiError(400, f"{name} is not supported: the ids are those /v1/completions and "
