@@ -224,10 +224,10 @@ def check_model_fits(spec: ModelSpec) -> None:
 def _load_gguf(path: Path, name: str) -> LoadedModel:
     from transformers import AutoConfig
     try:
-        check_gguf_file(path)
+        reader = check_gguf_file(path)
         config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name, trust_remote_code=False,
                                             local_files_only=True)
-        _declared_head_dim(config, path)
+        _declared_head_dim(config, reader)
         spec = ModelSpec.from_hf_config(config)
         check_rope(config, str(path))
         tensors = GGUFSource(path, config, expected_shapes(config))
@@ -239,25 +239,25 @@ def _load_gguf(path: Path, name: str) -> LoadedModel:
     return LoadedModel(name, tokenizer, spec, config, tensors, chat=tokenizer.chat_template is not None, gguf=path)
 
 
-def _declared_head_dim(config, path: Path) -> None:
-    """The head size the GGUF declares ({arch}.attention.key_length) on `config`: transformers' GGUF
-    reader does not map it for every architecture (Qwen3's config then keeps its default of 128)."""
-    import gguf
-    reader = gguf.GGUFReader(str(path))
+def _declared_head_dim(config, reader) -> None:
+    """The head size the GGUF (gguf's `reader` of it) declares ({arch}.attention.key_length) on
+    `config`: transformers' GGUF reader does not map it for every architecture (Qwen3's config then
+    keeps its default of 128)."""
     arch = reader.fields["general.architecture"].contents()
     declared = reader.fields.get(f"{arch}.attention.key_length")
     if declared is not None and hasattr(config, "head_dim"):
         config.head_dim = int(declared.contents())
 
 
-def check_gguf_file(path: Path) -> None:
-    """Refuse a GGUF that lies about itself (`_check_gguf_counts`, `_check_gguf_spans`), before
-    transformers builds anything from it."""
+def check_gguf_file(path: Path):
+    """Refuse a GGUF that lies about itself (`_check_gguf_spans`, `_check_gguf_types`,
+    `_check_gguf_counts`), before transformers builds anything from it; returns gguf's reader of it."""
     import gguf
     reader = gguf.GGUFReader(str(path))
     _check_gguf_spans(reader, path)
     _check_gguf_types(reader, path)
     _check_gguf_counts(reader, path)
+    return reader
 
 
 def check_rope(config, where: str) -> None:
@@ -303,15 +303,15 @@ def _check_gguf_types(reader, path: Path) -> None:
 @functools.cache
 def readable_gguf_type(kind) -> bool:
     """Whether gguf's reader dequantizes tensors of GGMLQuantizationType `kind` (floats, and the
-    quantized types it implements: Q4_0 .. Q8_0, the K-quants Q2_K .. Q6_K, the IQ types, ...): asked
-    of one block of zeros."""
+    quantized types it implements: Q4_0 .. Q8_0, the K-quants Q2_K .. Q6_K, the IQ types, ...; not
+    the integer types, Q8_K, Q8_1 or Q1_0): asked of one block of zeros."""
     import gguf
     _, block_bytes = gguf.GGML_QUANT_SIZES[kind]
     try:
         gguf.quants.dequantize(np.zeros(block_bytes, np.uint8), kind)
     except NotImplementedError:
         return False
-    return kind.name.startswith(("F", "BF", "Q", "IQ", "TQ", "MX", "NV"))       # not the integer types
+    return True
 
 
 def _check_gguf_counts(reader, path: Path) -> None:

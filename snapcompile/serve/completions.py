@@ -248,7 +248,7 @@ class OpenAIServing:
         if self.tokenizer.chat_template is None:
             raise ApiError(400, "this model has no chat template; use /v1/completions", param="messages")
         options = params.template_options()
-        if options.continue_final_message and (tools.active(params) or getattr(params, "json_schema", None)
+        if options.continue_final_message and (tools.active(params) or isinstance(params, ChatRequest)
                                                and params.json_schema() is not None):
             raise ApiError(400, "continue_final_message cannot be combined with tools or a JSON response_format: the "
                                 "answer's grammar starts where the message it continues does not",
@@ -368,7 +368,7 @@ class OpenAIServing:
             logprobs = self._logprobs(call, events)
             if call.kind == "chat":
                 content, calls, reason, thinking = result.text, None, result.outcome, None
-                if self._reasoning_split(call) is not None:
+                if self._thinks(call):
                     thinking, content = split_reasoning(result.text, self.reasoning_parser)
                 if call.tool_format and not result.failed:
                     content, calls = tool_formats.parse_family_answer(call.tool_format, content or "")
@@ -430,14 +430,15 @@ class OpenAIServing:
         return self._chunk(call, index, delta if call.kind == "chat" else event.text, reason,
                            self._logprobs(call, tokens))
 
-    def _reasoning_split(self, call: Call) -> ReasoningSplit | None:
-        """A chat answer's reasoning splitter when the server has a parser and the answer is not
+    def _thinks(self, call: Call) -> bool:
+        """Whether a chat answer's thinking is split off: the server has a parser and the answer is not
         constrained (the generic tool format or a JSON response_format leave no room for thinking; a
         family's own tool format does: its calls are read from the content after the thinking)."""
         constrained = (tools.active(call.params) and not call.tool_format) or call.params.json_schema() is not None
-        if self.reasoning_parser is None or call.kind != "chat" or constrained:
-            return None
-        return ReasoningSplit(self.reasoning_parser)
+        return self.reasoning_parser is not None and call.kind == "chat" and not constrained
+
+    def _reasoning_split(self, call: Call) -> ReasoningSplit | None:
+        return ReasoningSplit(self.reasoning_parser) if self._thinks(call) else None
 
     def _answer_chunks(self, call: Call, index: int, update: Update,
                        answer: tools.AnswerStream | tool_formats.FamilyAnswer, pending: list[TokenEvent],
