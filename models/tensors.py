@@ -159,19 +159,31 @@ _GGUF_LAYER = {"attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": 
                "attn_v.bias": "self_attn.v_proj.bias", "ffn_gate.weight": "mlp.gate_proj.weight",
                "ffn_up.weight": "mlp.up_proj.weight", "ffn_down.weight": "mlp.down_proj.weight",
                "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight"}
+_GGUF_GEMMA_LAYER = {"ffn_norm.weight": "pre_feedforward_layernorm.weight",
+                     "post_attention_norm.weight": "post_attention_layernorm.weight",
+                     "post_ffw_norm.weight": "post_feedforward_layernorm.weight"}
 _GGUF_TOP = {"token_embd.weight": EMBED, "output.weight": HEAD, "output_norm.weight": "model.norm.weight"}
 GGUF_SKIPPED = ("rope_freqs.weight",)    # llama3 files carry the RoPE frequencies the config also gives
 
 
-def gguf_hf_name(gguf_name: str) -> str | None:
+def gguf_hf_name(gguf_name: str, architecture: str = "llama") -> str | None:
     """"blk.3.attn_q.weight" -> "model.layers.3.self_attn.q_proj.weight" (and the embedding, head and
-    norms); None for a name that is not a Llama-family parameter."""
+    norms) in a GGUF of `architecture` (general.architecture: a gemma3 file's ffn_norm is the norm
+    before the MLP, a llama file's the norm after the attention); None for a name that is not a
+    parameter of a supported family."""
     if gguf_name in _GGUF_TOP:
         return _GGUF_TOP[gguf_name]
+    layer = {**_GGUF_LAYER, **_GGUF_GEMMA_LAYER} if architecture == "gemma3" else _GGUF_LAYER
     parts = gguf_name.split(".", 2)
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _GGUF_LAYER:
-        return f"model.layers.{parts[1]}.{_GGUF_LAYER[parts[2]]}"
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in layer:
+        return f"model.layers.{parts[1]}.{layer[parts[2]]}"
     return None
+
+
+def gguf_norm_offset(architecture: str) -> float:
+    """What a GGUF of `architecture` adds to every RMSNorm weight (llama.cpp stores Gemma's as 1 + w;
+    transformers' loader subtracts it, and so does GGUFSource)."""
+    return 1.0 if architecture == "gemma3" else 0.0
 
 
 def unpermute_rows(rows: int, heads: int) -> np.ndarray:
@@ -197,9 +209,11 @@ class GGUFTensors:
     def __init__(self, path: Path):
         import gguf
         self.reader = gguf.GGUFReader(str(path))
+        field = self.reader.fields.get("general.architecture")
+        self.architecture = str(field.contents()) if field is not None else "llama"
         self.by_name, self.unknown = {}, []
         for tensor in self.reader.tensors:
-            name = gguf_hf_name(tensor.name)
+            name = gguf_hf_name(tensor.name, self.architecture)
             if name is not None:
                 self.by_name[name] = tensor
             elif tensor.name not in GGUF_SKIPPED:
@@ -231,8 +245,8 @@ class GGUFSource(TensorSource):
         self.config = config
         self.file = GGUFTensors(path)
         if self.file.unknown:
-            raise SnapcompileError(f"GGUF file {path} holds {self.file.unknown[0]}, which a Llama-family model "
-                                   "does not")
+            raise SnapcompileError(f"GGUF file {path} holds {self.file.unknown[0]}, which a "
+                                   f"{self.file.architecture} model of the supported families does not")
         tied = bool(getattr(config, "tie_word_embeddings", False))
         self._stored = _named_as_model(list(self.file.by_name), tied)
         found = {n: tuple(int(d) for d in reversed(self.file.by_name[s].shape)) for n, s in self._stored.items()}
@@ -244,6 +258,8 @@ class GGUFSource(TensorSource):
         values = gguf_values(tensor).reshape(self.shapes[name])
         order = gguf_row_order(name, self.config)
         values = np.ascontiguousarray(values if order is None else values[order])
+        if name.endswith("norm.weight") and gguf_norm_offset(self.file.architecture):
+            values = values - np.float32(gguf_norm_offset(self.file.architecture))
         self.file.release(tensor)
         return values
 
@@ -297,13 +313,19 @@ def model_from_source(config, source: TensorSource):
     return model.eval()
 
 
-def rope_frequencies(config) -> tuple[np.ndarray, float]:
+def rope_frequencies(config, layer_type: str | None = None) -> tuple[np.ndarray, float]:
     """(inv_freq float32 [head_dim / 2], attention_scaling) of `config`'s RoPE, computed by the
-    transformers model's own rotary module (every rope_type it knows), without building the model."""
+    transformers model's own rotary module (every rope_type it knows), without building the model.
+    layer_type: "sliding_attention" or "full_attention" of a model whose layer kinds have rope bases of
+    their own (Gemma 3; None: its full-attention layers')."""
     import sys
 
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
     module = sys.modules[MODEL_FOR_CAUSAL_LM_MAPPING[type(config)].__module__]
     rotary_class = next(getattr(module, n) for n in dir(module) if n.endswith("RotaryEmbedding"))
     rotary = rotary_class(config)
-    return rotary.inv_freq.detach().float().numpy(), float(getattr(rotary, "attention_scaling", 1.0))
+    if layer_type is None and not hasattr(rotary, "inv_freq"):
+        layer_type = "full_attention"
+    prefix = f"{layer_type}_" if layer_type else ""
+    return (getattr(rotary, prefix + "inv_freq").detach().float().numpy(),
+            float(getattr(rotary, prefix + "attention_scaling", 1.0)))

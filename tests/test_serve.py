@@ -964,7 +964,9 @@ def test_tokenize_and_detokenize_in_vllm_and_llama_server_shapes(server, artifac
     back = httpx.post(server.url + "/detokenize", json={"tokens": ids}, timeout=30).json()
     assert back["prompt"] == back["content"] == text
     for path, body, fragment in (("/tokenize", {"prompt": "a", "content": "b"}, "exactly one"),
-                                 ("/tokenize", {"prompt": "a", "add_special_tokens": True}, "add_special_tokens"),
+                                 ("/tokenize", {"prompt": "a", "add_special_tokens": False}, "add_special_tokens"),
+                                 ("/tokenize", {"messages": [{"role": "user", "content": "a"}], "add_special": True},
+                                  "add_special"),
                                  ("/tokenize", {"prompt": "a", "model": "other"}, "does not exist"),
                                  ("/detokenize", {"tokens": [999999]}, "tokens must be"),
                                  ("/detokenize", {"tokens": "abc"}, "tokens")):

@@ -98,7 +98,7 @@ class Manifest:
         model = dict(d["model"])
         name = model.pop("name")
         source = model.pop("source", name)
-        return cls(model_name=name, spec=ModelSpec(**model), export=ExportConfig.from_dict(d["export"]),
+        return cls(model_name=name, spec=ModelSpec.from_dict(model), export=ExportConfig.from_dict(d["export"]),
                    policy=PolicyConfig.from_dict(d["policy"]), graphs=d["graphs"], chat=d["chat"],
                    eos_token_ids=d["eos_token_ids"], passes=d.get("passes", []),
                    lowering=d.get("lowering", "standard"), source=source, files=d["files"],

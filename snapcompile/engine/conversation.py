@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, replace
 
 from snapcompile.engine.engine import Engine, Result
 from snapcompile.engine.request import Request
-from snapcompile.prompts import encode_messages, encode_text
+from snapcompile.prompts import encode_messages, encode_prompt
 
 
 @dataclass
@@ -34,8 +34,8 @@ class Conversation:
                 messages += [{"role": "user", "content": text}, {"role": "assistant", "content": result.text}]
             ids = encode_messages(tokenizer, messages + [{"role": "user", "content": self.turns[turn]}])
         else:
-            ids = encode_text(tokenizer, "".join(t + r.text for t, r in zip(self.turns, self.results))
-                              + self.turns[turn])
+            ids = encode_prompt(tokenizer, "".join(t + r.text for t, r in zip(self.turns, self.results))
+                                + self.turns[turn])
         request_id = self.request.request_id if len(self.turns) == 1 else f"{self.request.request_id}/{turn + 1}"
         return replace(self.request, prompt_ids=ids, request_id=request_id)
 

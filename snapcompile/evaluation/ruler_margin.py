@@ -69,7 +69,7 @@ def measure(engine, dense_log: dict, lost: list[dict], cell_logs: dict[str, dict
     One replay per (task, doc_id), shared by every cell that lost it; a sample whose prompt or
     answers are not in the logs, or whose log entries hold another prompt (input_sha), gets no entry."""
     from snapcompile.engine.request import Request
-    from snapcompile.prompts import encode_text
+    from snapcompile.prompts import encode_prompt, encode_text
     wanted: dict[tuple[str, int], list[tuple[dict, int]]] = {}
     for item in lost:
         key = (item["task"], item["doc_id"])
@@ -80,7 +80,7 @@ def measure(engine, dense_log: dict, lost: list[dict], cell_logs: dict[str, dict
     for key, items in wanted.items():
         entry = dense_log[key]
         steps = len(encode_text(engine.tokenizer, entry["answer"][:max(c for _, c in items) + 1])) + 4
-        requests[key] = Request(encode_text(engine.tokenizer, entry["context"]), top_logprobs=MARGIN_TOP,
+        requests[key] = Request(encode_prompt(engine.tokenizer, entry["context"]), top_logprobs=MARGIN_TOP,
                                 max_new_tokens=max(1, min(steps, int(entry["gen_kwargs"].get("max_gen_toks", steps)))))
     results = dict(zip(requests, engine.generate(requests.values())))
     return {margin_id(item): margin_at(engine.tokenizer, results[key], dense_log[key]["answer"], char)

@@ -1,4 +1,5 @@
-"""Writes a Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) as static ONNX prefill and decode graphs.
+"""Writes a decoder of the supported families (Llama, Mistral, Qwen2, Qwen3, Gemma 3) as static ONNX prefill and
+decode graphs.
 
 Graph contracts (L = max_context, C = chunk, N = slots, Hkv KV heads, D head dim, V vocab):
 
@@ -78,7 +79,10 @@ class LlamaGraphWriter:
 
     def _embed(self, b: GraphBuilder, ids: str) -> str:
         rows = b.op("Gather", self.w.embed, ids)
-        return rows if self.w.dtype[self.w.embed] == np.float32 else b.op("Cast", rows, to=1)
+        rows = rows if self.w.dtype[self.w.embed] == np.float32 else b.op("Cast", rows, to=1)
+        if self.spec.embed_scale != 1.0:      # Gemma: times sqrt(hidden), as a float32 constant
+            rows = b.op("Mul", rows, b.const(self.spec.embed_scale, np.float32))
+        return rows
 
     def _rms_norm(self, b: GraphBuilder, x: str, weight: str) -> str:
         var = b.op("ReduceMean", b.op("Mul", x, x), b.const([-1]), keepdims=1)
@@ -89,16 +93,24 @@ class LlamaGraphWriter:
         """x [..., D] RMS-normed over D by weight `norm`, or x where the model has no such norm."""
         return x if norm is None else self._rms_norm(b, x, norm)
 
-    def _rope_tables(self, b: GraphBuilder, positions: str, shape: list) -> tuple[str, str]:
+    def _rope_tables(self, b: GraphBuilder, positions: str, shape: list, local: bool = False) -> tuple[str, str]:
         """cos/sin [.., D/2] of int64 positions, reshaped to `shape` for broadcasting (one entry may
-        be a SymbolicSize)."""
+        be a SymbolicSize); local: with the sliding-window layers' own rope (Gemma 3's local base)."""
+        inv_freq, scaling = self.w.local_rope if local else (self.w.inv_freq, self.w.attention_scaling)
         pos = b.op("Cast", b.op("Unsqueeze", positions, b.const([-1])), to=1)
-        freqs = b.op("Mul", pos, b.const(self.w.inv_freq, np.float32))
+        freqs = b.op("Mul", pos, b.const(inv_freq, np.float32))
         cos, sin = b.op("Cos", freqs), b.op("Sin", freqs)
-        if self.w.attention_scaling != 1.0:
-            factor = b.const(self.w.attention_scaling, np.float32)
+        if scaling != 1.0:
+            factor = b.const(scaling, np.float32)
             cos, sin = b.op("Mul", cos, factor), b.op("Mul", sin, factor)
         return b.op("Reshape", cos, b.shape(shape)), b.op("Reshape", sin, b.shape(shape))
+
+    def _ropes(self, b: GraphBuilder, positions: str, shape: list) -> list[tuple[str, str]]:
+        """Each layer's (cos, sin) of `_rope_tables`: the model's, or the local layers' own for them
+        (each table computed once)."""
+        tables = self._rope_tables(b, positions, shape)
+        local = self._rope_tables(b, positions, shape, local=True) if self.spec.local_layers else None
+        return [local if i in self.spec.local_layers else tables for i in range(self.spec.num_layers)]
 
     def _rotate(self, b: GraphBuilder, x: str, cos: str, sin: str) -> str:
         """HF rotate-half RoPE on the last axis."""
@@ -110,8 +122,19 @@ class LlamaGraphWriter:
 
     def _mlp(self, b: GraphBuilder, x: str, layer: dict) -> str:
         gate = self._linear(b, x, layer, "gate")
-        act = b.op("Mul", gate, b.op("Sigmoid", gate))
+        if self.spec.activation == "gelu_tanh":
+            act = b.op("Gelu", gate, approximate="tanh")
+        else:
+            act = b.op("Mul", gate, b.op("Sigmoid", gate))
         return self._linear(b, b.op("Mul", act, self._linear(b, x, layer, "up")), layer, "down")
+
+    def _residuals(self, b: GraphBuilder, x: str, attn: str, layer: dict) -> str:
+        """A layer's output from its input x and its attention's output projection `attn` (both
+        [.., hidden]): x + attn, then + the MLP of its norm; with sandwich norms (Gemma 3) the attention's
+        and the MLP's outputs normed before they are added."""
+        x = b.op("Add", x, self._rms_norm(b, attn, layer["attn_out_norm"]) if "attn_out_norm" in layer else attn)
+        mlp = self._mlp(b, self._rms_norm(b, x, layer["post_norm"]), layer)
+        return b.op("Add", x, self._rms_norm(b, mlp, layer["mlp_out_norm"]) if "mlp_out_norm" in layer else mlp)
 
     def _logits(self, b: GraphBuilder, hidden: str) -> str:
         """[rows, hidden] -> [rows, V]; Gemm with transB reads a tied embedding without a copy."""
@@ -151,21 +174,22 @@ class PrefillWriter(LlamaGraphWriter):
         first_position = b.input("position", np.int64, [1])
         chunk_len = b.input("chunk_len", np.int64, [1])
         caches = self._cache_inputs(b, 1, L)
-        cos, sin, mask = self._rope_and_mask(b, start, first_position)
+        ropes, mask = self._ropes_and_mask(b, start, first_position)
         x = self._embed(b, ids)                                                          # [1, C, hidden]
         for i, layer in enumerate(self.w.layers):
-            x, k, v = self._layer(b, x, layer, cos, sin, caches[i], mask)
+            x, k, v = self._layer(b, x, layer, *ropes[i], caches[i], mask)
             b.output(k, f"key.{i}", np.float32, [1, hkv, c, d])
             b.output(v, f"value.{i}", np.float32, [1, hkv, c, d])
         b.output(self._last_logits(b, x, chunk_len), "logits", np.float32, [1, s.vocab_size])
         return b
 
-    def _rope_and_mask(self, b: GraphBuilder, start: str, first_position: str) -> tuple[str, str, str]:
-        """cos, sin of the chunk's positions and the joined mask [C, R + C] over the cache rows."""
+    def _ropes_and_mask(self, b: GraphBuilder, start: str, first_position: str) -> tuple[list, str]:
+        """Each layer's (cos, sin) of the chunk's positions (`_ropes`) and the joined mask [C, R + C]
+        over the cache rows."""
         c, L, d = self.chunk, self.cache_rows, self.spec.head_dim
         positions = b.op("Add", b.op("Unsqueeze", b.const(np.arange(c)), b.const([0])), first_position)  # [1, C]
-        cos, sin = self._rope_tables(b, positions, [1, 1, c, d // 2])
-        return cos, sin, joined_mask(b, b.op("Less", b.arange(L), start), L, c)          # [C, L + C]
+        ropes = self._ropes(b, positions, [1, 1, c, d // 2])
+        return ropes, joined_mask(b, b.op("Less", b.arange(L), start), L, c)             # [C, L + C]
 
     def _layer(self, b: GraphBuilder, x: str, layer: dict, cos: str, sin: str, cache: tuple[str, str],
                mask: str) -> tuple[str, str, str]:
@@ -178,12 +202,10 @@ class PrefillWriter(LlamaGraphWriter):
         k = self._heads(b, self._linear(b, h, layer, "k"), hkv, cos, sin, layer.get("k_norm"))          # [1, Hkv, C, D]
         v = self._heads(b, self._linear(b, h, layer, "v"), hkv, None, None)
         q = b.op("Reshape", q, b.const([1, hkv, g, c, d]))
-        attn = emit_joined_attention(b, q, k, v, *cache, mask, s.head_dim ** -0.5)   # [1,Hkv,G,C,D]
+        attn = emit_joined_attention(b, q, k, v, *cache, mask, s.attention_scale)   # [1,Hkv,G,C,D]
         attn = b.op("Reshape", attn, b.const([1, s.num_heads, c, d]))
         attn = b.op("Reshape", b.op("Transpose", attn, perm=[0, 2, 1, 3]), b.const([1, c, s.num_heads * d]))
-        x = b.op("Add", x, self._linear(b, attn, layer, "o"))
-        x = b.op("Add", x, self._mlp(b, self._rms_norm(b, x, layer["post_norm"]), layer))
-        return x, k, v
+        return self._residuals(b, x, self._linear(b, attn, layer, "o"), layer), k, v
 
     def _last_logits(self, b: GraphBuilder, x: str, chunk_len: str) -> str:
         """logits [1, V] of the chunk's last valid token."""
@@ -233,8 +255,8 @@ class PrefillLayerWriter(PrefillWriter):
         start, first_position = b.input("start", np.int64, [1]), b.input("position", np.int64, [1])
         b.input("chunk_len", np.int64, [1])      # read by the passes' window queries
         cache = self._cache_inputs(b, 1, self.cache_rows, layers=1)[0]
-        cos, sin, mask = self._rope_and_mask(b, start, first_position)
-        x, k, v = self._layer(b, x, self.w.layers[self.layer], cos, sin, cache, mask)
+        ropes, mask = self._ropes_and_mask(b, start, first_position)
+        x, k, v = self._layer(b, x, self.w.layers[self.layer], *ropes[self.layer], cache, mask)
         shape = [1, s.num_kv_heads, c, s.head_dim]
         b.output(k, "key.0", np.float32, shape)
         b.output(v, "value.0", np.float32, shape)
@@ -279,20 +301,21 @@ class DecodeWriter(LlamaGraphWriter):
         position = b.input("position", np.int64, [n])
         cache_len = b.input("cache_len", np.int64, [n])
         caches = self._cache_inputs(b, n, L)
-        cos, sin = self._rope_tables(b, position, [n, 1, 1, d // 2])
+        ropes = self._ropes(b, position, [n, 1, 1, d // 2])
         visible = b.op("Less", b.const(np.arange(L)[None, :]), b.op("Unsqueeze", cache_len, b.const([1])))
         cache_mask = b.op("Reshape", additive_mask(b, visible), b.shape([n, 1, 1, L]))
         x = b.op("Reshape", self._embed(b, ids), b.shape([n, s.hidden_size]))
         for i, layer in enumerate(self.w.layers):
+            cos, sin = ropes[i]
             h = self._rms_norm(b, x, layer["in_norm"])
             q = b.op("Reshape", self._linear(b, h, layer, "q"), b.shape([n, hkv, g, d]))
             q = self._rotate(b, self._head_norm(b, q, layer.get("q_norm")), cos, sin)
             k = b.op("Reshape", self._linear(b, h, layer, "k"), b.shape([n, hkv, 1, d]))
             k = self._rotate(b, self._head_norm(b, k, layer.get("k_norm")), cos, sin)
             v = b.op("Reshape", self._linear(b, h, layer, "v"), b.shape([n, hkv, 1, d]))
-            attn = emit_cached_attention(b, q, k, v, *caches[i], cache_mask, s.head_dim ** -0.5, L, 1)
-            x = b.op("Add", x, self._linear(b, b.op("Reshape", attn, b.shape([n, s.num_heads * d])), layer, "o"))
-            x = b.op("Add", x, self._mlp(b, self._rms_norm(b, x, layer["post_norm"]), layer))
+            attn = emit_cached_attention(b, q, k, v, *caches[i], cache_mask, s.attention_scale, L, 1)
+            x = self._residuals(b, x, self._linear(b, b.op("Reshape", attn, b.shape([n, s.num_heads * d])), layer, "o"),
+                                layer)
             b.output(k, f"key.{i}", np.float32, [n, hkv, 1, d])
             b.output(v, f"value.{i}", np.float32, [n, hkv, 1, d])
         b.output(self._logits(b, x), "logits", np.float32, [n, s.vocab_size])

@@ -2,8 +2,10 @@
 
 Names in the graphs (a contract `graph_weights` reads back, for the oracle):
   embed_tokens [V, hidden] (float16 unless the weights are fp32: TensorRT's Gather takes no
-  integer table), norm, l{i}.input_norm, l{i}.post_norm, l{i}.{q,k,v,o,gate,up,down}.bias,
-  l{i}.{q_norm,k_norm} [D] (Qwen3's per-head query and key norms);
+  integer table), norm, l{i}.input_norm, l{i}.post_norm (the norm before the MLP), Gemma 3's
+  l{i}.attn_out_norm and l{i}.mlp_out_norm (of the attention's and the MLP's outputs),
+  l{i}.{q,k,v,o,gate,up,down}.bias, l{i}.{q_norm,k_norm} [D] (Qwen3's and Gemma 3's per-head query
+  and key norms); every norm as the graphs multiply by it (Gemma's 1 + w: `Weights._add_norm`);
   a float linear layer "l{i}.q" is l{i}.q.wT [K, N] (float32, or float16 for --weights fp16,
   multiplied in float16 between two Casts); a quantized one is l{i}.q.qweight
   (INT4/INT8 [K, N]), l{i}.q.qscale [K/bs, N] and, for kept GGUF Q4_1 blocks, l{i}.q.qoffset.
@@ -31,6 +33,16 @@ from snapcompile.models.tensors import TensorSource, rope_frequencies
 LINEARS = (("q", "self_attn.q_proj"), ("k", "self_attn.k_proj"), ("v", "self_attn.v_proj"),
            ("o", "self_attn.o_proj"), ("gate", "mlp.gate_proj"), ("up", "mlp.up_proj"), ("down", "mlp.down_proj"))
 QK_NORMS = ("q_norm", "k_norm")     # self_attn.{q_norm,k_norm}.weight [D], where the model has them
+# each layer's RMSNorms: graph role -> (graph name, Hugging Face name); "post_norm" is the norm before the MLP
+NORMS = {"in_norm": ("input_norm", "input_layernorm"), "post_norm": ("post_norm", "post_attention_layernorm")}
+SANDWICH_NORMS = {"in_norm": ("input_norm", "input_layernorm"), "attn_out_norm": ("attn_out_norm",
+                  "post_attention_layernorm"), "post_norm": ("post_norm", "pre_feedforward_layernorm"),
+                  "mlp_out_norm": ("mlp_out_norm", "post_feedforward_layernorm")}     # Gemma 3
+
+
+def layer_norms(spec: ModelSpec) -> dict[str, tuple[str, str]]:
+    """A layer's norms (role -> graph name, Hugging Face name) in `spec`'s family."""
+    return SANDWICH_NORMS if spec.sandwich_norms else NORMS
 
 
 class Quantizer:
@@ -96,6 +108,7 @@ class Weights:
         total), when given, is called as each source tensor is read. ort_store: where the weights in
         ONNX Runtime's forms go (the artifact's ort_weights.bin; None: with `store`'s rule, in memory)."""
         self.source, self.quantizer, self.store, self.progress = tensors, quantizer, store, progress
+        self.spec = spec
         self.ort_store = ort_store
         self.linear_dtype = np.float16 if half else np.float32
         self.dtype: dict[str, np.dtype] = {}
@@ -111,7 +124,7 @@ class Weights:
         self.lm_head = self.embed
         if not tied and not quantizer:      # [V, hidden] as stored: the graph's Gemm reads it transposed
             self.lm_head = self._add("lm_head", self._read("lm_head.weight").astype(self.linear_dtype), product=True)
-        self.final_norm = self._add("norm", self._read("model.norm.weight"))
+        self.final_norm = self._add_norm("norm", "model.norm.weight")
         if quantizer is None:
             self.layers = [self._layer(i) for i in range(spec.num_layers)]
         else:   # every float tensor, then the linears, then the head: the order the graphs first wrote them in
@@ -122,6 +135,8 @@ class Weights:
             self.lm_head = self._linear_weight("lm_head", "model.embed_tokens.weight" if tied else "lm_head.weight",
                                                head=True)
         self.inv_freq, self.attention_scaling = rope_frequencies(config)   # HF scales cos and sin by the latter
+        # the local (sliding-window) layers' own (inv_freq, attention_scaling), where they have them
+        self.local_rope = rope_frequencies(config, "sliding_attention") if spec.local_layers else None
 
     def _read(self, hf_name: str) -> np.ndarray:
         array = self.source.read(hf_name)
@@ -150,6 +165,14 @@ class Weights:
             self._keep(numpy_helper.from_array(array.astype(np.float32), float32_name(name)), ort=True)
         return name
 
+    def _add_norm(self, name: str, hf_name: str) -> str:
+        """An RMSNorm's weight as the graphs multiply by it: plus the family's norm offset (Gemma's 1 + w,
+        computed in float32 as Hugging Face's model does)."""
+        weight = self._read(hf_name)
+        if self.spec.norm_offset:
+            weight = np.float32(self.spec.norm_offset) + weight
+        return self._add(name, weight)
+
     def _linear_weight(self, name: str, hf_name: str, head: bool = False) -> str:
         """The source's weight [N, K] (HF layout) stored as `name`: quantized, or transposed for MatMul."""
         if self.quantizer is None:
@@ -165,8 +188,8 @@ class Weights:
     def _layer(self, i: int, linears: bool = True) -> dict[str, str]:
         """Layer i's role -> name dict: norms, biases and (when `linears`) the linear weights."""
         p = f"model.layers.{i}."
-        names = {"in_norm": self._add(f"l{i}.input_norm", self._read(p + "input_layernorm.weight")),
-                 "post_norm": self._add(f"l{i}.post_norm", self._read(p + "post_attention_layernorm.weight"))}
+        names = {role: self._add_norm(f"l{i}.{name}", f"{p}{hf}.weight")
+                 for role, (name, hf) in layer_norms(self.spec).items()}
         for short, key in LINEARS:
             if linears:
                 names[short] = self._linear_weight(f"l{i}.{short}", p + key + ".weight")
@@ -174,7 +197,7 @@ class Weights:
                 names[short + "_bias"] = self._add(f"l{i}.{short}.bias", self._read(p + key + ".bias"))
         for short in QK_NORMS:
             if f"{p}self_attn.{short}.weight" in self.source.shapes:
-                names[short] = self._add(f"l{i}.{short}", self._read(f"{p}self_attn.{short}.weight"))
+                names[short] = self._add_norm(f"l{i}.{short}", f"{p}self_attn.{short}.weight")
         return names
 
     def float_names(self) -> list[str]:
@@ -221,20 +244,23 @@ def graph_weights(model, spec: ModelSpec) -> dict[str, np.ndarray]:
         block = values.shape[1] // scales.shape[1]
         return BlockQuantized(values, scales, offsets, 8, block).dequantize()
 
-    out = {"model.embed_tokens.weight": array("embed_tokens"), "model.norm.weight": array("norm")}
+    def norm(name: str) -> np.ndarray:     # the weight as stored in the model, its family's offset taken off
+        return array(name) - np.float32(spec.norm_offset) if spec.norm_offset else array(name)
+
+    out = {"model.embed_tokens.weight": array("embed_tokens"), "model.norm.weight": norm("norm")}
     head = linear("lm_head")
     out["lm_head.weight"] = head if head is not None else array("lm_head" if "lm_head" in init else "embed_tokens")
     for i in range(spec.num_layers):
         p = f"model.layers.{i}."
-        out[p + "input_layernorm.weight"] = array(f"l{i}.input_norm")
-        out[p + "post_attention_layernorm.weight"] = array(f"l{i}.post_norm")
+        for name, hf in layer_norms(spec).values():
+            out[f"{p}{hf}.weight"] = norm(f"l{i}.{name}")
         for short, key in LINEARS:
             out[p + key + ".weight"] = linear(f"l{i}.{short}")
             if f"l{i}.{short}.bias" in init:
                 out[p + key + ".bias"] = array(f"l{i}.{short}.bias")
         for short in QK_NORMS:
             if f"l{i}.{short}" in init:
-                out[f"{p}self_attn.{short}.weight"] = array(f"l{i}.{short}")
+                out[f"{p}self_attn.{short}.weight"] = norm(f"l{i}.{short}")
     return out
 
 

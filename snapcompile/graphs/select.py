@@ -57,7 +57,7 @@ class SelectionWriter:
         rows = s.group_size * p.window
         q = b.op("Reshape", q, b.const([1, s.num_kv_heads, rows, s.head_dim]))
         logits = b.op("Mul", b.op("MatMul", q, b.op("Transpose", k, perm=[0, 1, 3, 2])),
-                      b.const(s.head_dim ** -0.5, np.float32))                            # [1,Hkv,G*W,L]
+                      b.const(s.attention_scale, np.float32))                            # [1,Hkv,G*W,L]
         query_pos = b.op("Add", b.const((np.arange(rows) % p.window)[:, None]), window_start)
         visible = b.op("LessOrEqual", self._row_positions(b), query_pos)                   # [G*W, L]
         probs = b.op("Softmax", b.op("Add", logits, additive_mask(b, visible)), axis=-1)
@@ -123,7 +123,7 @@ def plugin_select_graph(spec: ModelSpec, policy: PolicyConfig, cache_rows: int,
     prompt_len = b.input("prompt_len", np.int64, [1])
     share, hkv, d = policy.resolved_prompt_share, spec.num_kv_heads, spec.head_dim
     attrs = SELECT.node_attrs(sinks=policy.sinks, window=policy.window, kernel=policy.kernel, prompt_share=share,
-                              pooling=policy.pooling, scope=policy.scope, scale=spec.head_dim ** -0.5)
+                              pooling=policy.pooling, scope=policy.scope, scale=spec.attention_scale)
     for i in range(spec.num_layers):
         inputs = SELECT.node_inputs(
             window_query=b.input(f"window_query.{i}", np.float32, [1, spec.num_heads, policy.window, d]),

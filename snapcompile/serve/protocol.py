@@ -305,8 +305,8 @@ class TokenizeRequest(_ChatTemplate):
     messages: list[Message] | None = Field(None, min_length=1)
     tools: Tools = None
     tool_choice: ToolChoice = None
-    add_special_tokens: bool = False
-    add_special: bool = False
+    add_special_tokens: bool | None = None
+    add_special: bool | None = None
 
     def check(self) -> None:
         if sum(value is not None for value in (self.prompt, self.content, self.messages)) != 1:
@@ -318,10 +318,13 @@ class TokenizeRequest(_ChatTemplate):
         for name, given in template.items():
             if self.messages is None and given:
                 raise ApiError(400, f"{name} shapes a chat's rendering: give it with messages", param=name)
+        fed = self.messages is None     # a text prompt is fed with the special tokens its tokenizer adds
         for name in ("add_special_tokens", "add_special"):
-            if getattr(self, name):
-                raise ApiError(400, f"{name} is not supported: the ids are those /v1/completions and "
-                                    "/v1/chat/completions feed the model, without added special tokens", param=name)
+            if getattr(self, name) is not None and getattr(self, name) != fed:
+                how = ("a text prompt with the special tokens its tokenizer adds (a BOS)" if fed else
+                       "a chat with the special tokens its template writes, none added")
+                raise ApiError(400, f"{name}: {str(not fed).lower()} is not supported: the ids are those the "
+                                    f"completion endpoints feed the model, {how}", param=name)
 
 
 class DetokenizeRequest(BaseModel):

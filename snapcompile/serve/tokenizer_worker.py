@@ -27,13 +27,13 @@ def _load(folder: Path, template: str):
 
 def _answer(tokenizer, job) -> tuple[str, object]:
     from snapcompile.errors import SnapcompileError
-    from snapcompile.prompts import encode_messages, encode_text
+    from snapcompile.prompts import encode_messages, encode_prompt
     kind, payload, max_chars = job
     try:
         if kind == "chat":
             messages, options = payload
             return "ok", encode_messages(tokenizer, messages, timeout_s=None, max_chars=max_chars, options=options)
-        return "ok", encode_text(tokenizer, payload)
+        return "ok", encode_prompt(tokenizer, payload)
     except SnapcompileError as err:
         return "error", str(err)
 

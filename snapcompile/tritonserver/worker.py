@@ -21,7 +21,7 @@ from snapcompile.config import DEFAULT_SESSION_KEEP
 from snapcompile.engine.loop import EngineLoop, Update
 from snapcompile.engine.request import Request, SamplingParams, logit_bias_pairs
 from snapcompile.errors import JsonTooDeep, PromptError, SnapcompileError, check_text, first_line, parse_json
-from snapcompile.prompts import max_prompt_chars
+from snapcompile.prompts import encode_prompt, max_prompt_chars
 from snapcompile.serve.metrics import Metrics
 from snapcompile.serve.partitions import cache_partition
 
@@ -108,7 +108,7 @@ class TritonWorker:
         if len(text) > self.max_prompt_chars:          # refused before the tokenizer spends time on it
             raise SnapcompileError(f"text_input has {len(text)} characters: more than this model's context can "
                                    f"hold ({self.max_prompt_chars} at the most)")
-        prompt = [int(i) for i in self.engine.tokenizer.encode(text, add_special_tokens=False)]
+        prompt = encode_prompt(self.engine.tokenizer, text)
         try:
             self.engine.check_prompt(prompt)
         except PromptError as err:
