@@ -47,7 +47,7 @@ TINY_CONFIGS = {
     "tiny-qwen2": dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2"),
     "tiny-qwen3": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3"),
     # a local (sliding-window, rope base 10k) and a global layer; the score scale apart from head_dim's
-    "tiny-gemma3": dict(architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", sliding_window=4096,
+    "tiny-gemma3": dict(architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", sliding_window=40,
                         layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=24,
                         rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
                                          "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}),

@@ -112,6 +112,11 @@ class ModelSpec:
     local_layers: tuple[int, ...] = ()  # layers of sliding-window attention, with the local rope base
 
     @property
+    def global_layers(self) -> list[int]:
+        """The layers attending to every position (all but the local ones): the layers a policy compresses."""
+        return [i for i in range(self.num_layers) if i not in self.local_layers]
+
+    @property
     def attention_scale(self) -> float:
         """The factor of every attention score q.k (Gemma 3: query_pre_attn_scalar ** -0.5)."""
         return self.query_scale if self.query_scale is not None else self.head_dim ** -0.5

@@ -19,12 +19,14 @@ from snapcompile.passes.match import find_attention_blocks
 
 
 def compress_decode(model: onnx.ModelProto, num_layers: int, slot_rows: int,
-                    name: str = "decode") -> tuple[onnx.ModelProto, dict]:
+                    name: str = "decode", local_layers=()) -> tuple[onnx.ModelProto, dict]:
     """slot_rows: R, the cache rows of a slot. name: the decode graph's name ("decode", or
     "decode_<slots>"), for errors and the report (whose "budget" is R, as artifacts record it).
-    The slots may be symbolic (ONNX Runtime's graph of the family)."""
+    The slots may be symbolic (ONNX Runtime's graph of the family). local_layers: the layers whose
+    cache is their window ring already (Gemma 3's), left as they are."""
     graph = gs.import_onnx(model)
     blocks = find_attention_blocks(graph, num_layers, name, split_only=True)
+    blocks = [block for i, block in enumerate(blocks) if i not in local_layers]
     edit = GraphEditor(graph, "compress_decode")
     slots = edit.input("cache_len").shape[0]
     mask = _ring_mask(edit, slots, slot_rows)

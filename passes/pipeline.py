@@ -8,12 +8,12 @@ from pathlib import Path
 from snapcompile.artifact.files import check_files, copy_support_files
 from snapcompile.artifact.manifest import ORT_WEIGHTS, WEIGHTS, Manifest, read_manifest
 from snapcompile.artifact.naming import (
-    FAMILY_SIZES,
     SELECT_LAYER,
     graph_name,
     is_decode_graph,
     is_prefill_graph,
     ort_graphs,
+    ort_size,
     prefill_layer,
     select_rows,
 )
@@ -67,6 +67,7 @@ def compress_graphs(graphs: GraphSet, manifest: Manifest, policy: PolicyConfig,
     if manifest.policy.compressed:
         raise SnapcompileError("the input artifact is already compressed; start from a dense export")
     policy.check_against(manifest.export)
+    _check_window_rings(manifest, policy, lowering)
     if not policy.compressed:
         manifest.policy = policy
         return graphs
@@ -85,6 +86,19 @@ def compress_graphs(graphs: GraphSet, manifest: Manifest, policy: PolicyConfig,
     for name, layers in _ort_prefill_graphs(out, manifest):     # last: the passes above match the batched form
         out.ort[name], _ = attention_per_head(out.ort[name], manifest.spec, f"ONNX Runtime's {name}", layers)
     return out
+
+
+def _check_window_rings(manifest: Manifest, policy: PolicyConfig, lowering: str) -> None:
+    """A model with local (sliding-window) layers (Gemma 3) compresses its global layers only, with the
+    standard lowering, and without the summaries a resumed conversation reads (none resumes yet)."""
+    if not manifest.spec.local_layers:
+        return
+    if lowering == "plugin":
+        raise SnapcompileError("--lower plugin: the plugin's attention and selection ops do not know a model's "
+                               "sliding-window layers (Gemma 3's local layers); use --lower standard")
+    if policy.summaries:
+        raise SnapcompileError("--summaries serve resumed conversations, which a model with sliding-window layers "
+                               "(Gemma 3's local layers) does not resume yet")
 
 
 def store_kv(graphs: GraphSet, manifest: Manifest) -> GraphSet:
@@ -109,9 +123,9 @@ def check_kv_lowering(export: ExportConfig, lowering: str) -> None:
 def _compress_decode(graphs: GraphSet, manifest: Manifest, policy: PolicyConfig, lowering: str) -> None:
     """Every decode graph (one per slot bucket) gets the ring cache, and the plugin nodes; ONNX Runtime's
     decode graph the ring cache (the plugin lowering's decode graphs run from their static files)."""
-    layers = manifest.spec.num_layers
+    layers, local = manifest.spec.num_layers, manifest.spec.local_layers
     for name in filter(is_decode_graph, list(graphs.static)):
-        graphs.static[name], report = compress_decode(graphs.static[name], layers, policy.slot_rows, name)
+        graphs.static[name], report = compress_decode(graphs.static[name], layers, policy.slot_rows, name, local)
         manifest.passes.append(report)
         if lowering == "plugin":
             from snapcompile.passes.lower_plugin import lower_decode
@@ -120,7 +134,7 @@ def _compress_decode(graphs: GraphSet, manifest: Manifest, policy: PolicyConfig,
     if lowering == "plugin":
         graphs.ort.pop("decode", None)
     elif "decode" in graphs.ort:
-        graphs.ort["decode"], _ = compress_decode(graphs.ort["decode"], layers, policy.slot_rows, ORT_NAME)
+        graphs.ort["decode"], _ = compress_decode(graphs.ort["decode"], layers, policy.slot_rows, ORT_NAME, local)
 
 
 ORT_NAME = "ONNX Runtime's decode"     # what a pass's errors call ONNX Runtime's graph of a family
@@ -150,9 +164,11 @@ def _add_selection(graphs: GraphSet, manifest: Manifest, policy: PolicyConfig, l
     for name in filter(is_prefill_graph, list(graphs.static)):
         graphs.static[name], report = add_window_queries(graphs.static[name], spec, policy.window, name)
         manifest.passes.append(report)
+    local = {prefill_layer(i) for i in spec.local_layers}        # no selection: their window ring is their cache
     for name, layers in _ort_prefill_graphs(graphs, manifest):
-        graphs.ort[name], _ = add_window_queries(graphs.ort[name], spec, policy.window, f"ONNX Runtime's {name}",
-                                                 layers)
+        if name not in local:
+            graphs.ort[name], _ = add_window_queries(graphs.ort[name], spec, policy.window,
+                                                     f"ONNX Runtime's {name}", layers)
     for rows in select_rows(manifest.export, policy):
         name = graph_name("select", rows, manifest.export.max_context)
         if lowering == "plugin":
@@ -163,7 +179,7 @@ def _add_selection(graphs: GraphSet, manifest: Manifest, policy: PolicyConfig, l
         manifest.passes.append({"pass": "snapkv_select" if lowering == "standard" else "lower_plugin",
                                 "graph": name, "blocks_rewritten": layers, "scope": policy.scope})
     if lowering == "standard":
-        size = FAMILY_SIZES["select"]
-        rows = SymbolicSize(size.name, size.source, size.axis, manifest.export.max_context)
-        graphs.ort["select"] = SelectionWriter(spec, policy, rows, "select").build()
-        graphs.ort[SELECT_LAYER] = SelectionWriter(spec, policy, rows, SELECT_LAYER, layers=1).build()
+        for name, layers in (("select", None), (SELECT_LAYER, [0])):
+            size = ort_size(name, spec.local_layers)
+            rows = SymbolicSize(size.name, size.source, size.axis, manifest.export.max_context)
+            graphs.ort[name] = SelectionWriter(spec, policy, rows, name, layers=layers).build()

@@ -76,3 +76,39 @@ class SlotLayout:
     def can_feed(self, generated: int) -> bool:
         """Whether decode token number `generated` still fits (always true for a ring)."""
         return self.ring or self.prompt_len + generated < self.rows_per_slot
+
+
+@dataclass(frozen=True)
+class WindowRing:
+    """A sliding-window layer's cache (Gemma 3's local layers): `rows` rows in which the token at
+    position p lives at row p % rows, whatever the policy, so the layer holds its window and no more.
+    A query at position q sees the keys at positions (q - window, q] (Hugging Face's sliding window).
+
+    rows = window + chunk: a prefill chunk of C tokens (the last one may start up to C - 1 positions
+    before the rows already written end, `device.chunk_starts`) finds every key its window needs
+    still in the ring; a row written past the chunk's first position only ever replaced a key
+    older than every one of its queries' windows."""
+
+    window: int
+    rows: int
+
+    @classmethod
+    def for_export(cls, window: int, chunk: int) -> WindowRing:
+        return cls(window, window + chunk)
+
+    def row(self, position: int) -> int:
+        """The row of the token at `position`."""
+        return position % self.rows
+
+    def position_at(self, row: int, first: int) -> int:
+        """The position row `row` holds for a run whose first new token is at `first`, when every
+        position before `first` was written in order: the latest p < first with p % rows == row
+        (negative: never written in this sequence)."""
+        return first - 1 - (first - 1 - row) % self.rows
+
+    def visible(self, row: int, first: int, query: int) -> bool:
+        """Whether the query at position `query` (>= first) sees ring row `row` of a run starting at
+        `first`: the row holds a key of this sequence within the query's window. The graphs compute
+        the same rule (export/llama_graph.py)."""
+        held = self.position_at(row, first)
+        return held >= 0 and query - held < self.window

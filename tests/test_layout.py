@@ -2,7 +2,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from snapcompile.layout import SlotLayout
+from snapcompile.layout import SlotLayout, WindowRing
 
 
 def test_dense_layout_writes_at_position():
@@ -47,3 +47,28 @@ def test_fed_rows_are_the_rows_the_steps_left(prompt, rows_per_slot, fed, dense)
     listed = layout.fed_rows(fed)
     assert dict(listed) == rows
     assert [position for _, position in listed] == sorted(rows.values())     # oldest first
+
+
+def _chunk_starts(prompt_len: int, chunk: int) -> list[int]:
+    """runtime.device.chunk_starts (the runtime is above the foundation): the last chunk ends at the
+    prompt's end, overlapping the one before."""
+    starts = list(range(0, max(prompt_len - chunk, 0), chunk))
+    return starts + [max(prompt_len - chunk, 0)]
+
+
+@given(window=st.integers(1, 40), chunk=st.integers(1, 24), prompt=st.integers(1, 200), steps=st.integers(0, 60))
+def test_window_ring_holds_every_key_a_query_sees_and_shows_no_other(window, chunk, prompt, steps):
+    """A list model of the ring: the prompt written chunk by chunk (the last chunk overlapping), then one
+    token a step. Before each run, the rows `visible` shows a query are exactly the positions of its
+    window written before the run, each row holding the position `position_at` says."""
+    ring = WindowRing.for_export(window, chunk)
+    rows: list[int | None] = [None] * ring.rows           # the position each row holds
+    runs = [(start, min(chunk, prompt - start)) for start in _chunk_starts(prompt, chunk)]
+    runs += [(prompt + step, 1) for step in range(steps)]
+    for first, count in runs:
+        for query in range(first, first + count):
+            wanted = {p for p in range(max(query - window + 1, 0), first)}
+            seen = {rows[r] for r in range(ring.rows) if ring.visible(r, first, query)}
+            assert seen == wanted
+        for position in range(first, first + count):
+            rows[ring.row(position)] = position

@@ -16,6 +16,7 @@ from snapcompile import __version__
 from snapcompile.artifact.naming import expected_graphs, layer_major, ort_file, ort_graphs, ort_size
 from snapcompile.config import ExportConfig, PolicyConfig
 from snapcompile.errors import SnapcompileError, parse_json
+from snapcompile.layout import WindowRing
 from snapcompile.models.spec import ModelSpec
 
 MANIFEST = "manifest.json"
@@ -72,15 +73,40 @@ class Manifest:
         return "layers" if layer_major(self.lowering, self.policy.compressed) else "chunks"
 
     @property
+    def window_ring(self) -> WindowRing | None:
+        """The cache of the model's local (sliding-window) layers (Gemma 3's), None where it has none:
+        their rows whatever the policy; the policy's rows_per_slot are the other layers'."""
+        spec = self.spec
+        return WindowRing.for_export(spec.sliding_window, self.export.chunk) if spec.local_layers else None
+
+    def layer_rows(self, layer: int) -> int:
+        """Cache rows a slot holds for `layer`: its window ring's for a local layer, else rows_per_slot."""
+        return self.window_ring.rows if layer in self.spec.local_layers else self.rows_per_slot
+
+    @property
     def kv_bytes_per_token(self) -> int:
         """K and V bytes one token's rows take across all layers, in the artifact's kv_dtype."""
         return self.spec.kv_bytes_per_token * self.export.kv_itemsize // 4
 
     def kv_bytes_per_slot(self) -> int:
-        return self.rows_per_slot * self.kv_bytes_per_token
+        return self._slot_bytes(self.rows_per_slot)
 
     def dense_kv_bytes_per_slot(self) -> int:
-        return self.export.max_context * self.kv_bytes_per_token
+        return self._slot_bytes(self.export.max_context)
+
+    def kv_bytes_by_layer_kind(self) -> dict[str, int]:
+        """A slot's K and V bytes of its global layers (every layer of most models) and of its local ones."""
+        local = len(self.spec.local_layers)
+        per_layer = self.kv_bytes_per_token // self.spec.num_layers
+        return {"global": (self.spec.num_layers - local) * self.rows_per_slot * per_layer,
+                "local": local * self.window_ring.rows * per_layer if local else 0}
+
+    def _slot_bytes(self, rows: int) -> int:
+        """A slot's K and V bytes when its global layers hold `rows` rows (its local layers their ring)."""
+        local = len(self.spec.local_layers)
+        ring = self.window_ring.rows if local else 0
+        per_layer = self.kv_bytes_per_token // self.spec.num_layers
+        return ((self.spec.num_layers - local) * rows + local * ring) * per_layer
 
     def to_dict(self) -> dict:
         return {"format_version": FORMAT_VERSION, "snapcompile_version": __version__,
@@ -188,7 +214,7 @@ def _check_ort_graphs(manifest: Manifest, path: Path) -> None:
                                "convert it again")
     for name, members in expected.items():
         entry = manifest.ort_graphs[name]
-        size = ort_size(name)
+        size = ort_size(name, manifest.spec.local_layers)
         wanted = {"file": ort_file(name), "members": members,
                   "size": None if size is None else {"name": size.name, "source": size.source, "axis": size.axis}}
         if not isinstance(entry, dict) or {key: entry.get(key) for key in wanted} != wanted \

@@ -5,6 +5,7 @@ graphs ONNX Runtime opens (`ort_graphs`): one a family, its size symbolic, and t
 functions of the export shapes, the policy and the lowering."""
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 from snapcompile.config import ExportConfig, PolicyConfig
@@ -105,13 +106,19 @@ def prefill_layer(layer: int) -> str:
     return f"prefill_layer_{layer}"
 
 
-def ort_size(name: str) -> FamilySize | None:
-    """The symbolic size of ONNX Runtime graph `name` (None: a graph of static shapes)."""
+def ort_size(name: str, local_layers=()) -> FamilySize | None:
+    """The symbolic size of ONNX Runtime graph `name` (None: a graph of static shapes) of a model whose
+    `local_layers` (Gemma 3's sliding-window layers) hold a window ring of fixed rows: the whole model's
+    graphs read the size off the first other layer's cache, and a local layer's own graph has none."""
     if name == SELECT_LAYER:
         return FAMILY_SIZES["select"]
     if name.startswith("prefill_layer_"):
-        return FAMILY_SIZES["prefill"]
-    return FAMILY_SIZES.get(name)
+        return None if int(name.rpartition("_")[2]) in local_layers else FAMILY_SIZES["prefill"]
+    size = FAMILY_SIZES.get(name)
+    if size is None or name == "decode" or not local_layers:
+        return size
+    first = next(i for i in itertools.count() if i not in local_layers)
+    return FamilySize(size.name, size.source.replace(".0", f".{first}"), size.axis)
 
 
 def layer_major(lowering: str, compressed: bool) -> bool:

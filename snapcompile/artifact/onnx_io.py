@@ -77,7 +77,7 @@ def save_graphs(folder: Path, graphs: GraphSet, manifest: Manifest, weights_sour
     members = ort_graphs(manifest.export, manifest.policy, manifest.lowering, manifest.spec.num_layers)
     for name, model in graphs.ort.items():
         _save(model, folder / ort_file(name), fingerprint)
-        size = ort_size(name)
+        size = ort_size(name, manifest.spec.local_layers)
         manifest.ort_graphs[name] = {"file": ort_file(name), "members": members[name],
                                      "size": None if size is None else vars(size).copy(), **graph_io(model)}
     record_files(folder, manifest)

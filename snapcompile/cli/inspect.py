@@ -33,6 +33,7 @@ def inspect(artifact, verify, as_json):
             "kv_dtype": manifest.export.kv_dtype, "kv_bytes_per_slot": manifest.kv_bytes_per_slot(),
             "dense_kv_bytes_per_slot": manifest.dense_kv_bytes_per_slot(),
             "kv_bytes_total": manifest.kv_bytes_per_slot() * manifest.export.slots,
+            "kv_bytes_per_slot_by_layer_kind": manifest.kv_bytes_by_layer_kind(),
             "memory_needed_bytes": memory_needed(manifest), "checksums_verified": verify}
     if as_json:
         click.echo(json.dumps(info))
@@ -47,6 +48,13 @@ def inspect(artifact, verify, as_json):
     click.echo(f"weights        {_weights_line(manifest, info['weights_file_bytes'])}")
     click.echo(f"KV per slot    {_mib(info['kv_bytes_per_slot'])} in {manifest.export.kv_dtype} (dense at max context: "
                f"{_mib(info['dense_kv_bytes_per_slot'])}, ratio {ratio:.3f})")
+    ring = manifest.window_ring
+    if ring is not None:
+        kinds = info["kv_bytes_per_slot_by_layer_kind"]
+        local = len(manifest.spec.local_layers)
+        click.echo(f"  by layer     {manifest.spec.num_layers - local} global layers {_mib(kinds['global'])} "
+                   f"({manifest.rows_per_slot} rows each), {local} local layers {_mib(kinds['local'])} (a ring of "
+                   f"{ring.rows} rows each: the {ring.window}-token window and a chunk)")
     needed = info["memory_needed_bytes"]
     parts = ", ".join(f"{purpose} {_mib(size)}" for purpose, size in needed.items())
     click.echo(f"memory to run  {_mib(sum(needed.values()))} ({parts})")

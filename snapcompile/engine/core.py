@@ -77,6 +77,10 @@ class EngineCore:
         self.decode_steps = 0
         self._ended: list[TokenStep] = []      # followers ended with their leader, for the next steps out
         policy = backend.manifest.policy
+        if backend.manifest.window_ring is not None and session_cache_bytes != 0:
+            log.warning("the session store is off: a model with sliding-window layers (Gemma 3's local layers) "
+                        "does not resume a kept conversation yet (their window rings are not kept)")
+            session_cache_bytes = 0
         if session_cache_bytes is None:
             session_cache_bytes = available_host_memory() // 8
         self.sessions = SessionStore(session_cache_bytes, policy.selection_window, backend.max_resume_rows(),

@@ -8,12 +8,12 @@ from pathlib import Path
 from snapcompile.artifact.footprint import check_memory
 from snapcompile.artifact.manifest import ORT_WEIGHTS, WEIGHTS, Manifest
 from snapcompile.artifact.naming import (
-    FAMILY_SIZES,
     PREFILL_EMBED,
     PREFILL_HEAD,
     PREFILL_SCORES,
     TAIL_GRAPH,
     graph_name,
+    ort_size,
     prefill_layer,
 )
 from snapcompile.artifact.onnx_io import GraphSet, WeightsFile, WeightStores, save_graphs
@@ -39,7 +39,7 @@ def check_export_config(loaded: LoadedModel, export: ExportConfig) -> None:
     if export.max_context > spec.max_positions:
         raise SnapcompileError(
             f"--max-context {export.max_context} exceeds the model's {spec.max_positions} positions")
-    if spec.sliding_window is not None and spec.sliding_window < export.max_context:
+    if spec.sliding_window is not None and spec.sliding_window < export.max_context and not spec.local_layers:
         raise SnapcompileError(
             f"{loaded.name} uses sliding-window attention ({spec.sliding_window} tokens); "
             f"--max-context {export.max_context} must not exceed it")
@@ -113,7 +113,7 @@ def _ort_writers(spec, weights: Weights, export: ExportConfig, store, ort_store)
     symbolic), the tail, and the layer-by-layer prefill's embeddings, layers (each a family over the
     prefill buckets' rows) and head (naming.ort_graphs). The passes add the select graphs."""
     stores = None if store is None else WeightStores(store, *(() if ort_store is None else (ort_store,)))
-    rows = family_size("prefill", export.max_context)
+    rows = family_size("prefill", export.max_context, spec.local_layers)
     writers = {"prefill": partial(PrefillWriter, spec, weights, export, rows, stores, target="ort"),
                "decode": partial(DecodeWriter, spec, weights, export, stores, family_size("decode", export.slots),
                                  target="ort")}
@@ -121,16 +121,17 @@ def _ort_writers(spec, weights: Weights, export: ExportConfig, store, ort_store)
         writers[TAIL_GRAPH] = partial(PrefillWriter, spec, weights, export, store=stores, chunk=export.tail,
                                       name=TAIL_GRAPH, target="ort")
     writers[PREFILL_EMBED] = partial(PrefillEmbedWriter, spec, weights, export, stores, target="ort")
+    layer_rows = family_size(prefill_layer(0), export.max_context)      # a local layer's graph ignores it
     for layer in range(spec.num_layers):
-        writers[prefill_layer(layer)] = partial(PrefillLayerWriter, spec, weights, export, layer, rows, stores)
+        writers[prefill_layer(layer)] = partial(PrefillLayerWriter, spec, weights, export, layer, layer_rows, stores)
     writers[PREFILL_HEAD] = partial(PrefillHeadWriter, spec, weights, export, stores, target="ort")
     writers[PREFILL_SCORES] = partial(PrefillHeadWriter, spec, weights, export, stores, target="ort", rows=export.chunk)
     return writers
 
 
-def family_size(family: str, largest: int) -> SymbolicSize:
-    """The symbolic size of `family`'s ONNX Runtime graph (naming.FAMILY_SIZES), at most `largest`."""
-    size = FAMILY_SIZES[family]
+def family_size(family: str, largest: int, local_layers=()) -> SymbolicSize:
+    """The symbolic size of `family`'s ONNX Runtime graph (naming.ort_size), at most `largest`."""
+    size = ort_size(family, local_layers)
     return SymbolicSize(size.name, size.source, size.axis, largest)
 
 

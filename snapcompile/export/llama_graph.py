@@ -37,9 +37,15 @@ from snapcompile.export.quantize import emit_matmul, emit_nbits_matmul
 from snapcompile.export.weights import Weights, float32_name
 from snapcompile.graphs.attention import additive_mask, emit_cached_attention, emit_joined_attention, joined_mask
 from snapcompile.graphs.builder import GraphBuilder, Size, SymbolicSize
+from snapcompile.layout import WindowRing
 from snapcompile.models.spec import ModelSpec
 
 TARGETS = ("static", "ort")
+
+
+def window_ring(spec: ModelSpec, export: ExportConfig) -> WindowRing | None:
+    """The cache of the model's local (sliding-window) layers, None where it has none."""
+    return WindowRing.for_export(spec.sliding_window, export.chunk) if spec.local_layers else None
 
 
 class LlamaGraphWriter:
@@ -51,6 +57,7 @@ class LlamaGraphWriter:
         if target not in TARGETS:
             raise ValueError(f"unknown graph target {target!r}")
         self.spec, self.w, self.export, self.store, self.target = spec, weights, export, store, target
+        self.ring = window_ring(spec, export)      # the local layers' cache, where the model has them
 
     def _attach_weights(self, b: GraphBuilder) -> None:
         for name in self.w.float_names():
@@ -144,11 +151,28 @@ class LlamaGraphWriter:
         return self._matmul(b, normed, self.w.lm_head, "Gemm", transB=1)
 
     def _cache_inputs(self, b: GraphBuilder, batch: Size, length: Size,
-                      layers: int | None = None) -> list[tuple[str, str]]:
-        """past_key.{i}, past_value.{i} [batch, Hkv, length, D] of the first `layers` (default: every) layers."""
-        shape = [batch, self.spec.num_kv_heads, length, self.spec.head_dim]
-        return [(b.input(f"past_key.{i}", np.float32, shape), b.input(f"past_value.{i}", np.float32, shape))
-                for i in range(layers or self.spec.num_layers)]
+                      layers: list[int] | None = None) -> list[tuple[str, str]]:
+        """past_key.{n}, past_value.{n} [batch, Hkv, rows, D] of the n-th of `layers` (default: every
+        layer): `length` rows, a local layer's its window ring's (`window_ring`)."""
+        caches = []
+        for n, layer in enumerate(range(self.spec.num_layers) if layers is None else layers):
+            rows = self.ring.rows if layer in self.spec.local_layers else length
+            shape = [batch, self.spec.num_kv_heads, rows, self.spec.head_dim]
+            caches.append((b.input(f"past_key.{n}", np.float32, shape), b.input(f"past_value.{n}", np.float32, shape)))
+        return caches
+
+    def _ring_positions(self, b: GraphBuilder, first: str) -> str:
+        """int64 [.., Rw]: the position each window-ring row holds for a run whose first new token is at
+        `first` ([N, 1] or [1, 1]), negative where none was written (layout.WindowRing.position_at)."""
+        before = b.op("Sub", first, b.const(1))
+        rows = b.const(np.arange(self.ring.rows)[None, :])
+        return b.op("Sub", before, b.op("Mod", b.op("Sub", before, rows), b.const(self.ring.rows)))
+
+    def _sees(self, b: GraphBuilder, queries: str, held: str) -> str:
+        """bool: the query positions see the keys of positions `held` (written, and within the window)."""
+        written = b.op("GreaterOrEqual", held, b.const(0))
+        near = b.op("Less", b.op("Sub", queries, held), b.const(self.ring.window))
+        return b.op("And", written, near)
 
 
 class PrefillWriter(LlamaGraphWriter):
@@ -174,22 +198,37 @@ class PrefillWriter(LlamaGraphWriter):
         first_position = b.input("position", np.int64, [1])
         chunk_len = b.input("chunk_len", np.int64, [1])
         caches = self._cache_inputs(b, 1, L)
-        ropes, mask = self._ropes_and_mask(b, start, first_position)
+        ropes, masks = self._ropes_and_masks(b, start, first_position, range(s.num_layers))
         x = self._embed(b, ids)                                                          # [1, C, hidden]
         for i, layer in enumerate(self.w.layers):
-            x, k, v = self._layer(b, x, layer, *ropes[i], caches[i], mask)
+            x, k, v = self._layer(b, x, layer, *ropes[i], caches[i], masks[i])
             b.output(k, f"key.{i}", np.float32, [1, hkv, c, d])
             b.output(v, f"value.{i}", np.float32, [1, hkv, c, d])
         b.output(self._last_logits(b, x, chunk_len), "logits", np.float32, [1, s.vocab_size])
         return b
 
-    def _ropes_and_mask(self, b: GraphBuilder, start: str, first_position: str) -> tuple[list, str]:
-        """Each layer's (cos, sin) of the chunk's positions (`_ropes`) and the joined mask [C, R + C]
-        over the cache rows."""
+    def _ropes_and_masks(self, b: GraphBuilder, start: str, first_position: str, layers) -> tuple[list, list]:
+        """Each layer's (cos, sin) of the chunk's positions (`_ropes`) and the joined mask of each of
+        `layers` (those the graph holds; None for the others): [C, R + C] over the cache rows, a local
+        layer's [C, Rw + C] over its window ring (`_window_mask`)."""
         c, L, d = self.chunk, self.cache_rows, self.spec.head_dim
         positions = b.op("Add", b.op("Unsqueeze", b.const(np.arange(c)), b.const([0])), first_position)  # [1, C]
         ropes = self._ropes(b, positions, [1, 1, c, d // 2])
-        return ropes, joined_mask(b, b.op("Less", b.arange(L), start), L, c)             # [C, L + C]
+        local = set(self.spec.local_layers)
+        mask = joined_mask(b, b.op("Less", b.arange(L), start), L, c) if set(layers) - local else None   # [C, L + C]
+        ring = self._window_mask(b, first_position) if local & set(layers) else None
+        return ropes, [ring if i in local else mask for i in range(self.spec.num_layers)]
+
+    def _window_mask(self, b: GraphBuilder, first_position: str) -> str:
+        """The additive [C, Rw + C] mask of a local layer's chunk at `first_position` [1]: ring rows
+        holding a key within each query's window, then the chunk's tokens causally within it."""
+        c, window = self.chunk, self.ring.window
+        first = b.op("Unsqueeze", first_position, b.const([0]))                          # [1, 1]
+        queries = b.op("Add", first, b.const(np.arange(c)[:, None]))                     # [C, 1]
+        ring = additive_mask(b, self._sees(b, queries, self._ring_positions(b, first)))  # [C, Rw]
+        offset = np.arange(c)[:, None] - np.arange(c)[None, :]                           # query - key
+        chunk = additive_mask(b, b.const((offset >= 0) & (offset < window), np.bool_))
+        return b.op("Concat", ring, chunk, axis=-1)
 
     def _layer(self, b: GraphBuilder, x: str, layer: dict, cos: str, sin: str, cache: tuple[str, str],
                mask: str) -> tuple[str, str, str]:
@@ -254,9 +293,9 @@ class PrefillLayerWriter(PrefillWriter):
         x = b.input("hidden", np.float32, [1, c, s.hidden_size])
         start, first_position = b.input("start", np.int64, [1]), b.input("position", np.int64, [1])
         b.input("chunk_len", np.int64, [1])      # read by the passes' window queries
-        cache = self._cache_inputs(b, 1, self.cache_rows, layers=1)[0]
-        ropes, mask = self._ropes_and_mask(b, start, first_position)
-        x, k, v = self._layer(b, x, self.w.layers[self.layer], *ropes[self.layer], cache, mask)
+        cache = self._cache_inputs(b, 1, self.cache_rows, layers=[self.layer])[0]
+        ropes, masks = self._ropes_and_masks(b, start, first_position, [self.layer])
+        x, k, v = self._layer(b, x, self.w.layers[self.layer], *ropes[self.layer], cache, masks[self.layer])
         shape = [1, s.num_kv_heads, c, s.head_dim]
         b.output(k, "key.0", np.float32, shape)
         b.output(v, "value.0", np.float32, shape)
@@ -304,6 +343,12 @@ class DecodeWriter(LlamaGraphWriter):
         ropes = self._ropes(b, position, [n, 1, 1, d // 2])
         visible = b.op("Less", b.const(np.arange(L)[None, :]), b.op("Unsqueeze", cache_len, b.const([1])))
         cache_mask = b.op("Reshape", additive_mask(b, visible), b.shape([n, 1, 1, L]))
+        masks = [cache_mask] * s.num_layers
+        if s.local_layers:      # a local layer's ring rows within the window of the token at `position`
+            query = b.op("Unsqueeze", position, b.const([1]))                             # [N, 1]
+            sees = self._sees(b, query, self._ring_positions(b, query))                   # [N, Rw]
+            ring_mask = b.op("Reshape", additive_mask(b, sees), b.shape([n, 1, 1, self.ring.rows]))
+            masks = [ring_mask if i in s.local_layers else cache_mask for i in range(s.num_layers)]
         x = b.op("Reshape", self._embed(b, ids), b.shape([n, s.hidden_size]))
         for i, layer in enumerate(self.w.layers):
             cos, sin = ropes[i]
@@ -313,7 +358,8 @@ class DecodeWriter(LlamaGraphWriter):
             k = b.op("Reshape", self._linear(b, h, layer, "k"), b.shape([n, hkv, 1, d]))
             k = self._rotate(b, self._head_norm(b, k, layer.get("k_norm")), cos, sin)
             v = b.op("Reshape", self._linear(b, h, layer, "v"), b.shape([n, hkv, 1, d]))
-            attn = emit_cached_attention(b, q, k, v, *caches[i], cache_mask, s.attention_scale, L, 1)
+            rows = self.ring.rows if i in s.local_layers else L
+            attn = emit_cached_attention(b, q, k, v, *caches[i], masks[i], s.attention_scale, rows, 1)
             x = self._residuals(b, x, self._linear(b, b.op("Reshape", attn, b.shape([n, s.num_heads * d])), layer, "o"),
                                 layer)
             b.output(k, f"key.{i}", np.float32, [n, hkv, 1, d])

@@ -22,13 +22,14 @@ from snapcompile.plugins.contracts import DOMAIN, SELECT
 
 
 class SelectionWriter:
-    """The selection of `layers` layers (default: every one; 1 for the layer-by-layer prefill's
+    """The selection of the `layers` layers, their inputs and outputs named by layer index (default:
+    the model's global layers, every one but Gemma 3's local layers; [0] for the layer-by-layer prefill's
     select_layer, which selects one layer's rows as soon as they are prefilled)."""
 
     def __init__(self, spec: ModelSpec, policy: PolicyConfig, cache_rows: Size, name: str = "select",
-                 layers: int | None = None):
+                 layers: list[int] | None = None):
         self.spec, self.policy, self.length, self.name = spec, policy, cache_rows, name
-        self.layers = layers or spec.num_layers
+        self.layers = spec.global_layers if layers is None else layers
 
     def build(self) -> onnx.ModelProto:
         s, p, L = self.spec, self.policy, self.length
@@ -40,7 +41,7 @@ class SelectionWriter:
         fixed = b.op("Or", b.op("Less", positions, b.const([p.sinks])),
                      b.op("And", b.op("Not", prefix), b.op("Less", positions, prompt_len)))
         candidate = b.op("And", prefix, b.op("GreaterOrEqual", positions, b.const([p.sinks])))
-        for i in range(self.layers):
+        for i in self.layers:
             q = b.input(f"window_query.{i}", np.float32, [1, s.num_heads, p.window, s.head_dim])
             k = b.input(f"key.{i}", np.float32, [1, s.num_kv_heads, L, s.head_dim])
             v = b.input(f"value.{i}", np.float32, [1, s.num_kv_heads, L, s.head_dim])
@@ -124,7 +125,7 @@ def plugin_select_graph(spec: ModelSpec, policy: PolicyConfig, cache_rows: int,
     share, hkv, d = policy.resolved_prompt_share, spec.num_kv_heads, spec.head_dim
     attrs = SELECT.node_attrs(sinks=policy.sinks, window=policy.window, kernel=policy.kernel, prompt_share=share,
                               pooling=policy.pooling, scope=policy.scope, scale=spec.attention_scale)
-    for i in range(spec.num_layers):
+    for i in spec.global_layers:
         inputs = SELECT.node_inputs(
             window_query=b.input(f"window_query.{i}", np.float32, [1, spec.num_heads, policy.window, d]),
             key=b.input(f"key.{i}", np.float32, [1, hkv, cache_rows, d]),

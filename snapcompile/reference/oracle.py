@@ -179,6 +179,31 @@ class _LayerCache:
         return out.reshape(1, heads, 1, dim)
 
 
+class _WindowCache:
+    """A local (sliding-window) layer's cache (Gemma 3's): every key and value of the sequence, each
+    query seeing the keys at positions (q - window, q], the model's own rule whatever the policy (the
+    artifact holds them in a window ring: layout.WindowRing). Nothing is selected."""
+
+    selection = None
+
+    def __init__(self, window: int):
+        self.window = window
+        self.keys = self.values = None        # [Hkv, T, D] of every position fed
+
+    def attend(self, query, key, value, scale):
+        """query [1, H, C, D], key/value [1, Hkv, C, D] of the next C positions -> [1, H, C, D]."""
+        seen = 0 if self.keys is None else self.keys.shape[1]
+        self.keys = key[0] if self.keys is None else torch.cat([self.keys, key[0]], dim=1)
+        self.values = value[0] if self.values is None else torch.cat([self.values, value[0]], dim=1)
+        queries = torch.arange(seen, seen + key.shape[2])[:, None]
+        keys = torch.arange(self.keys.shape[1])[None, :]
+        visible = (keys <= queries) & (queries - keys < self.window)
+        return _attend(query, self.keys[None], self.values[None], scale, visible)
+
+    def start_resume(self, resume_at: int) -> None:
+        raise ValueError("a sliding-window layer's cache is not resumed (its window ring is not kept)")
+
+
 def summary_attention(query, keys, values, kept: int, scale: float, summary_k, summary_v, bias):
     """Attention of new tokens (query [1, H, C, D]) over summary rows (summary_k / summary_v
     [Hkv, S, D], logit bias [Hkv, S]; -inf: empty), then keys/values [Hkv, kept + C, D] (the kept
@@ -208,9 +233,11 @@ def _attend(query, key, value, scale, visible, bias=None):
 
 
 def _policy_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    cache: _LayerCache = module._snapcompile_cache
+    cache: _LayerCache | _WindowCache = module._snapcompile_cache
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    if cache.layout is None:
+    if isinstance(cache, _WindowCache):
+        out = cache.attend(query, key, value, scale)
+    elif cache.layout is None:
         out = cache.prefill(query, key, value, scale)
     elif cache.resume_rows is not None:
         out = cache.resume(query, key, value, scale)
@@ -244,8 +271,10 @@ class ReferenceSequence:
         _register()
         self.model = model
         layers = model.model.layers
-        self.caches = [self.cache_type(policy, rows_per_slot, forced_selection[i] if forced_selection else None,
-                                   record_window) for i in range(len(layers))]
+        window = getattr(model.config, "sliding_window", None)
+        self.caches = [_WindowCache(window) if getattr(layer.self_attn, "is_sliding", False) else
+                       self.cache_type(policy, rows_per_slot, forced_selection[i] if forced_selection else None,
+                                       record_window) for i, layer in enumerate(layers)]
         self.position = 0
 
     @classmethod

@@ -52,8 +52,9 @@ class SlotBackend:
         self.num_layers, self.slots, self.chunk = m.spec.num_layers, m.export.slots, m.export.chunk
         self.rows_per_slot = m.rows_per_slot
         self._layers = range(self.num_layers)
-        self.keys = [self._kv(self.slots, self.rows_per_slot) for _ in self._layers]
-        self.values = [self._kv(self.slots, self.rows_per_slot) for _ in self._layers]
+        self.ring = m.window_ring          # the local layers' cache (Gemma 3), None where the model has none
+        self.keys = [self._kv(self.slots, m.layer_rows(i)) for i in self._layers]
+        self.values = [self._kv(self.slots, m.layer_rows(i)) for i in self._layers]
         layers = m.prefill_order == "layers" and device.runs_ort_graphs and prefill_order != "chunks"
         self.prefills = (LayerPrefill if layers else PrefillRunner)(self.folder, m, device, self.keys, self.values)
         self._layer_scorer: LayerPrefill | None = None        # made at the first prompt scored (`_scorer`)
@@ -157,6 +158,9 @@ class SlotBackend:
         (`scores_prompts`); the prompt is then prefilled whole."""
         if resume is None:
             self.check_prompt(token_ids)
+        if resume is not None and self.ring is not None:
+            raise SnapcompileError("a model with sliding-window layers (Gemma 3's local layers) does not resume a "
+                                   "kept conversation yet: their window rings are not kept")
         if logits_to is None:
             return (yield from self.prefills.chunks(slot, token_ids, resume, rows_to))
         if resume is not None:
@@ -208,23 +212,31 @@ class SlotBackend:
             self.device.release_pages()
         active = np.fromiter(tokens.keys(), np.int64, len(tokens))
         slots, writes = self.device.indices(active), self.device.indices(host["write_index"][active])
+        if self.ring is not None:      # a local layer's token goes to its position's ring row
+            ring_writes = self.device.indices(host["position"][active] % self.ring.rows)
+        local = self.manifest.spec.local_layers
         for i in self._layers:
-            self.keys[i][slots, :, writes] = self.d_new_k[i][slots, :, 0]
-            self.values[i][slots, :, writes] = self.d_new_v[i][slots, :, 0]
+            rows = ring_writes if i in local else writes
+            self.keys[i][slots, :, rows] = self.d_new_k[i][slots, :, 0]
+            self.values[i][slots, :, rows] = self.d_new_v[i][slots, :, 0]
         return self.device.download(self.d_logits)
 
     # ---------------------------------------------------------------- slots
     def slot_rows(self, slot: int) -> list[tuple[np.ndarray, np.ndarray]]:
-        """Per layer the keys and values [Hkv, rows_per_slot, D] (export.kv_dtype) of `slot` on the host (views
-        on ONNX Runtime: read them before the slot runs again)."""
+        """Per layer the keys and values [Hkv, rows, D] (export.kv_dtype; rows_per_slot, a local layer's
+        its window ring's) of `slot` on the host (views on ONNX Runtime: read them before the slot runs
+        again)."""
         return [(self.device.download(self.keys[i][slot]), self.device.download(self.values[i][slot]))
                 for i in self._layers]
 
     def move_slot(self, source: int, target: int, rows: int) -> None:
         """Copy the first `rows` cache rows of slot `source` into slot `target` (the engine moves a
-        sequence to a lower slot so that its steps run on a smaller decode graph)."""
-        for cache in (*self.keys, *self.values):
-            cache[target, :, :rows] = cache[source, :, :rows]
+        sequence to a lower slot so that its steps run on a smaller decode graph); a local layer's
+        whole window ring."""
+        for i in self._layers:
+            count = self.ring.rows if i in self.manifest.spec.local_layers else rows
+            for cache in (self.keys[i], self.values[i]):
+                cache[target, :, :count] = cache[source, :, :count]
 
     def kv_bytes_allocated(self) -> int:
         """Bytes of the slot caches (allocated once, independent of prompt lengths)."""

@@ -66,6 +66,7 @@ class LayerPrefill:
         m = manifest
         self.folder, self.manifest, self.device, self.keys, self.values = folder, m, device, keys, values
         self.num_layers, self.chunk, self.max_context = m.spec.num_layers, m.export.chunk, m.export.max_context
+        self.ring, self._local = m.window_ring, m.spec.local_layers     # local layers: their slot's window ring
         self.buckets = sorted(m.export.prefill_buckets())
         self.last_seconds = {"chunks": 0.0, "select": 0.0}
         self.layers_done = 0         # of the prefill under way (or the latest), for progress and studies
@@ -122,9 +123,9 @@ class LayerPrefill:
         self.bias = {rows: zeros((1, s.num_kv_heads, rows), "float32") for rows in self.layer_graphs[0]} \
             if m.policy.summaries else {}
         self._bias_set = False
-        for layer in self.layer_graphs:
-            for rows, g in layer.items():
-                self._bind_layer_graph(g, rows)
+        for layer, graphs in enumerate(self.layer_graphs):
+            for rows, g in graphs.items():
+                self._bind_layer_graph(g, rows, layer in self._local)
         if self.select_graphs:
             self._init_select()
 
@@ -132,13 +133,18 @@ class LayerPrefill:
         s = self.manifest.spec
         return self.device.zeros((1, s.num_kv_heads, rows, s.head_dim), self.manifest.export.kv_dtype)
 
-    def _bind_layer_graph(self, g: LazyGraph, rows: int) -> None:
-        keys, values = self.prompt.view(rows)
-        for name, array in (("start", self.start), ("position", self.position), ("chunk_len", self.chunk_len),
-                            ("past_key.0", keys[0]), ("past_value.0", values[0])):
+    def _bind_layer_graph(self, g: LazyGraph, rows: int, local: bool) -> None:
+        """A layer graph's buffers; a local layer's past rows are its slot's window ring, bound as a
+        prompt starts (`_run_ring_layer`), and it has no window queries or bias."""
+        for name, array in (("start", self.start), ("position", self.position), ("chunk_len", self.chunk_len)):
             g.bind(name, array)
         for name, array in (("key.0", self.new_k), ("value.0", self.new_v), ("hidden_out", self.hidden_out)):
             g.bind(name, array, output=True)
+        if local:
+            return
+        keys, values = self.prompt.view(rows)
+        g.bind("past_key.0", keys[0])
+        g.bind("past_value.0", values[0])
         if self.select_graphs:
             g.bind("window_query.0", self.window_q, output=True)
         if self.bias:
@@ -185,6 +191,12 @@ class LayerPrefill:
         self._embed(new, spans)
         kept_rows, self.layers_done = [], 0
         for layer in range(self.num_layers):
+            if layer in self._local:
+                for count in self._run_ring_layer(slot, layer, spans, first_position):
+                    yield count / self.num_layers
+                kept_rows.append(None)
+                self.layers_done = layer + 1
+                continue
             self.prompt.reset()
             if resume:
                 self._load_rows(layer, resume, base + early)
@@ -240,6 +252,27 @@ class LayerPrefill:
             self.prompt.keys[0][:, :, start:start + count] = self.new_k[:, :, :count]
             self.prompt.values[0][:, :, start:start + count] = self.new_v[:, :, :count]
             self.prompt.filled_to(start + count)
+            written = spans[n + 1][0] - offset if n + 1 < len(spans) else self.chunk
+            self.hidden[offset:offset + written] = self.hidden_out[0, :written]
+            yield count
+
+    def _run_ring_layer(self, slot: int, layer: int, spans, first_position: int):
+        """A local layer's chunks (`_run_layer`'s, for a prompt prefilled whole): over the slot's window
+        ring, each chunk's K/V written into its positions' ring rows (layout.WindowRing). Yields each
+        chunk's token count once it ran."""
+        graph = self.layer_graphs[layer][self.max_context]        # every member reads the ring's rows
+        keys, values = self.keys[layer][slot], self.values[layer][slot]           # [Hkv, Rw, D]
+        graph.bind("past_key.0", keys[None])
+        graph.bind("past_value.0", values[None])
+        for n, (offset, count) in enumerate(spans):
+            graph.bind("hidden", self.hidden[offset:offset + self.chunk][None])
+            position = first_position + offset
+            for array, value in ((self.start, position), (self.position, position), (self.chunk_len, count)):
+                self.device.upload(array, np.array([value], np.int64))
+            graph.run()
+            rows = self.device.indices(np.arange(position, position + count) % self.ring.rows)
+            keys[:, rows] = self.new_k[0, :, :count]
+            values[:, rows] = self.new_v[0, :, :count]
             written = spans[n + 1][0] - offset if n + 1 < len(spans) else self.chunk
             self.hidden[offset:offset + written] = self.hidden_out[0, :written]
             yield count

@@ -41,6 +41,8 @@ class PrefillRunner:
         m = manifest
         self.num_layers, self.chunk, self.rows_per_slot = m.spec.num_layers, m.export.chunk, m.rows_per_slot
         self._layers = range(self.num_layers)
+        self.ring, self._local = m.window_ring, m.spec.local_layers     # local layers: their slot's window ring
+        self._global = m.spec.global_layers          # the layers whose rows the prompt caches and selections hold
         self.prefill_graph = LazyGraph(device, "prefill", m)
         self.bucket_graphs = {bucket_rows(name): LazyGraph(device, name, m)           # rows -> graph
                               for name in m.graphs if bucket_rows(name) is not None}
@@ -67,7 +69,7 @@ class PrefillRunner:
             self.prompt = PromptCache(self.device, self.num_layers, m.spec.num_kv_heads, m.spec.head_dim,
                                       m.export.max_context, m.export.kv_dtype)
             self.scratch_k, self.scratch_v = self.prompt.view(m.export.max_context)
-            for i in self._layers:     # the full graph reads the prompt's rows laid out as max_context rows
+            for i in self._global:     # the full graph reads the prompt's rows laid out as max_context rows
                 self.prefill_graph.bind(f"past_key.{i}", self.scratch_k[i])
                 self.prefill_graph.bind(f"past_value.{i}", self.scratch_v[i])
         for g in self._all_prefill_graphs():
@@ -117,7 +119,7 @@ class PrefillRunner:
                                            max(self.bucket_graphs), self.manifest.export.kv_dtype)
         for rows, g in self.bucket_graphs.items():
             self.bucket_k[rows], self.bucket_v[rows] = views.view(rows)
-            for i in self._layers:
+            for i in self._global:
                 g.bind(f"past_key.{i}", self.bucket_k[rows][i])
                 g.bind(f"past_value.{i}", self.bucket_v[rows][i])
 
@@ -143,7 +145,7 @@ class PrefillRunner:
                  *((s, self.bucket_k[rows], self.bucket_v[rows]) for rows, s in self.select_buckets.items())]
         for s, keys, values in reads:
             s.bind("prompt_len", self.sel_len)
-            for i in self._layers:
+            for i in self._global:
                 s.bind(f"window_query.{i}", self.window_q[i])
                 s.bind(f"key.{i}", keys[i])
                 s.bind(f"value.{i}", values[i])
@@ -151,7 +153,7 @@ class PrefillRunner:
                 s.bind(f"selected_value.{i}", self.sel_v[i], output=True)
                 s.bind(f"selected_index.{i}", self.sel_idx[i], output=True)
         for g in self._all_prefill_graphs():
-            for i in self._layers:
+            for i in self._global:
                 g.bind(f"window_query.{i}", self.window_q[i], output=True)
 
     def load_tail_graph(self) -> None:
@@ -196,6 +198,7 @@ class PrefillRunner:
         graph each chunk runs on. A resumed prefill's extra rows (ResumeFrom) are moved down over
         before the selection."""
         targets = self._prefill_targets(slot)
+        self._bind_rings(slot)
         if self.prompt is not None:
             self.prompt.reset()
         if self._bias_set:               # a resumed prefill abandoned mid-way (its request cancelled)
@@ -233,7 +236,7 @@ class PrefillRunner:
             if tail and offset >= early:
                 self.prompt.lay_out(self.manifest.export.max_context)   # the tail graph reads every row
                 self._run_chunk(self.tail_graph, self.t_ids, tokens, start, first_position + offset)
-                self._write_new_rows(targets, start, count, (self.t_new_k, self.t_new_v))
+                self._write_new_rows(targets, start, count, first_position + offset, (self.t_new_k, self.t_new_v))
                 yield count
                 continue
             if self.prompt is not None:
@@ -244,7 +247,7 @@ class PrefillRunner:
                     synced = self._prepare_chunk_graph(rows, targets, start)
                 graph = self.bucket_graphs.get(rows) or self.prefill_graph
             self._run_chunk(graph, self.p_ids, tokens, start, first_position + offset)
-            self._write_new_rows(targets, start, count)
+            self._write_new_rows(targets, start, count, first_position + offset)
             if synced is not None:
                 if start + count <= synced:
                     self._write_chunk(self._bucket_cache(synced), start, count)
@@ -260,14 +263,37 @@ class PrefillRunner:
         self.prompt.lay_out(rows)
         return self.bucket_graphs.get(rows) or self.prefill_graph
 
-    def _write_new_rows(self, targets, start: int, count: int, outputs=None) -> None:
-        """A chunk's new K/V into rows [start, start + count) of the targets (`_write_chunk`),
-        the PromptCache first laid out for the smallest graph that holds them."""
+    def _write_new_rows(self, targets, start: int, count: int, position: int, outputs=None) -> None:
+        """A chunk's new K/V (of tokens at `position` on) into rows [start, start + count) of the targets
+        (`_write_chunk`), the PromptCache first laid out for the smallest graph that holds them, and a
+        local layer's into its ring rows in the slot (`_write_rings`)."""
         if self.prompt is not None:
             if start + count > self.prompt.rows:
                 self.prompt.lay_out(self.prefill_rows(start + count))
             self.prompt.filled_to(start + count)
         self._write_chunk(targets, start, count, outputs)
+        self._write_rings(position, count, outputs)
+
+    def _bind_rings(self, slot: int) -> None:
+        """Every prefill graph reads a local layer's past rows from `slot`'s window ring, where the
+        chunks write them: no prompt cache, bucket copy or selection for those layers."""
+        self._ring_slot = slot
+        graphs = [*self._all_prefill_graphs(), *([self.tail_graph] if self.tail_graph is not None else [])]
+        for i in self._local:
+            for g in graphs:
+                g.bind(f"past_key.{i}", self.keys[i][slot:slot + 1])
+                g.bind(f"past_value.{i}", self.values[i][slot:slot + 1])
+
+    def _write_rings(self, position: int, count: int, outputs=None) -> None:
+        """The local layers' K/V of a chunk's `count` tokens from `position` on into their ring rows
+        (position % rows, wrapping) of the slot being prefilled."""
+        if not self._local:
+            return
+        new_keys, new_values = outputs or (self.p_new_k, self.p_new_v)
+        rows = self.device.indices(np.arange(position, position + count) % self.ring.rows)
+        for i in self._local:
+            self.keys[i][self._ring_slot][:, rows] = new_keys[i][0, :, :count]
+            self.values[i][self._ring_slot][:, rows] = new_values[i][0, :, :count]
 
     def _select(self, slot: int, targets, prompt_len: int, filled: int) -> PrefillResult:
         """The prefill's result once its `filled` rows are in the targets: a compressed prompt's
@@ -283,7 +309,7 @@ class PrefillRunner:
 
     def _hand_rows(self, rows_to: RowsTo, result: PrefillResult) -> None:
         """Every layer's filled rows of the PromptCache to rows_to, with the rows its selection kept."""
-        for i in self._layers:
+        for i in self._global:
             keys, values = (self.device.download(cache[i][0, :, :result.filled])
                             for cache in (self.prompt.keys, self.prompt.values))
             rows_to(i, keys, values, None if result.kept_rows is None else result.kept_rows[i])
@@ -343,7 +369,7 @@ class PrefillRunner:
         if rows in self.bucket_graphs:
             self._copy_rows(targets, self._bucket_cache(rows), filled)
             return rows
-        for i in self._layers:
+        for i in self._global:
             self.prefill_graph.bind(f"past_key.{i}", targets[0][i])
             self.prefill_graph.bind(f"past_value.{i}", targets[1][i])
         return None
@@ -352,8 +378,8 @@ class PrefillRunner:
         return self.bucket_k[rows], self.bucket_v[rows]
 
     def _copy_rows(self, source, target, count: int) -> None:
-        """Rows [0, count) of every layer's K and V from the caches `source` to `target`."""
-        for i in self._layers:
+        """Rows [0, count) of every global layer's K and V from the caches `source` to `target`."""
+        for i in self._global:
             target[0][i][:, :, :count] = source[0][i][:, :, :count]
             target[1][i][:, :, :count] = source[1][i][:, :, :count]
 
@@ -370,10 +396,10 @@ class PrefillRunner:
 
     def _write_chunk(self, caches, start: int, count: int, outputs=None) -> None:
         """The chunk's new K/V (`outputs`, per layer [1, Hkv, chunk, D]: the prefill graphs' by
-        default) into rows [start, start + count)."""
+        default) into rows [start, start + count) of every global layer."""
         keys, values = caches
         new_keys, new_values = outputs or (self.p_new_k, self.p_new_v)
-        for i in self._layers:
+        for i in self._global:
             keys[i][:, :, start:start + count] = new_keys[i][:, :, :count]
             values[i][:, :, start:start + count] = new_values[i][:, :, :count]
 
@@ -390,7 +416,7 @@ class PrefillRunner:
         instead of scoring max_context rows."""
         kept, prompt = layout.kept, self.prompt
         if kept == filled:
-            for i in self._layers:
+            for i in self._global:
                 self.keys[i][slot, :, :kept] = prompt.keys[i][0, :, :kept]
                 self.values[i][slot, :, :kept] = prompt.values[i][0, :, :kept]
             return None
@@ -399,16 +425,16 @@ class PrefillRunner:
         self.device.upload(self.sel_len, np.array([filled], np.int64))
         prompt.lay_out(rows if rows in self.select_buckets else self.manifest.export.max_context)
         self.select_buckets.get(rows, self.select_graph).run()
-        for i in self._layers:
+        for i in self._global:
             self.keys[i][slot, :, :kept] = self.sel_k[i][0]
             self.values[i][slot, :, :kept] = self.sel_v[i][0]
-        return [self.device.download(idx)[0].copy() for idx in self.sel_idx]
+        return [None if i in self._local else self.device.download(self.sel_idx[i])[0].copy() for i in self._layers]
 
     def _streaming_into_slot(self, slot: int, filled: int, kept: int) -> list[np.ndarray]:
         positions = np.array(self.manifest.policy.streaming_positions(filled), np.int64)
         rows = self.device.indices(positions)
-        for i in self._layers:
+        for i in self._global:
             self.keys[i][slot, :, :kept] = self.prompt.keys[i][0][:, rows]
             self.values[i][slot, :, :kept] = self.prompt.values[i][0][:, rows]
         hkv = self.manifest.spec.num_kv_heads
-        return [np.broadcast_to(positions, (hkv, kept)).copy() for _ in self._layers]
+        return [None if i in self._local else np.broadcast_to(positions, (hkv, kept)).copy() for i in self._layers]

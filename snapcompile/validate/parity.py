@@ -56,7 +56,7 @@ def compare_selection(backend_kept: list[np.ndarray], reference, tie_gap: float)
     """Per layer/head: positions kept by only one side; near-ties when the score gap < tie_gap."""
     ties, mismatches = [], []
     for layer, (ours, theirs) in enumerate(zip(backend_kept, reference)):
-        if theirs is None:          # the oracle selected nothing (all fit): its logits are compared still
+        if theirs is None or ours is None:   # nothing selected (all fit, or a local layer's window ring)
             continue
         theirs_idx = theirs.indices.numpy()
         for head in range(ours.shape[0]):
@@ -121,7 +121,7 @@ class Validator:
                 report.near_ties, report.selection_mismatches = compare_selection(
                     result.kept_rows, ref.selections(), self.tie_gap)
                 if report.near_ties and not report.selection_mismatches:
-                    forced = [torch.from_numpy(k) for k in result.kept_rows]
+                    forced = [None if k is None else torch.from_numpy(k) for k in result.kept_rows]
                     ref = self._reference(len(ids), steps, forced)
                     logits = ref.feed(ids)
             refs.append(ref)
