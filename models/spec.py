@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from types import SimpleNamespace
 
 import numpy as np
 
 from snapcompile.errors import SnapcompileError
+from snapcompile.layout import WindowRing
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                            "Gemma3ForCausalLM")
@@ -40,7 +42,11 @@ def check_config_dict(raw, where: str) -> None:
     are positive integers (checked before transformers sees it, so a bad file is one error line)."""
     if not isinstance(raw, dict):
         raise SnapcompileError(f"{where} must hold a JSON object, not {type(raw).__name__}")
-    architecture_of(raw.get("architectures"), raw.get("model_type"))
+    if architecture_of(raw.get("architectures"), raw.get("model_type")) in GEMMA_ARCHITECTURES:
+        try:
+            _check_gemma(SimpleNamespace(**{"query_pre_attn_scalar": 256, **raw}))   # transformers' default
+        except SnapcompileError as err:
+            raise SnapcompileError(f"{where}: {err}") from None
     for key in _SIZES:
         value = raw.get(key)
         if value is None:
@@ -110,6 +116,11 @@ class ModelSpec:
     sandwich_norms: bool = False  # RMSNorms on the attention's and the MLP's outputs too (Gemma: 4 a layer)
     query_scale: float | None = None   # the attention's score scale (None: head_dim ** -0.5)
     local_layers: tuple[int, ...] = ()  # layers of sliding-window attention, with the local rope base
+
+    def window_ring(self, chunk: int) -> WindowRing | None:
+        """The cache of the local (sliding-window) layers for prefill chunks of `chunk` tokens, None where
+        the model has none."""
+        return WindowRing.for_export(self.sliding_window, chunk) if self.local_layers else None
 
     @property
     def global_layers(self) -> list[int]:

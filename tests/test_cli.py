@@ -295,3 +295,19 @@ def test_a_partial_file_keeps_whole_conversations_and_refuses_another_run(tmp_pa
     with pytest.raises(SnapcompileError, match="holds results of another run"):
         open_partial(out, json.dumps({"snapcompile run": "y"}), turn_ids, force=False)
     assert open_partial(out, json.dumps({"snapcompile run": "y"}), turn_ids, force=True).finished == 0
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3"},
+     "snapcompile converts text models, not Gemma 3's multimodal checkpoints"),
+    ({"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "final_logit_softcapping": 30.0,
+      "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+      "intermediate_size": 128, "vocab_size": 320}, "final_logit_softcapping is set (30.0)"),
+], ids=["multimodal", "softcapping"])
+def test_gemma_checkpoints_the_graphs_do_not_compute_are_refused(tmp_path, config, message):
+    folder = tmp_path / "gemma"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "model.safetensors").write_bytes(b"")
+    result = invoke("export", folder, "-o", tmp_path / "o")
+    assert_one_line_error(result, message)

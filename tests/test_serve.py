@@ -1405,3 +1405,26 @@ def test_thinking_before_a_family_tool_call_is_split_off_first(long_artifact, tm
         assert required.choices[0].message.tool_calls and required.choices[0].message.reasoning_content is None
     finally:
         assert server.stop() == 0
+
+
+def test_gemma3_serves_completions_equal_to_run(tmp_path):
+    """A model with sliding-window layers (tiny-gemma3: window rings in its local layer) through the
+    server and the openai client: streamed or not, equal to `run`; the session store is off, and its
+    log says why (no kept conversation resumes yet)."""
+    from snapcompile.models import load_model
+    prompts = ["The quick brown fox jumps over the lazy dog. " * 6, "Once upon a time"]
+    artifact = build_artifact(load_model("tiny-gemma3"), tmp_path / "gemma3", ExportConfig(slots=2, max_context=512,
+                              chunk=64), TINY_SNAPSTREAM)
+    expected = run_results(artifact, prompts, 12)
+    log = tmp_path / "server.log"
+    process = ServerProcess(artifact, log=log).wait_ready()
+    try:
+        client = openai.OpenAI(base_url=process.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        for prompt, row in zip(prompts, expected):
+            whole = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0)
+            streamed = "".join(chunk.choices[0].text for chunk in client.completions.create(
+                model="tiny", prompt=prompt, max_tokens=12, temperature=0, stream=True))
+            assert whole.choices[0].text == streamed == row["text"]
+    finally:
+        assert process.stop() == 0
+    assert "the session store is off" in log.read_text()

@@ -92,6 +92,34 @@ def test_gguf_names_and_row_order_follow_transformers():
     assert gguf_hf_name("blk.7.attn_norm.weight") == "model.layers.7.input_layernorm.weight"
     assert gguf_hf_name("output_norm.weight") == "model.norm.weight"
     assert gguf_hf_name("blk.7.attn_rot.weight") is None and gguf_hf_name("blk.x.attn_q.weight") is None
+    # a gemma3 file's ffn_norm is the norm before the MLP, and it has two more norms a layer
+    assert gguf_hf_name("blk.7.ffn_norm.weight") == "model.layers.7.post_attention_layernorm.weight"
+    assert gguf_hf_name("blk.7.ffn_norm.weight", "gemma3") == "model.layers.7.pre_feedforward_layernorm.weight"
+    assert gguf_hf_name("blk.7.post_attention_norm.weight", "gemma3") == \
+        "model.layers.7.post_attention_layernorm.weight"
+    assert gguf_hf_name("blk.7.post_ffw_norm.weight", "gemma3") == "model.layers.7.post_feedforward_layernorm.weight"
+    assert gguf_hf_name("blk.7.post_ffw_norm.weight") is None
+
+
+def test_gemma_norms_are_stored_as_the_graphs_multiply_by_them_and_read_back_as_the_model_holds_them():
+    """Gemma multiplies by 1 + w: the graphs hold 1 + w (computed in float32 as transformers does), and
+    graph_weights gives w back for the oracle; the four norms of each layer are all there."""
+    import onnx
+
+    from snapcompile.export.llama_graph import DecodeWriter
+    from snapcompile.export.weights import Weights, graph_weights
+    from snapcompile.models import load_model
+    loaded = load_model("tiny-gemma3")
+    weights = Weights(loaded.tensors, loaded.spec, loaded.config)
+    model = DecodeWriter(loaded.spec, weights, ExportConfig(slots=1, max_context=64, chunk=16)).build().model()
+    held = {t.name: onnx.numpy_helper.to_array(t) for t in model.graph.initializer}
+    source = loaded.tensors.read("model.layers.1.pre_feedforward_layernorm.weight")
+    np.testing.assert_array_equal(held["l1.post_norm"], np.float32(1) + source)
+    back = graph_weights(model, loaded.spec)
+    for name in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                 "post_feedforward_layernorm", "self_attn.q_norm", "self_attn.k_norm"):
+        np.testing.assert_allclose(back[f"model.layers.0.{name}.weight"],
+                                   loaded.tensors.read(f"model.layers.0.{name}.weight"), atol=1e-7)
 
 
 @pytest.fixture(scope="module", params=["fp16", "int8", "int4"])

@@ -76,8 +76,7 @@ class Manifest:
     def window_ring(self) -> WindowRing | None:
         """The cache of the model's local (sliding-window) layers (Gemma 3's), None where it has none:
         their rows whatever the policy; the policy's rows_per_slot are the other layers'."""
-        spec = self.spec
-        return WindowRing.for_export(spec.sliding_window, self.export.chunk) if spec.local_layers else None
+        return self.spec.window_ring(self.export.chunk)
 
     def layer_rows(self, layer: int) -> int:
         """Cache rows a slot holds for `layer`: its window ring's for a local layer, else rows_per_slot."""

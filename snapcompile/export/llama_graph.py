@@ -37,15 +37,9 @@ from snapcompile.export.quantize import emit_matmul, emit_nbits_matmul
 from snapcompile.export.weights import Weights, float32_name
 from snapcompile.graphs.attention import additive_mask, emit_cached_attention, emit_joined_attention, joined_mask
 from snapcompile.graphs.builder import GraphBuilder, Size, SymbolicSize
-from snapcompile.layout import WindowRing
 from snapcompile.models.spec import ModelSpec
 
 TARGETS = ("static", "ort")
-
-
-def window_ring(spec: ModelSpec, export: ExportConfig) -> WindowRing | None:
-    """The cache of the model's local (sliding-window) layers, None where it has none."""
-    return WindowRing.for_export(spec.sliding_window, export.chunk) if spec.local_layers else None
 
 
 class LlamaGraphWriter:
@@ -57,7 +51,7 @@ class LlamaGraphWriter:
         if target not in TARGETS:
             raise ValueError(f"unknown graph target {target!r}")
         self.spec, self.w, self.export, self.store, self.target = spec, weights, export, store, target
-        self.ring = window_ring(spec, export)      # the local layers' cache, where the model has them
+        self.ring = spec.window_ring(export.chunk)      # the local layers' cache, where the model has them
 
     def _attach_weights(self, b: GraphBuilder) -> None:
         for name in self.w.float_names():
@@ -153,7 +147,7 @@ class LlamaGraphWriter:
     def _cache_inputs(self, b: GraphBuilder, batch: Size, length: Size,
                       layers: list[int] | None = None) -> list[tuple[str, str]]:
         """past_key.{n}, past_value.{n} [batch, Hkv, rows, D] of the n-th of `layers` (default: every
-        layer): `length` rows, a local layer's its window ring's (`window_ring`)."""
+        layer): `length` rows, a local layer's its window ring's (`ModelSpec.window_ring`)."""
         caches = []
         for n, layer in enumerate(range(self.spec.num_layers) if layers is None else layers):
             rows = self.ring.rows if layer in self.spec.local_layers else length
