@@ -62,7 +62,7 @@ def selection_report(loaded, ids: list[int], answer: str, budget: int) -> list[d
 
 def answers(loaded, case, policy: PolicyConfig, folder: Path, max_context: int) -> dict[str, str]:
     """Greedy answers (16 tokens) of an int8 artifact of `policy` to the eval's and the completion-style question."""
-    compile_artifact(loaded, ExportConfig(slots=1, max_context=max_context, chunk=64, weight_format="int8"),
+    compile_artifact(loaded, ExportConfig(slots=1, max_context=max_context, chunk=64, weight_format="int8", tail=0),
                      policy, folder, force=True)
     engine = Engine.from_artifact(folder, session_cache_bytes=0)
     out = {}

@@ -68,7 +68,7 @@ def _prefill_bytes(manifest: Manifest) -> int:
         rows = export.max_context + export.chunk
         return export.max_context * manifest.kv_bytes_per_token // spec.num_layers + rows * spec.hidden_size * 4
     rows = export.max_context if manifest.policy.compressed else max(export.prefill_buckets(), default=0)
-    return rows * manifest.kv_bytes_per_token
+    return rows * manifest.kv_bytes_per_token * len(spec.global_layers) // spec.num_layers   # a local layer: its ring
 
 
 def _opened_layers(manifest: Manifest) -> float:

@@ -67,7 +67,7 @@ class PrefillRunner:
         self.prompt: PromptCache | None = None
         if m.policy.compressed:    # the full prompt lives here until it is compressed into a slot
             self.prompt = PromptCache(self.device, self.num_layers, m.spec.num_kv_heads, m.spec.head_dim,
-                                      m.export.max_context, m.export.kv_dtype)
+                                      m.export.max_context, m.export.kv_dtype, skipped=self._local)
             self.scratch_k, self.scratch_v = self.prompt.view(m.export.max_context)
             for i in self._global:     # the full graph reads the prompt's rows laid out as max_context rows
                 self.prefill_graph.bind(f"past_key.{i}", self.scratch_k[i])
@@ -116,7 +116,7 @@ class PrefillRunner:
             return
         spec = self.manifest.spec
         views = self.prompt or PromptCache(self.device, self.num_layers, spec.num_kv_heads, spec.head_dim,
-                                           max(self.bucket_graphs), self.manifest.export.kv_dtype)
+                                           max(self.bucket_graphs), self.manifest.export.kv_dtype, self._local)
         for rows, g in self.bucket_graphs.items():
             self.bucket_k[rows], self.bucket_v[rows] = views.view(rows)
             for i in self._global:

@@ -19,11 +19,14 @@ class PromptCache:
     the lists are updated in place by `lay_out`, so a caller may hold them. `live` is the number of
     leading rows holding data: `lay_out` keeps those, the rest of the buffer is undefined."""
 
-    def __init__(self, device, num_layers: int, heads: int, head_dim: int, max_rows: int, dtype: str):
+    def __init__(self, device, num_layers: int, heads: int, head_dim: int, max_rows: int, dtype: str,
+                 skipped=()):
+        """skipped: layers that hold nothing here (a model's sliding-window layers, whose chunks go to
+        their slot's window ring): None in every view."""
         self.device, self.heads, self.head_dim, self.max_rows = device, heads, head_dim, max_rows
         size = heads * max_rows * head_dim
-        self._flat_k = [device.zeros((size,), dtype) for _ in range(num_layers)]
-        self._flat_v = [device.zeros((size,), dtype) for _ in range(num_layers)]
+        self._flat_k = [None if i in skipped else device.zeros((size,), dtype) for i in range(num_layers)]
+        self._flat_v = [None if i in skipped else device.zeros((size,), dtype) for i in range(num_layers)]
         self._moving = device.zeros((max_rows * head_dim,), dtype)   # one head's rows in transit
         self.rows, self.live = max_rows, 0
         self.keys, self.values = self.view(max_rows)
@@ -32,8 +35,8 @@ class PromptCache:
         """Per layer K and V views [1, Hkv, rows, D] of the buffers (new lists; no data moves):
         what a graph over `rows` rows is bound to once."""
         shape, size = (1, self.heads, rows, self.head_dim), self.heads * rows * self.head_dim
-        return ([flat[:size].reshape(shape) for flat in self._flat_k],
-                [flat[:size].reshape(shape) for flat in self._flat_v])
+        return ([None if flat is None else flat[:size].reshape(shape) for flat in self._flat_k],
+                [None if flat is None else flat[:size].reshape(shape) for flat in self._flat_v])
 
     def lay_out(self, rows: int) -> None:
         """Move the live rows into the layout of a graph over `rows` rows (live <= rows)."""
@@ -44,7 +47,7 @@ class PromptCache:
         span = self.live * self.head_dim
         old, new = self.rows * self.head_dim, rows * self.head_dim
         heads = range(self.heads - 1, 0, -1) if rows > self.rows else range(1, self.heads)   # never over a
-        for flat in (*self._flat_k, *self._flat_v):                                          # head not yet moved
+        for flat in (f for f in (*self._flat_k, *self._flat_v) if f is not None):          # head not yet moved
             for h in heads:
                 self._moving[:span] = flat[h * old:h * old + span]
                 flat[h * new:h * new + span] = self._moving[:span]
