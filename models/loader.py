@@ -76,6 +76,12 @@ RANDOM_SHAPES = {
                             hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
                             num_attention_heads=32, num_key_value_heads=8, head_dim=128, rope_theta=1000000.0,
                             max_position_embeddings=40960, tie_word_embeddings=False),
+    # 26 layers, every sixth global (the rest a 512-token sliding window); transformers' Gemma 3 defaults
+    # for the rest (query_pre_attn_scalar 256, rope bases 1M / 10k)
+    "random:gemma-3-1b": dict(model_type="gemma3_text", architectures=["Gemma3ForCausalLM"], vocab_size=262144,
+                              hidden_size=1152, intermediate_size=6912, num_hidden_layers=26, num_attention_heads=4,
+                              num_key_value_heads=1, head_dim=256, sliding_window=512, max_position_embeddings=32768,
+                              tie_word_embeddings=True),
 }
 BUILTIN_MODELS = (SMOLLM2_NAME, GEMMA3_NAME, *TINY_CONFIGS, *RANDOM_SHAPES)
 TINY_SEED = 1234

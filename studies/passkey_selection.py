@@ -81,6 +81,9 @@ def main() -> None:
     parser.add_argument("--ratio", type=int, default=4)
     parser.add_argument("--variant", action="append", default=[], help="a PolicyConfig field=value, e.g. kernel=31")
     parser.add_argument("--no-variants", action="store_true", help="the selection report only")
+    parser.add_argument("--selection-max", type=int, default=8192,
+                        help="the oracle's selection report only for prompts up to this many tokens (its float32 "
+                             "eager attention holds three heads x T x T score matrices: ~12 GiB at 16000 tokens)")
     parser.add_argument("--work", type=Path, default=Path("/tmp/passkey-selection"))
     args = parser.parse_args()
     loaded = load_model(args.model)
@@ -91,8 +94,8 @@ def main() -> None:
         case = passkey_case(loaded.tokenizer, int(length), float(depth), int(sample), args.seed, chat)
         ids = encode(loaded.tokenizer, case.prompt, chat=chat)
         budget = case.length // args.ratio
-        print(json.dumps({"case": case.key, "tokens": len(ids), "budget": budget,
-                          "selection": selection_report(loaded, ids, case.answer, budget)}), flush=True)
+        selection = selection_report(loaded, ids, case.answer, budget) if len(ids) <= args.selection_max else None
+        print(json.dumps({"case": case.key, "tokens": len(ids), "budget": budget, "selection": selection}), flush=True)
         if args.no_variants:
             continue
         policies = {"dense": PolicyConfig(policy="dense"),

@@ -239,7 +239,7 @@ def test_a_gguf_whose_metadata_disagrees_with_its_tensors_is_refused(tmp_path, k
 
 @pytest.mark.parametrize("name, params", [("random:llama-3.2-1b", 1.236e9), ("random:llama-3.1-8b", 8.03e9),
                                           ("random:qwen2.5-0.5b", 0.494e9), ("random:qwen3-0.6b", 0.596e9),
-                                          ("random:qwen3-8b", 8.19e9)])
+                                          ("random:qwen3-8b", 8.19e9), ("random:gemma-3-1b", 1.0e9)])
 def test_random_shapes_have_the_published_sizes(name, params):
     """The built-in random-weight shapes hold as many parameters as the models they stand for
     (counted on the meta device: nothing allocated)."""
