@@ -43,6 +43,20 @@ def test_a_float16_cache_artifact_fits_tensorrt(tiny_llama, tmp_path, policy):
     assert artifact_parser_problems(graphs) == []
 
 
+def test_a_gemma3_artifact_with_window_rings_fits_tensorrt(tmp_path):
+    """Gemma 3's graphs (GELU, the window rings' masks from positions: Mod, comparisons) are in TensorRT's
+    support: a SnapStream artifact of tiny-gemma3, int4 weights, the float16 cache."""
+    from snapcompile.compiler.route import compile_artifact
+    from snapcompile.models import load_model
+    export = ExportConfig(slots=2, max_context=256, chunk=32, weight_format="int4", kv_dtype="float16")
+    policy = PolicyConfig(policy="snapstream", budget=64, window=8, kernel=5)
+    compile_artifact(load_model("tiny-gemma3"), export, policy, tmp_path / "a")
+    manifest = read_manifest(tmp_path / "a")
+    graphs = {name: load_graph(tmp_path / "a", manifest, name) for name in manifest.graphs}
+    assert any(node.op_type == "Gelu" for node in graphs["decode"].graph.node)
+    assert artifact_parser_problems(graphs) == []
+
+
 def _model(nodes, inputs, initializers, opset=21, domains=()):
     graph = helper.make_graph(nodes, "g", inputs, [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
                               initializers)
