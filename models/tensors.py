@@ -211,6 +211,7 @@ class GGUFTensors:
         self.reader = gguf.GGUFReader(str(path))
         field = self.reader.fields.get("general.architecture")
         self.architecture = str(field.contents()) if field is not None else "llama"
+        self.norm_offset = np.float32(gguf_norm_offset(self.architecture))
         self.by_name, self.unknown = {}, []
         for tensor in self.reader.tensors:
             name = gguf_hf_name(tensor.name, self.architecture)
@@ -258,8 +259,8 @@ class GGUFSource(TensorSource):
         values = gguf_values(tensor).reshape(self.shapes[name])
         order = gguf_row_order(name, self.config)
         values = np.ascontiguousarray(values if order is None else values[order])
-        if name.endswith("norm.weight") and gguf_norm_offset(self.file.architecture):
-            values = values - np.float32(gguf_norm_offset(self.file.architecture))
+        if name.endswith("norm.weight") and self.file.norm_offset:
+            values = values - self.file.norm_offset
         self.file.release(tensor)
         return values
 

@@ -93,19 +93,17 @@ class Manifest:
     def dense_kv_bytes_per_slot(self) -> int:
         return self._slot_bytes(self.export.max_context)
 
-    def kv_bytes_by_layer_kind(self) -> dict[str, int]:
-        """A slot's K and V bytes of its global layers (every layer of most models) and of its local ones."""
+    def kv_bytes_by_layer_kind(self, rows: int | None = None) -> dict[str, int]:
+        """A slot's K and V bytes of its global layers (every layer of most models), holding `rows` rows
+        (default: rows_per_slot), and of its local ones (their window rings)."""
         local = len(self.spec.local_layers)
         per_layer = self.kv_bytes_per_token // self.spec.num_layers
-        return {"global": (self.spec.num_layers - local) * self.rows_per_slot * per_layer,
+        return {"global": (self.spec.num_layers - local) * (rows or self.rows_per_slot) * per_layer,
                 "local": local * self.window_ring.rows * per_layer if local else 0}
 
     def _slot_bytes(self, rows: int) -> int:
         """A slot's K and V bytes when its global layers hold `rows` rows (its local layers their ring)."""
-        local = len(self.spec.local_layers)
-        ring = self.window_ring.rows if local else 0
-        per_layer = self.kv_bytes_per_token // self.spec.num_layers
-        return ((self.spec.num_layers - local) * rows + local * ring) * per_layer
+        return sum(self.kv_bytes_by_layer_kind(rows).values())
 
     def to_dict(self) -> dict:
         return {"format_version": FORMAT_VERSION, "snapcompile_version": __version__,

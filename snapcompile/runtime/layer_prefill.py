@@ -241,19 +241,13 @@ class LayerPrefill:
             start = base + offset + (extra_rows if offset >= early else 0)
             rows = self.chunk_rows(max(start, self.prompt.live))
             self.prompt.lay_out(rows)
-            graph = self.layer_graphs[layer][rows]
-            graph.bind("hidden", self.hidden[offset:offset + self.chunk][None])
-            for array, value in ((self.start, start), (self.position, first_position + offset),
-                                 (self.chunk_len, count)):
-                self.device.upload(array, np.array([value], np.int64))
-            graph.run()
+            self._run_span(self.layer_graphs[layer][rows], offset, count, start, first_position + offset)
             if start + count > self.prompt.rows:
                 self.prompt.lay_out(self.prefill_rows(start + count))
             self.prompt.keys[0][:, :, start:start + count] = self.new_k[:, :, :count]
             self.prompt.values[0][:, :, start:start + count] = self.new_v[:, :, :count]
             self.prompt.filled_to(start + count)
-            written = spans[n + 1][0] - offset if n + 1 < len(spans) else self.chunk
-            self.hidden[offset:offset + written] = self.hidden_out[0, :written]
+            self._keep_hidden(spans, n)
             yield count
 
     def _run_ring_layer(self, slot: int, layer: int, spans, first_position: int):
@@ -265,17 +259,28 @@ class LayerPrefill:
         graph.bind("past_key.0", keys[None])
         graph.bind("past_value.0", values[None])
         for n, (offset, count) in enumerate(spans):
-            graph.bind("hidden", self.hidden[offset:offset + self.chunk][None])
             position = first_position + offset
-            for array, value in ((self.start, position), (self.position, position), (self.chunk_len, count)):
-                self.device.upload(array, np.array([value], np.int64))
-            graph.run()
+            self._run_span(graph, offset, count, position, position)
             rows = self.device.indices(np.arange(position, position + count) % self.ring.rows)
             keys[:, rows] = self.new_k[0, :, :count]
             values[:, rows] = self.new_v[0, :, :count]
-            written = spans[n + 1][0] - offset if n + 1 < len(spans) else self.chunk
-            self.hidden[offset:offset + written] = self.hidden_out[0, :written]
+            self._keep_hidden(spans, n)
             yield count
+
+    def _run_span(self, graph: LazyGraph, offset: int, count: int, start: int, position: int) -> None:
+        """Run a layer graph on the `count` new tokens from `offset` on (their hidden states), the first at
+        cache row `start` and RoPE position `position`: its outputs in new_k, new_v and hidden_out."""
+        graph.bind("hidden", self.hidden[offset:offset + self.chunk][None])
+        for array, value in ((self.start, start), (self.position, position), (self.chunk_len, count)):
+            self.device.upload(array, np.array([value], np.int64))
+        graph.run()
+
+    def _keep_hidden(self, spans, n: int) -> None:
+        """Span n's layer output back into `hidden`: up to the next span's first token (the rest of an
+        overlapped span is the next one's to write), the last span all of its chunk."""
+        offset = spans[n][0]
+        written = spans[n + 1][0] - offset if n + 1 < len(spans) else self.chunk
+        self.hidden[offset:offset + written] = self.hidden_out[0, :written]
 
     def _set_ids(self, tokens: list[int]) -> None:
         host = np.zeros(self.ids.shape, np.int64)
