@@ -106,6 +106,18 @@ class WindowRing:
         (negative: never written in this sequence)."""
         return first - 1 - (first - 1 - row) % self.rows
 
+    def held(self, end: int) -> range:
+        """The positions a ring holds once positions [0, end) were written in order, oldest first:
+        the last min(end, rows) of them."""
+        return range(max(end - self.rows, 0), end)
+
+    def resumes(self, first_held: int, first: int) -> bool:
+        """Whether a ring holding positions [first_held, end) (end >= first, each at its row) serves a
+        run whose first new token is at `first`: it holds every key of that token's window, so a row
+        still holding a position >= first only ever stands, for the graphs, for one older than any
+        new query's window (`position_at`)."""
+        return first_held <= max(first - self.window + 1, 0)
+
     def visible(self, row: int, first: int, query: int) -> bool:
         """Whether the query at position `query` (>= first) sees ring row `row` of a run starting at
         `first`: the row holds a key of this sequence within the query's window. The graphs compute

@@ -1409,8 +1409,8 @@ def test_thinking_before_a_family_tool_call_is_split_off_first(long_artifact, tm
 
 def test_gemma3_serves_completions_equal_to_run(tmp_path):
     """A model with sliding-window layers (tiny-gemma3: window rings in its local layer) through the
-    server and the openai client: streamed or not, equal to `run`; the session store is off, and its
-    log says why (no kept conversation resumes yet)."""
+    server and the openai client: streamed or not, equal to `run`; a prompt extending the first
+    one's conversation resumes from its kept cache (rings and all), as `run` answers it whole."""
     from snapcompile.models import load_model
     prompts = ["The quick brown fox jumps over the lazy dog. " * 6, "Once upon a time"]
     artifact = build_artifact(load_model("tiny-gemma3"), tmp_path / "gemma3", ExportConfig(slots=2, max_context=512,
@@ -1425,6 +1425,9 @@ def test_gemma3_serves_completions_equal_to_run(tmp_path):
             streamed = "".join(chunk.choices[0].text for chunk in client.completions.create(
                 model="tiny", prompt=prompt, max_tokens=12, temperature=0, stream=True))
             assert whole.choices[0].text == streamed == row["text"]
+        follow_up = prompts[0] + expected[0]["text"] + " And then the fox sat down to rest for a while."
+        again = client.completions.create(model="tiny", prompt=follow_up, max_tokens=12, temperature=0)
+        assert again.usage.prompt_tokens_details.cached_tokens > 0
+        assert again.choices[0].text == run_results(artifact, [follow_up], 12)[0]["text"]
     finally:
         assert process.stop() == 0
-    assert "the session store is off" in log.read_text()

@@ -77,14 +77,10 @@ class EngineCore:
         self.decode_steps = 0
         self._ended: list[TokenStep] = []      # followers ended with their leader, for the next steps out
         policy = backend.manifest.policy
-        if backend.manifest.window_ring is not None and session_cache_bytes != 0:
-            log.warning("the session store is off: a model with sliding-window layers (Gemma 3's local layers) "
-                        "does not resume a kept conversation yet (their window rings are not kept)")
-            session_cache_bytes = 0
         if session_cache_bytes is None:
             session_cache_bytes = available_host_memory() // 8
         self.sessions = SessionStore(session_cache_bytes, policy.selection_window, backend.max_resume_rows(),
-                                     backend.chunk) if session_cache_bytes else None
+                                     backend.chunk, ring=backend.manifest.window_ring) if session_cache_bytes else None
         self.session_keep = session_keep
         keeper = keeper_for(backend.manifest, session_keep,       # checks the mode whether the store is on or not
                             session_cache_bytes or None)
@@ -245,9 +241,11 @@ class EngineCore:
         """Put a finished sequence's cache into the session store (when its keeper keeps one at
         the end): it stands for the prompt and every output token but the last (never fed)."""
         fed = seq.output_ids[:-1]
+        m = self.backend.manifest
         kept = self.keeper.keep(seq.slot, lambda: slot_entry(self.backend.slot_rows(seq.slot), seq.layout,
                                                             seq.kept_positions, len(fed),
-                                                            list(seq.request.prompt_ids) + fed))
+                                                            list(seq.request.prompt_ids) + fed,
+                                                            m.window_ring, m.spec.local_layers))
         if kept is not None:
             self.sessions.put(kept, seq.request.cache_partition)
 

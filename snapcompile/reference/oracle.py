@@ -201,7 +201,8 @@ class _WindowCache:
         return _attend(query, self.keys[None], self.values[None], scale, visible)
 
     def start_resume(self, resume_at: int) -> None:
-        raise ValueError("a sliding-window layer's cache is not resumed (its window ring is not kept)")
+        """Keep the keys and values of positions < resume_at (the next fed tokens start there)."""
+        self.keys, self.values = self.keys[:, :resume_at], self.values[:, :resume_at]
 
 
 def summary_attention(query, keys, values, kept: int, scale: float, summary_k, summary_v, bias):

@@ -158,9 +158,6 @@ class SlotBackend:
         (`scores_prompts`); the prompt is then prefilled whole."""
         if resume is None:
             self.check_prompt(token_ids)
-        if resume is not None and self.ring is not None:
-            raise SnapcompileError("a model with sliding-window layers (Gemma 3's local layers) does not resume a "
-                                   "kept conversation yet: their window rings are not kept")
         if logits_to is None:
             return (yield from self.prefills.chunks(slot, token_ids, resume, rows_to))
         if resume is not None:

@@ -11,7 +11,7 @@ from typing import Protocol
 import numpy as np
 
 from snapcompile.artifact.manifest import Manifest
-from snapcompile.layout import SlotLayout
+from snapcompile.layout import SlotLayout, WindowRing
 
 
 class Graph(Protocol):
@@ -91,7 +91,9 @@ RowsTo = Callable[[int, np.ndarray, np.ndarray, "np.ndarray | None"], None]
 """rows_to(layer, keys, values, kept) of a compressed prefill: `layer`'s filled rows, keys and
 values [Hkv, filled, D] in the cache's dtype (export.kv_dtype) on the host, valid during the call
 only, and kept, [Hkv, kept] the rows its selection moved into the slot (None: rows [0, kept));
-called once a layer, in order, after the layer's selection (a keeper reads a prompt's rows so, sessions/keepers.py)."""
+called once a layer, in order, after the layer's selection (a keeper reads a prompt's rows so, sessions/keepers.py).
+A local (sliding-window) layer's are its window ring's rows once the prompt is in, the positions
+it holds in order (layout.WindowRing.held), kept None."""
 
 
 LogitsTo = Callable[[int, np.ndarray], None]
@@ -108,7 +110,10 @@ class ResumeFrom:
     [Hkv, m] or None) in row order) are attended too: right after the loaded rows, by every new
     token, or with `extra_tail_only` after the earlier new tokens, by the last export.tail new tokens
     only (on the tail graph); the rows after them then move down over them before the selection.
-    What the rows stand for is the session store's business (sessions/restore.py)."""
+    ring(layer): a local (sliding-window) layer's window ring whole, keys and values [Hkv, ring rows,
+    D] with position p at row p % rows (layout.WindowRing), loaded into the slot's ring before the
+    layer's chunks (the kept rows are then a global layer's). What the rows stand for is the session
+    store's business (sessions/restore.py)."""
 
     rows: int
     position: int
@@ -116,6 +121,14 @@ class ResumeFrom:
     extra_count: int = 0
     extra_tail_only: bool = False
     extra: Callable[[int], Iterator[tuple[np.ndarray, np.ndarray, np.ndarray | None]]] | None = None
+    ring: Callable[[int], tuple[np.ndarray, np.ndarray]] | None = None
+
+
+def ring_rows(device: Device, keys, values, ring: WindowRing, positions: int) -> tuple[np.ndarray, np.ndarray]:
+    """A window ring's keys and values [Hkv, n, D] (one slot's, on the device) on the host once
+    positions [0, positions) were written: the positions it holds, in order (WindowRing.held)."""
+    rows = np.array(ring.held(positions), np.int64) % ring.rows
+    return device.download(keys)[:, rows], device.download(values)[:, rows]
 
 
 def chunk_starts(prompt_len: int, chunk: int) -> list[int]:

@@ -48,6 +48,7 @@ from snapcompile.runtime.device import (
     RowsTo,
     bucket_holding,
     chunk_spans,
+    ring_rows,
 )
 from snapcompile.runtime.prompt_cache import PromptCache
 
@@ -192,9 +193,14 @@ class LayerPrefill:
         kept_rows, self.layers_done = [], 0
         for layer in range(self.num_layers):
             if layer in self._local:
+                if resume:
+                    self._load_ring(slot, layer, resume)
                 for count in self._run_ring_layer(slot, layer, spans, first_position):
                     yield count / self.num_layers
                 kept_rows.append(None)
+                if rows_to is not None and self.manifest.policy.compressed:
+                    rows_to(layer, *ring_rows(self.device, self.keys[layer][slot], self.values[layer][slot],
+                                              self.ring, len(token_ids)), None)
                 self.layers_done = layer + 1
                 continue
             self.prompt.reset()
@@ -308,6 +314,12 @@ class LayerPrefill:
         return self.device.download(self.logits)[0].copy()
 
     # ---------------------------------------------------------------- a resumed prompt's rows
+    def _load_ring(self, slot: int, layer: int, resume: ResumeFrom) -> None:
+        """A local layer's window ring that `resume` loads, whole, into `slot`'s ring."""
+        keys, values = resume.ring(layer)
+        self.device.upload(self.keys[layer][slot], keys)
+        self.device.upload(self.values[layer][slot], values)
+
     def _load_rows(self, layer: int, resume: ResumeFrom, extra_at: int) -> None:
         """`layer`'s rows that `resume` loads into rows [0, resume.rows) of the prompt's cache, and its
         extra rows from row `extra_at` on, each piece's logit bias in the layer graphs' cache_bias."""

@@ -27,6 +27,7 @@ from snapcompile.runtime.device import (
     RowsTo,
     bucket_holding,
     chunk_spans,
+    ring_rows,
 )
 from snapcompile.runtime.prompt_cache import PromptCache
 
@@ -213,6 +214,7 @@ class PrefillRunner:
         early = max(len(new) - tail, 0) if tail else 0
         if resume:
             self._load_rows(targets, resume, base + early)
+            self._load_rings(slot, resume)
         began = time.perf_counter()
         yield from self._run_chunks(targets, new, base, first_position, early, tail, extra_rows)
         chunks_done = time.perf_counter()
@@ -220,7 +222,7 @@ class PrefillRunner:
             self._drop_extra_rows(targets, base + early, extra_rows, len(new) - early)
         result = self._select(slot, targets, len(token_ids), base + len(new))
         if rows_to is not None and result.compressed:
-            self._hand_rows(rows_to, result)
+            self._hand_rows(rows_to, result, slot, len(token_ids))
         self.last_seconds = {"chunks": chunks_done - began, "select": time.perf_counter() - chunks_done}
         return result
 
@@ -307,18 +309,30 @@ class PrefillRunner:
         kept_rows = self._compress_into_slot(slot, layout, filled, self.prefill_rows(filled))
         return PrefillResult(logits, layout, kept_rows, filled, compressed=True)
 
-    def _hand_rows(self, rows_to: RowsTo, result: PrefillResult) -> None:
-        """Every layer's filled rows of the PromptCache to rows_to, with the rows its selection kept."""
-        for i in self._global:
+    def _hand_rows(self, rows_to: RowsTo, result: PrefillResult, slot: int, positions: int) -> None:
+        """Every global layer's filled rows of the PromptCache to rows_to, with the rows its selection
+        kept; a local layer's ring rows in `slot` after the prompt's `positions` (device.RowsTo)."""
+        for i in self._layers:
+            if i in self._local:
+                rows_to(i, *ring_rows(self.device, self.keys[i][slot], self.values[i][slot], self.ring, positions),
+                        None)
+                continue
             keys, values = (self.device.download(cache[i][0, :, :result.filled])
                             for cache in (self.prompt.keys, self.prompt.values))
             rows_to(i, keys, values, None if result.kept_rows is None else result.kept_rows[i])
+
+    def _load_rings(self, slot: int, resume: ResumeFrom) -> None:
+        """Each local layer's window ring that `resume` loads, whole, into `slot`'s ring."""
+        for i in self._local:
+            keys, values = resume.ring(i)
+            self.device.upload(self.keys[i][slot], keys)
+            self.device.upload(self.values[i][slot], values)
 
     def _load_rows(self, targets, resume: ResumeFrom, extra_at: int) -> None:
         """The rows `resume` loads into rows [0, resume.rows) of the prompt's cache, and its extra
         rows from row `extra_at` on, each piece's logit bias, where it has one, in every prefill
         graph's cache_bias input."""
-        for i in self._layers:
+        for i in self._global:
             keys, values = resume.kept(i)
             self.device.upload(targets[0][i][0, :, :resume.rows], keys)
             self.device.upload(targets[1][i][0, :, :resume.rows], values)
@@ -326,7 +340,7 @@ class PrefillRunner:
             self.prompt.filled_to(resume.rows)
         if not resume.extra_count:
             return
-        for i in self._layers:
+        for i in self._global:
             first = extra_at
             for keys, values, bias in resume.extra(i):
                 rows = slice(first, first + keys.shape[1])

@@ -161,28 +161,35 @@ class FullKeeper(Keeper):
     def reading(self, prompt: PromptRows) -> Reading | None:
         if prompt.plan is not None and prompt.plan.rows != prompt.plan.resume_at:
             return None
-        spec = self.manifest.spec
-        entry_bytes = prompt.token_ids.nbytes + prompt.prompt_len * spec.num_layers * spec.num_kv_heads * (
+        spec, ring = self.manifest.spec, self.manifest.window_ring
+        rows = sum(min(prompt.prompt_len, ring.rows) if i in spec.local_layers else prompt.prompt_len
+                   for i in range(spec.num_layers))
+        entry_bytes = prompt.token_ids.nbytes + rows * spec.num_kv_heads * (
             2 * spec.head_dim * self.manifest.export.kv_itemsize + 8)        # keys and values, int64 positions
         oversized = self.max_bytes is not None and entry_bytes > self.max_bytes
-        return _Oversized() if oversized else _FullReading(prompt)
+        return _Oversized() if oversized else _FullReading(prompt, spec.local_layers)
 
     def keep(self, slot, entry):
         return None
 
 
 class _FullReading(Reading):
-    def __init__(self, prompt: PromptRows):
-        self.prompt, self.keys, self.values = prompt, [], []
+    """Every layer's rows as handed (device.RowsTo): a global layer's every prompt position, a ring
+    layer's (`ring_layers`) the last positions of the prompt its window ring holds."""
+
+    def __init__(self, prompt: PromptRows, ring_layers: tuple[int, ...]):
+        self.prompt, self.ring_layers, self.keys, self.values = prompt, ring_layers, [], []
 
     def layer(self, i, keys, values, kept):
         self.keys.append(keys.copy())
         self.values.append(values.copy())
 
     def done(self):
-        hkv, n = self.keys[0].shape[:2]
-        positions = tuple(np.broadcast_to(np.arange(n, dtype=np.int64), (hkv, n)).copy() for _ in self.keys)
-        return KeptCache(np.array(self.prompt.token_ids, np.int64), tuple(self.keys), tuple(self.values), positions, 0)
+        end = self.prompt.prompt_len
+        positions = tuple(np.broadcast_to(np.arange(end - k.shape[1], end, dtype=np.int64), k.shape[:2]).copy()
+                          for k in self.keys)
+        return KeptCache(np.array(self.prompt.token_ids, np.int64), tuple(self.keys), tuple(self.values), positions,
+                         0, ring_layers=self.ring_layers)
 
 
 class _Oversized(Reading):
@@ -251,6 +258,9 @@ def keeper_for(manifest, mode: str, max_bytes: int | None = None) -> Keeper:
     store of `max_bytes` (None: unbounded)."""
     if mode not in SESSION_KEEP:
         raise SnapcompileError(f"--session-keep must be one of {', '.join(SESSION_KEEP)}, got {mode!r}")
+    if mode == "quantized" and manifest.window_ring is not None:
+        raise SnapcompileError("--session-keep quantized is not built for a model with sliding-window layers "
+                               "(Gemma 3's local layers): use full or slot")
     if mode == "quantized" and manifest.policy.summaries:
         raise SnapcompileError("--session-keep quantized keeps the dropped rows themselves: it does not go with "
                                "an artifact converted with --summaries (their rows take the same place)")

@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from snapcompile.layout import WindowRing
 from snapcompile.sessions.dropped import DroppedRows
 from snapcompile.sessions.kv_quant import KEY_AXIS, VALUE_AXIS, QuantizedRows, quantize_rows
 from snapcompile.sessions.summaries import RowSummaries
@@ -31,7 +32,9 @@ class KeptCache:
     per layer [Hkv, n] int64, ascending per head, all < F. compressed_at: the positions the cache
     held when its rows were last selected (0: never; every position < F that the ring did not
     overwrite is a row). summaries: the rows its selections dropped, summed (policies with summaries;
-    None otherwise). dropped: those rows themselves in 4 bits (`quantized`; None otherwise). Every
+    None otherwise). dropped: those rows themselves in 4 bits (`quantized`; None otherwise).
+    ring_layers: the model's sliding-window layers (Gemma 3's local ones), each holding its window
+    ring's rows: the last min(F, ring rows) positions, in order (layout.WindowRing.held). Every
     array is read-only: requests that resume from one entry at once copy it, none changes it."""
 
     token_ids: np.ndarray
@@ -41,6 +44,7 @@ class KeptCache:
     compressed_at: int = 0
     summaries: RowSummaries | None = None
     dropped: DroppedRows | None = None
+    ring_layers: tuple[int, ...] = ()
 
     def __post_init__(self):
         for array in (self.token_ids, *self.keys, *self.values, *self.positions):
@@ -49,8 +53,8 @@ class KeptCache:
 
     @property
     def rows(self) -> int:
-        """Cache rows per layer and KV head (at most the slot's budget)."""
-        return self.positions[0].shape[1]
+        """Cache rows per layer and KV head (at most the slot's budget) of the layers that are not rings."""
+        return next(p for i, p in enumerate(self.positions) if i not in self.ring_layers).shape[1]
 
     @property
     def nbytes(self) -> int:
@@ -63,6 +67,17 @@ class KeptCache:
         float32)."""
         return tuple(held.dequantize(rows) if isinstance(held, QuantizedRows) else held[:, :rows]
                      for held in (self.keys[layer], self.values[layer]))
+
+    def ring_order(self, layer: int, ring: WindowRing) -> tuple[np.ndarray, np.ndarray]:
+        """A ring layer's keys and values [Hkv, ring.rows, D] laid out as its window ring: position p
+        at row p % ring.rows (rows it does not hold are zeros, which the graphs never see)."""
+        rows = self.positions[layer][0] % ring.rows
+        laid_out = []
+        for held in (self.keys[layer], self.values[layer]):
+            ring_rows = np.zeros((held.shape[0], ring.rows, held.shape[2]), held.dtype)
+            ring_rows[:, rows] = held
+            laid_out.append(ring_rows)
+        return tuple(laid_out)
 
     def quantized(self, dropped: DroppedRows, max_bytes: int) -> KeptCache:
         """This entry with its rows in KEPT_BITS and `dropped` beside them, less their oldest
@@ -94,16 +109,20 @@ def common_prefix(a: np.ndarray, b: list[int]) -> int:
 
 
 def plan_resume(kept: KeptCache, token_ids: list[int], window: int, max_rows: int,
-                min_tokens: int = 1) -> ResumePlan | None:
+                min_tokens: int = 1, ring: WindowRing | None = None) -> ResumePlan | None:
     """How `token_ids` (T of them) resumes from `kept`, or None when it cannot: fewer than
     `min_tokens` common tokens left once the last max(window, 1) are prefilled anew, a resume point
     before the kept rows' selection (`compressed_at`) or one that cuts them unevenly across heads,
-    or more than `max_rows` rows to prefill against (the artifact's prefill cache). The entry's
-    dropped rows are attended too when they fit in max_rows as well."""
+    one whose first new token's window the entry's rings no longer hold (`ring`: the model's window
+    ring, WindowRing.resumes), or more than `max_rows` rows to prefill against (the artifact's
+    prefill cache). The entry's dropped rows are attended too when they fit in max_rows as well."""
     resume_at = min(common_prefix(kept.token_ids, token_ids), len(token_ids) - max(window, 1))
     if resume_at < max(min_tokens, 1) or resume_at < kept.compressed_at:
         return None
-    counts = {int(c) for positions in kept.positions for c in (positions < resume_at).sum(axis=1)}
+    if any(not ring.resumes(int(kept.positions[i][0, 0]), resume_at) for i in kept.ring_layers):
+        return None
+    counts = {int(c) for i, positions in enumerate(kept.positions) if i not in kept.ring_layers
+              for c in (positions < resume_at).sum(axis=1)}
     if len(counts) != 1:
         return None
     rows = counts.pop()
@@ -127,8 +146,9 @@ def row_positions(plan: ResumePlan | None, prompt_len: int, filled: int, kv_head
 def positions_of_rows(plan: ResumePlan, prompt_len: int, kept_rows: list[np.ndarray] | None,
                       kept: int) -> list[np.ndarray]:
     """Per layer [Hkv, kept] positions of the rows a resumed prefill kept (kept_rows: per layer
-    [Hkv, kept] prefilled rows the selection kept; None: rows [0, kept))."""
+    [Hkv, kept] prefilled rows the selection kept; None: rows [0, kept)); None for a ring layer."""
     hkv, filled = plan.kept.positions[0].shape[0], plan.rows + prompt_len - plan.resume_at
-    tables = (row_positions(plan, prompt_len, filled, hkv, i) for i in range(len(plan.kept.positions)))
-    return [table[:, :kept].copy() if kept_rows is None else np.take_along_axis(table, kept_rows[i], axis=1)
-            for i, table in enumerate(tables)]
+    tables = (None if i in plan.kept.ring_layers else row_positions(plan, prompt_len, filled, hkv, i)
+              for i in range(len(plan.kept.positions)))
+    return [None if table is None else table[:, :kept].copy() if kept_rows is None
+            else np.take_along_axis(table, kept_rows[i], axis=1) for i, table in enumerate(tables)]

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from snapcompile.errors import SnapcompileError
-from snapcompile.layout import SlotLayout
+from snapcompile.layout import SlotLayout, WindowRing
 from snapcompile.runtime.device import PrefillResult, ResumeFrom
 from snapcompile.sessions.keepers import PromptRows, Reading, ResumeRows
 from snapcompile.sessions.kept import KeptCache, ResumePlan, positions_of_rows
@@ -37,8 +37,10 @@ def resumed_prefill(backend, slot: int, plan: ResumePlan, token_ids: list[int], 
     if plan.dropped_rows != tail_rows:
         raise SnapcompileError(f"the plan attends over {plan.dropped_rows} dropped rows but {tail_rows} were "
                                "given (the quantized keeper's resume_rows)")
+    ring = backend.manifest.window_ring
     resume = ResumeFrom(plan.rows, plan.resume_at, lambda layer: plan.kept.layer_rows(layer, plan.rows),
-                        extra.count if extra else 0, bool(extra and extra.tail_only), extra.pieces if extra else None)
+                        extra.count if extra else 0, bool(extra and extra.tail_only), extra.pieces if extra else None,
+                        lambda layer: plan.kept.ring_order(layer, ring))
     return (yield from backend.prefill_chunks(slot, token_ids, resume, rows_to))
 
 
@@ -60,11 +62,14 @@ def prompt_reading(keeper, manifest, slot: int, plan: ResumePlan | None, token_i
 
 
 def slot_entry(rows: list[tuple[np.ndarray, np.ndarray]], layout: SlotLayout, kept: list[np.ndarray] | None,
-               fed: int, token_ids: list[int]) -> KeptCache:
+               fed: int, token_ids: list[int], ring: WindowRing | None = None,
+               ring_layers: tuple[int, ...] = ()) -> KeptCache:
     """The cache of a finished sequence as host arrays in position order (the cache's dtype): its kept prompt
     rows (`kept`, per layer [Hkv, kept] positions as `kept_positions` gives them) and the `fed` decode
-    tokens the slot still holds. rows: the slot's keys and values per layer [Hkv, rows_per_slot, D]
-    (SlotBackend.slot_rows); token_ids: the prompt and the fed output tokens (len = positions covered)."""
+    tokens the slot still holds; a ring layer's (`ring_layers`, Gemma 3's local ones) the positions
+    its window `ring` holds. rows: the slot's keys and values per layer [Hkv, rows_per_slot, D] (a
+    ring layer's [Hkv, ring.rows, D]; SlotBackend.slot_rows); token_ids: the prompt and the fed
+    output tokens (len = positions covered)."""
     hkv = rows[0][0].shape[0]
     decoded = layout.fed_rows(fed)
     prompt = np.broadcast_to(np.arange(layout.kept), (hkv, layout.kept))
@@ -72,7 +77,13 @@ def slot_entry(rows: list[tuple[np.ndarray, np.ndarray]], layout: SlotLayout, ke
                                                         (hkv, len(decoded)))], axis=1)
     decoded_positions = np.broadcast_to(np.array([p for _, p in decoded], np.int64), (hkv, len(decoded)))
     keys, values, positions = [], [], []
+    held = np.array(ring.held(len(token_ids)), np.int64) if ring_layers else None
     for i, (layer_keys, layer_values) in enumerate(rows):
+        if i in ring_layers:
+            keys.append(layer_keys[:, held % ring.rows])
+            values.append(layer_values[:, held % ring.rows])
+            positions.append(np.broadcast_to(held, (hkv, len(held))).copy())
+            continue
         layer_positions = np.concatenate([prompt if kept is None else kept[i], decoded_positions], axis=1)
         order = np.argsort(layer_positions, axis=1, kind="stable")
         layer_rows = np.take_along_axis(slot_rows, order, axis=1)[:, :, None]
@@ -80,4 +91,4 @@ def slot_entry(rows: list[tuple[np.ndarray, np.ndarray]], layout: SlotLayout, ke
         values.append(np.take_along_axis(layer_values, layer_rows, axis=1))
         positions.append(np.take_along_axis(layer_positions, order, axis=1))
     return KeptCache(np.array(token_ids, np.int64), tuple(keys), tuple(values), tuple(positions),
-                     layout.prompt_len if layout.compressed else 0)
+                     layout.prompt_len if layout.compressed else 0, ring_layers=tuple(ring_layers))

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from snapcompile.layout import WindowRing
 from snapcompile.sessions.kept import KeptCache, ResumePlan, common_prefix, plan_resume
 from snapcompile.sessions.prefix_index import PrefixIndex
 
@@ -30,14 +31,15 @@ class StoreCounters:
 
 class SessionStore:
     def __init__(self, max_bytes: int, window: int, max_rows: int, min_tokens: int = 1,
-                 max_entries: int = MAX_ENTRIES):
+                 max_entries: int = MAX_ENTRIES, ring: WindowRing | None = None):
         """window: tokens a resumed request prefills anew at least (the policy's observation window,
         0 without a selection); max_rows: the rows a resumed prefill may attend over; min_tokens:
-        the fewest tokens worth resuming (the engine uses one prefill chunk: less saves nothing)."""
+        the fewest tokens worth resuming (the engine uses one prefill chunk: less saves nothing);
+        ring: the model's window ring (layers of sliding-window attention; plan_resume)."""
         if max_bytes < 0 or max_entries < 1:
             raise ValueError("max_bytes must be >= 0 and max_entries >= 1")
         self.max_bytes, self.window, self.max_rows, self.max_entries = max_bytes, window, max_rows, max_entries
-        self.min_tokens = min_tokens
+        self.min_tokens, self.ring = min_tokens, ring
         # (partition, token-id bytes) -> entry, least recently used first; and each partition's keys
         self._entries: OrderedDict[tuple[str, bytes], KeptCache] = OrderedDict()
         self._partitions: dict[str, dict[tuple[str, bytes], None]] = {}
@@ -116,7 +118,7 @@ class SessionStore:
                 reach = min(shared + common_prefix(kept.token_ids[shared:bound], prompt[shared:bound]), limit)
                 if reach < kept.compressed_at or (best is not None and (reach, -tick) <= (best[0], -best[1])):
                     continue
-                plan = plan_resume(kept, prompt, self.window, self.max_rows, self.min_tokens)
+                plan = plan_resume(kept, prompt, self.window, self.max_rows, self.min_tokens, self.ring)
                 if plan is not None and (best is None or (plan.resume_at, -tick) > (best[0], -best[1])):
                     best = (plan.resume_at, tick, key, plan)
         if best is None:

@@ -182,10 +182,12 @@ class Validator:
                     break
                 if reading is not None:
                     reading.done()
-                entry = slot_entry(self.backend.slot_rows(0), result.layout, positions, steps, ids + fed[:-1])
+                m = self.manifest
+                entry = slot_entry(self.backend.slot_rows(0), result.layout, positions, steps, ids + fed[:-1],
+                                   m.window_ring, m.spec.local_layers)
                 kept = keeper.keep(0, lambda entry=entry: entry)
                 ids = ids + fed + follow_up
-                plan = plan_resume(kept, ids, window, self.backend.max_resume_rows())
+                plan = plan_resume(kept, ids, window, self.backend.max_resume_rows(), ring=m.window_ring)
                 if plan is None:
                     raise SnapcompileError(f"turn {turn + 1} cannot resume from the kept cache: it adds "
                                            f"{len(fed) + len(follow_up)} tokens and must add at least the "
