@@ -117,3 +117,16 @@ def test_quantized_keep_is_refused_by_name(gemma3_dirs):
     with pytest.raises(SnapcompileError, match="quantized is not built for a model with sliding-window"):
         _engine(gemma3_dirs["snapstream"], session_cache_bytes=2**26, session_keep="quantized")
 
+
+
+@pytest.mark.parametrize("policy", ["dense", "snapstream"])
+def test_validate_turns_resume_the_rings(gemma3, gemma3_dirs, policy):
+    """`validate --turns` on tiny-gemma3: every turn resumed from the slot's entry (rings and all), its
+    logits against the oracle's multi-turn policy."""
+    from snapcompile.validate.parity import Validator, summarize
+    validator = Validator(gemma3_dirs[policy], gemma3.model)
+    reports = validator.run_turns(random_prompts([150, 20], seed=3), 40, 3, random_prompts([30], seed=9)[0])
+    summary = summarize(reports, 40)
+    assert summary["resumed_tokens"] == [0, 190, 261, 0, 60, 131]
+    assert not summary["selection_mismatches"]
+    assert summary["max_abs_logit_diff"] <= 1e-4 and summary["greedy_agreement"] == 1.0
