@@ -11,7 +11,7 @@ from typing import Protocol
 import numpy as np
 
 from snapcompile.artifact.manifest import Manifest
-from snapcompile.layout import SlotLayout, WindowRing
+from snapcompile.layout import SlotLayout
 
 
 class Graph(Protocol):
@@ -122,13 +122,6 @@ class ResumeFrom:
     extra_tail_only: bool = False
     extra: Callable[[int], Iterator[tuple[np.ndarray, np.ndarray, np.ndarray | None]]] | None = None
     ring: Callable[[int], tuple[np.ndarray, np.ndarray]] | None = None
-
-
-def ring_rows(device: Device, keys, values, ring: WindowRing, positions: int) -> tuple[np.ndarray, np.ndarray]:
-    """A window ring's keys and values [Hkv, n, D] (one slot's, on the device) on the host once
-    positions [0, positions) were written: the positions it holds, in order (WindowRing.held)."""
-    rows = np.array(ring.held(positions), np.int64) % ring.rows
-    return device.download(keys)[:, rows], device.download(values)[:, rows]
 
 
 def chunk_starts(prompt_len: int, chunk: int) -> list[int]:

@@ -48,8 +48,8 @@ from snapcompile.runtime.device import (
     RowsTo,
     bucket_holding,
     chunk_spans,
-    ring_rows,
 )
+from snapcompile.runtime.layer_rows import load_resumed_rows, load_ring, move_rows_down, ring_rows, streaming_rows
 from snapcompile.runtime.prompt_cache import PromptCache
 
 
@@ -194,7 +194,7 @@ class LayerPrefill:
         for layer in range(self.num_layers):
             if layer in self._local:
                 if resume:
-                    self._load_ring(slot, layer, resume)
+                    load_ring(self.device, self.keys[layer][slot], self.values[layer][slot], resume, layer)
                 for count in self._run_ring_layer(slot, layer, spans, first_position):
                     yield count / self.num_layers
                 kept_rows.append(None)
@@ -314,30 +314,11 @@ class LayerPrefill:
         return self.device.download(self.logits)[0].copy()
 
     # ---------------------------------------------------------------- a resumed prompt's rows
-    def _load_ring(self, slot: int, layer: int, resume: ResumeFrom) -> None:
-        """A local layer's window ring that `resume` loads, whole, into `slot`'s ring."""
-        keys, values = resume.ring(layer)
-        self.device.upload(self.keys[layer][slot], keys)
-        self.device.upload(self.values[layer][slot], values)
-
     def _load_rows(self, layer: int, resume: ResumeFrom, extra_at: int) -> None:
         """`layer`'s rows that `resume` loads into rows [0, resume.rows) of the prompt's cache, and its
         extra rows from row `extra_at` on, each piece's logit bias in the layer graphs' cache_bias."""
-        keys, values = resume.kept(layer)
-        self.device.upload(self.prompt.keys[0][0, :, :resume.rows], keys)
-        self.device.upload(self.prompt.values[0][0, :, :resume.rows], values)
-        self.prompt.filled_to(resume.rows)
-        if not resume.extra_count:
-            return
-        first = extra_at
-        for keys, values, bias in resume.extra(layer):
-            rows = slice(first, first + keys.shape[1])
-            self.device.upload(self.prompt.keys[0][0, :, rows], keys)
-            self.device.upload(self.prompt.values[0][0, :, rows], values)
-            if bias is not None:
-                self._set_cache_bias(rows, bias)
-            first = rows.stop
-        self.prompt.filled_to(first)
+        self.prompt.filled_to(load_resumed_rows(self.device, self.prompt.keys[0], self.prompt.values[0], resume,
+                                                layer, extra_at, self._set_cache_bias))
 
     def _set_cache_bias(self, rows: slice, bias: np.ndarray) -> None:
         if not self.bias:
@@ -354,9 +335,7 @@ class LayerPrefill:
 
     def _drop_extra_rows(self, first: int, count: int, new: int) -> None:
         """The `new` tokens' rows move from `first + count` down to `first`, over the extra rows."""
-        for cache in (self.prompt.keys[0], self.prompt.values[0]):
-            moved = self.device.download(cache[0, :, first + count:first + count + new]).copy()
-            self.device.upload(cache[0, :, first:first + new], moved)
+        move_rows_down(self.device, (self.prompt.keys[0], self.prompt.values[0]), first, count, new)
         self.prompt.truncate(first + new)
         self._clear_cache_bias()
 
@@ -371,8 +350,7 @@ class LayerPrefill:
             self.values[layer][slot, :, :kept] = values[0, :, :kept]
             return None
         if not self.select_graphs:
-            positions = np.array(self.manifest.policy.streaming_positions(filled), np.int64)
-            rows = self.device.indices(positions)
+            positions, rows = streaming_rows(self.device, self.manifest.policy, filled)
             self.keys[layer][slot, :, :kept] = keys[0][:, rows]
             self.values[layer][slot, :, :kept] = values[0][:, rows]
             return np.broadcast_to(positions, (self.manifest.spec.num_kv_heads, kept)).copy()

@@ -11,6 +11,7 @@ kept rows into the slot once per request.
 from __future__ import annotations
 
 import time
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -27,8 +28,8 @@ from snapcompile.runtime.device import (
     RowsTo,
     bucket_holding,
     chunk_spans,
-    ring_rows,
 )
+from snapcompile.runtime.layer_rows import load_resumed_rows, load_ring, move_rows_down, ring_rows, streaming_rows
 from snapcompile.runtime.prompt_cache import PromptCache
 
 
@@ -324,33 +325,18 @@ class PrefillRunner:
     def _load_rings(self, slot: int, resume: ResumeFrom) -> None:
         """Each local layer's window ring that `resume` loads, whole, into `slot`'s ring."""
         for i in self._local:
-            keys, values = resume.ring(i)
-            self.device.upload(self.keys[i][slot], keys)
-            self.device.upload(self.values[i][slot], values)
+            load_ring(self.device, self.keys[i][slot], self.values[i][slot], resume, i)
 
     def _load_rows(self, targets, resume: ResumeFrom, extra_at: int) -> None:
         """The rows `resume` loads into rows [0, resume.rows) of the prompt's cache, and its extra
         rows from row `extra_at` on, each piece's logit bias, where it has one, in every prefill
         graph's cache_bias input."""
+        filled = resume.rows
         for i in self._global:
-            keys, values = resume.kept(i)
-            self.device.upload(targets[0][i][0, :, :resume.rows], keys)
-            self.device.upload(targets[1][i][0, :, :resume.rows], values)
+            filled = load_resumed_rows(self.device, targets[0][i], targets[1][i], resume, i, extra_at,
+                                       partial(self._set_cache_bias, i))
         if self.prompt is not None:
-            self.prompt.filled_to(resume.rows)
-        if not resume.extra_count:
-            return
-        for i in self._global:
-            first = extra_at
-            for keys, values, bias in resume.extra(i):
-                rows = slice(first, first + keys.shape[1])
-                self.device.upload(targets[0][i][0, :, rows], keys)
-                self.device.upload(targets[1][i][0, :, rows], values)
-                if bias is not None:
-                    self._set_cache_bias(i, rows, bias)
-                first = rows.stop
-            if self.prompt is not None:
-                self.prompt.filled_to(first)
+            self.prompt.filled_to(filled)
 
     def _set_cache_bias(self, layer: int, rows: slice, bias: np.ndarray) -> None:
         if not self.p_bias:
@@ -363,9 +349,7 @@ class PrefillRunner:
     def _drop_extra_rows(self, targets, first: int, count: int, new: int) -> None:
         """After a resumed prefill: the `new` tokens' rows move from `first + count` down to `first`
         (over the extra rows) and every cache bias is zero again."""
-        for cache in (*targets[0], *targets[1]):
-            moved = self.device.download(cache[0, :, first + count:first + count + new]).copy()
-            self.device.upload(cache[0, :, first:first + new], moved)
+        move_rows_down(self.device, [cache[i] for cache in targets for i in self._global], first, count, new)
         if self.prompt is not None:
             self.prompt.truncate(first + new)
         self._clear_cache_bias()
@@ -445,8 +429,7 @@ class PrefillRunner:
         return [None if i in self._local else self.device.download(self.sel_idx[i])[0].copy() for i in self._layers]
 
     def _streaming_into_slot(self, slot: int, filled: int, kept: int) -> list[np.ndarray]:
-        positions = np.array(self.manifest.policy.streaming_positions(filled), np.int64)
-        rows = self.device.indices(positions)
+        positions, rows = streaming_rows(self.device, self.manifest.policy, filled)
         for i in self._global:
             self.keys[i][slot, :, :kept] = self.prompt.keys[i][0][:, rows]
             self.values[i][slot, :, :kept] = self.prompt.values[i][0][:, rows]
