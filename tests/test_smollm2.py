@@ -122,3 +122,23 @@ def test_weight_formats_keep_parity(smollm2, tmp_path, weights, policy):
     assert summary["max_abs_logit_diff"] <= tolerance(export)
     assert summary["greedy_agreement"] == 1.0
     assert not summary["selection_mismatches"]
+
+
+def test_the_memory_figure_counts_the_tokenizer_a_run_loads(smol_snap):
+    """The figure's tokenizer term (ten times tokenizer.json's bytes) is what loading the artifact's
+    tokenizer as `run` does adds to a fresh process, within a factor of 1.5 (37 MiB for 34 here)."""
+    import subprocess
+    import sys
+
+    from snapcompile.artifact.footprint import memory_needed
+    from snapcompile.artifact.manifest import read_manifest
+    code = ("import sys; from pathlib import Path; import psutil; "
+            "from snapcompile.artifact.files import artifact_tokenizer; "
+            "from snapcompile.artifact.manifest import read_manifest; "
+            "folder = Path(sys.argv[1]); manifest = read_manifest(folder); process = psutil.Process(); "
+            "before = process.memory_info().rss; artifact_tokenizer(folder, manifest); "
+            "print(process.memory_info().rss - before)")
+    grown = int(subprocess.run([sys.executable, "-c", code, str(smol_snap)], capture_output=True, text=True,
+                               check=True).stdout)
+    figure = memory_needed(read_manifest(smol_snap))["tokenizer"]
+    assert figure > 30 * 2**20 and figure / 1.5 <= grown <= figure * 1.5

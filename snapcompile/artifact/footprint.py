@@ -27,6 +27,10 @@ provider at its worst: every slot full, a prompt of max_context tokens. Its part
   artifact's prefill graphs attend a KV head at a time (passes/attention_heads.py): one head's key and
   value slices and joined rows and three of its score tensors, twice (measured 0.91 GiB for 1.25
   predicted at the 8B shape and 131072 rows, docs/results/performance.md);
+- tokenizer: the Rust tokenizer `tokenizers` builds from the artifact's tokenizer.json (what `run`
+  and `serve` load, models/file_tokenizer.py), about ten times the file's bytes (measured: Gemma 3's
+  262144-token vocabulary, a 31.8 MiB file, 295 MiB resident; SmolLM2's 3.4 MiB file, 37 MiB); 0
+  until the manifest lists the file (convert's check of the shapes it is asked for);
 - runtime: the interpreter and the libraries a `run` process has loaded before opening anything.
 """
 from __future__ import annotations
@@ -36,6 +40,7 @@ from snapcompile.config import HEAD_BITS, QUANT_BITS
 from snapcompile.memory import check_fits, gib
 
 RUNTIME_BYTES = 96 * 2**20              # `snapcompile run` before the artifact opens (~75-90 MB measured)
+TOKENIZER_RSS_PER_FILE_BYTE = 10        # tokenizers' resident bytes per byte of tokenizer.json (9.3 / 11 measured)
 GRAPH_BYTES_PER_LAYER = 2**19         # a weight-bearing session: ~13-16 MiB at 30-32 layers
 PACKED_BLOCK_BYTES = 12                 # MatMulNBits' pre-packed extra per block of weights
 PACKED_WEIGHT_EXTRA = 0.027             # and per weight: the fit of int4 0.90 / 0.71 / 0.62 and 8-bit
@@ -55,6 +60,7 @@ def memory_needed(manifest: Manifest) -> dict[str, int]:
             "resident_weights": _resident_weight_bytes(m),
             "opened_graphs": int(_opened_layers(m) * GRAPH_BYTES_PER_LAYER),
             "work_space": _work_space_bytes(m),
+            "tokenizer": TOKENIZER_RSS_PER_FILE_BYTE * m.files.get("tokenizer.json", {}).get("bytes", 0),
             "runtime": RUNTIME_BYTES}
 
 
@@ -124,6 +130,6 @@ def check_memory(manifest: Manifest, available: int | None = None) -> None:
             f"{manifest.rows_per_slot} rows, {gib(needed['prefill_caches'])} of one prompt's prefill caches for "
             f"{manifest.export.max_context} positions, {gib(needed['packed_weights'] + needed['resident_weights'])} "
             f"of weights as the runtime holds them, {gib(needed['opened_graphs'] + needed['work_space'])} of opened "
-            "graphs and work space)")
+            f"graphs and work space, {gib(needed['tokenizer'])} of tokenizer)")
     check_fits(sum(needed.values()), what, "convert with fewer --slots (or --no-slot-buckets) or a smaller "
                "--budget / --max-context", available)
