@@ -13,7 +13,7 @@ from snapcompile.models import load_model
 from snapcompile.runtime.ort_backend import OrtBackend
 from snapcompile.sessions.kept import KeptCache, plan_resume
 from tests.conftest import TINY_SNAPSTREAM, build_artifact, random_prompts
-from tests.test_sessions import _oracle_conversation
+from tests.test_sessions import _oracle_conversation, run_conversation
 
 RING = WindowRing.for_export(40, 64)
 
@@ -70,13 +70,7 @@ def test_slot_keep_resumes_each_turn_as_the_oracle_does(gemma3, gemma3_dirs, pol
     turns = random_prompts([200, 30, 12], seed=5)
     other, = random_prompts([150], seed=9)
     steps = 40
-    ids, outputs, cached = [], [], []
-    for turn in turns:
-        ids = ids + (outputs[-1] if outputs else []) + turn
-        result, = engine.generate([Request(ids, max_new_tokens=steps, ignore_eos=True)])
-        outputs.append(result.output_ids)
-        cached.append(result.cached_tokens)
-        engine.generate([Request(other, max_new_tokens=3, ignore_eos=True)])
+    outputs, cached = run_conversation(engine, turns, steps, Request(other, max_new_tokens=3, ignore_eos=True))
     manifest = engine.backend.manifest
     rows = engine.backend.rows_per_slot if manifest.policy.compressed else 512
     assert outputs == _oracle_conversation(gemma3.model, manifest.policy, rows, turns, steps)

@@ -186,6 +186,21 @@ def test_a_new_conversation_sharing_a_system_prompt_with_every_entry_plans_at_mo
 # ---------------------------------------------------------------- through the engine
 
 
+def run_conversation(engine, turns, steps: int, between: Request | None = None):
+    """Each turn sends the conversation so far (every earlier turn and answer) and its own tokens,
+    `steps` greedy tokens a turn: each turn's output ids and cached tokens. between: a request run
+    after each turn."""
+    ids, outputs, cached = [], [], []
+    for turn in turns:
+        ids = ids + (outputs[-1] if outputs else []) + turn
+        result, = engine.generate([Request(ids, max_new_tokens=steps, ignore_eos=True)])
+        outputs.append(result.output_ids)
+        cached.append(result.cached_tokens)
+        if between is not None:
+            engine.generate([between])
+    return outputs, cached
+
+
 def _oracle_conversation(model, policy, rows, turns, steps):
     """Greedy tokens of each turn under the oracle's multi-turn policy, with the resume points
     the engine's store gives (the same rule)."""
@@ -213,12 +228,7 @@ def test_resumed_turns_equal_the_oracle_multi_turn_policy(request, tiny_llama, f
     engine = _engine(folder, session_cache_bytes=2**26, session_keep="slot")
     turns = random_prompts([200, 30, 12], seed=5)
     steps = 40
-    ids, outputs, cached = [], [], []
-    for turn in turns:
-        ids = ids + (outputs[-1] if outputs else []) + turn
-        result, = engine.generate([Request(ids, max_new_tokens=steps, ignore_eos=True)])
-        outputs.append(result.output_ids)
-        cached.append(result.cached_tokens)
+    outputs, cached = run_conversation(engine, turns, steps)
     policy = engine.backend.manifest.policy
     rows = engine.backend.rows_per_slot if policy.compressed else 512
     assert outputs == _oracle_conversation(tiny_llama.model, policy, rows, turns, steps)
