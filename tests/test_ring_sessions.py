@@ -70,7 +70,7 @@ def test_slot_keep_resumes_each_turn_as_the_oracle_does(gemma3, gemma3_dirs, pol
     turns = random_prompts([200, 30, 12], seed=5)
     other, = random_prompts([150], seed=9)
     steps = 40
-    outputs, cached = run_conversation(engine, turns, steps, Request(other, max_new_tokens=3, ignore_eos=True))
+    outputs, cached = run_conversation(engine, turns, steps, between=other)
     manifest = engine.backend.manifest
     rows = engine.backend.rows_per_slot if manifest.policy.compressed else 512
     assert outputs == _oracle_conversation(gemma3.model, manifest.policy, rows, turns, steps)

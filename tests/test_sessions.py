@@ -186,10 +186,10 @@ def test_a_new_conversation_sharing_a_system_prompt_with_every_entry_plans_at_mo
 # ---------------------------------------------------------------- through the engine
 
 
-def run_conversation(engine, turns, steps: int, between: Request | None = None):
+def run_conversation(engine, turns, steps: int, between: list[int] | None = None):
     """Each turn sends the conversation so far (every earlier turn and answer) and its own tokens,
-    `steps` greedy tokens a turn: each turn's output ids and cached tokens. between: a request run
-    after each turn."""
+    `steps` greedy tokens a turn: each turn's output ids and cached tokens. between: a prompt run
+    (3 tokens) after each turn."""
     ids, outputs, cached = [], [], []
     for turn in turns:
         ids = ids + (outputs[-1] if outputs else []) + turn
@@ -197,7 +197,7 @@ def run_conversation(engine, turns, steps: int, between: Request | None = None):
         outputs.append(result.output_ids)
         cached.append(result.cached_tokens)
         if between is not None:
-            engine.generate([between])
+            engine.generate([Request(between, max_new_tokens=3, ignore_eos=True)])
     return outputs, cached
 
 
