@@ -41,7 +41,7 @@ def test_dense_past_the_window_equals_transformers_and_continues_text(gemma3, tm
     assert result.text.startswith(" the capital of the country of France")
 
 
-def test_snapstream_int8_selects_in_its_global_layers_only(gemma3, tmp_path):
+def test_snapstream_int8_selects_in_its_global_layers_only_and_resumes_a_turn(gemma3, tmp_path):
     from snapcompile.artifact.manifest import read_manifest
     policy = PolicyConfig(policy="snapstream", budget=512)
     folder = build_artifact(gemma3, tmp_path / "snap", policy=policy,
@@ -53,3 +53,11 @@ def test_snapstream_int8_selects_in_its_global_layers_only(gemma3, tmp_path):
     summary = summarize(Validator(folder, oracle_model(folder, manifest)).run([prompt], 16), 16)
     assert summary["compressed_prompts"] == 1 and not summary["selection_mismatches"]
     assert summary["greedy_agreement"] == 1.0 and summary["max_abs_logit_diff"] <= 5e-3
+    follow_up = encode(gemma3.tokenizer, "\n\nWhat is the pass key? Answer with the number only, and then say "
+                       "where in the text it was found.", chat=False)[1:]          # no second <bos>
+    validator = Validator(folder, oracle_model(folder, manifest))
+    turns = summarize(validator.run_turns([prompt], 16, 2, follow_up), 16)         # turn 2 resumes, rings too
+    window = manifest.policy.selection_window
+    assert turns["resumed_tokens"][1] == min(len(prompt) + 16, len(prompt) + 17 + len(follow_up) - window)
+    assert not turns["selection_mismatches"]
+    assert turns["greedy_agreement"] == 1.0 and turns["max_abs_logit_diff"] <= 5e-3
