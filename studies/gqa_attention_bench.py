@@ -1,14 +1,15 @@
 """The split-form attention subgraph (standard ops, graphs/attention.py; what prefill ran until the
 joined form of 2026-12-02, which docs/results/performance.md measures apart) against ONNX Runtime's
-com.microsoft.GroupQueryAttention at SmolLM2-135M's shapes (docs/results/performance.md): one chunk
-of 64 queries, 9 query / 3 KV heads, D = 64, against L cache rows of which `start` are filled (GQA
-writes into a past buffer shared with its output through IOBinding); prints the median
-milliseconds of each and their largest difference.
+com.microsoft.GroupQueryAttention at SmolLM2-135M's shapes or the 1B's (docs/results/performance.md):
+one chunk of 64 queries, 9 query / 3 KV heads (1B: 32 / 8), D = 64, against L cache rows of which
+`start` are filled (GQA writes into a past buffer shared with its output through IOBinding); prints
+the median milliseconds of each and their largest difference.
 
-    .venv/bin/python studies/gqa_attention_bench.py
+    .venv/bin/python studies/gqa_attention_bench.py [--shape 1b]
 """
 from __future__ import annotations
 
+import argparse
 import time
 
 import numpy as np
@@ -105,9 +106,19 @@ def measure(rows: int, start: int, rng) -> str:
            f"max |diff| {error:.1e}"
 
 
+# --shape: (heads, KV heads, points); the 1B shape's points reach a 32000-token prompt's last chunks
+SHAPES = {"smollm2": (9, 3, POINTS), "1b": (32, 8, ((4096, 4032), (16384, 16320), (32768, 31936)))}
+
+
 def main() -> None:
+    global HEADS, KV_HEADS, GROUP
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="smollm2",
+                        help="head counts: SmolLM2-135M's 9 / 3 or Llama-3.2-1B's 32 / 8 (D = 64 both)")
+    HEADS, KV_HEADS, points = SHAPES[parser.parse_args().shape]
+    GROUP = HEADS // KV_HEADS
     rng = np.random.default_rng(0)
-    for rows, start in POINTS:
+    for rows, start in points:
         print(measure(rows, start, rng), flush=True)
 
 
