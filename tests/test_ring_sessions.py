@@ -1,6 +1,8 @@
 """Kept conversations on a model with sliding-window layers (tiny-gemma3: a local layer of window 40
 holding a ring of 40 + 64 rows, a global layer under the policy): an entry holds each local layer's
 ring whole, and a turn resumes where that ring still holds its first new token's window."""
+from dataclasses import replace
+
 import numpy as np
 import pytest
 from transformers import AutoTokenizer
@@ -12,7 +14,7 @@ from snapcompile.layout import WindowRing
 from snapcompile.models import load_model
 from snapcompile.runtime.ort_backend import OrtBackend
 from snapcompile.sessions.kept import KeptCache, plan_resume
-from tests.conftest import TINY_SNAPSTREAM, build_artifact, random_prompts
+from tests.conftest import TINY_EXPORT, TINY_SNAPSTREAM, build_artifact, random_prompts
 from tests.test_sessions import _oracle_conversation, run_conversation
 
 RING = WindowRing.for_export(40, 64)
@@ -27,7 +29,9 @@ def gemma3():
 def gemma3_dirs(tmp_path_factory, gemma3):
     root = tmp_path_factory.mktemp("gemma3_sessions")
     return {"dense": build_artifact(gemma3, root / "dense"),
-            "snapstream": build_artifact(gemma3, root / "snap", policy=TINY_SNAPSTREAM)}
+            "snapstream": build_artifact(gemma3, root / "snap", policy=TINY_SNAPSTREAM),
+            "snapstream-float16": build_artifact(gemma3, root / "snap16", replace(TINY_EXPORT, kv_dtype="float16"),
+                                                 TINY_SNAPSTREAM)}
 
 
 def _engine(folder, prefill_order=None, **kwargs) -> Engine:
@@ -81,14 +85,16 @@ def test_slot_keep_resumes_each_turn_as_the_oracle_does(gemma3, gemma3_dirs, pol
     assert [p.shape[1] for p in entry.positions] == [RING.rows, entry.rows]
 
 
-@pytest.mark.parametrize("order", [None, "chunks"])
-def test_full_keep_answers_every_turn_as_if_it_were_prefilled_whole(gemma3_dirs, order):
-    """The default mode on a compressed artifact, either prefill order: each turn resumed from the
-    prompt before it (its global layer's every row, its ring's last 104; another prompt run in the
-    same slot in between) gets the answer of a store-less engine prefilling the turn whole."""
+@pytest.mark.parametrize("artifact, order", [("snapstream", None), ("snapstream", "chunks"),
+                                             ("snapstream-float16", None)])
+def test_full_keep_answers_every_turn_as_if_it_were_prefilled_whole(gemma3_dirs, artifact, order):
+    """The default mode on a compressed artifact, either prefill order, the cache in float32 or
+    float16: each turn resumed from the prompt before it (its global layer's every row, its ring's
+    last 104; another prompt run in the same slot in between) gets the answer of a store-less engine
+    prefilling the turn whole."""
     first, *later = random_prompts([160, 12, 40, 5], seed=15)
     other, = random_prompts([150], seed=9)
-    folder = gemma3_dirs["snapstream"]
+    folder = gemma3_dirs[artifact]
     resumed_engine = _engine(folder, order, session_cache_bytes=2**26)
     whole_engine = _engine(folder, order)
     resumed, whole, ids = [], [], first
@@ -105,6 +111,7 @@ def test_full_keep_answers_every_turn_as_if_it_were_prefilled_whole(gemma3_dirs,
     entry = resumed_engine.sessions.newest()
     end = len(entry.token_ids)
     assert entry.rows == end and np.array_equal(entry.positions[0][0], np.arange(end - RING.rows, end))
+    assert entry.keys[0].dtype == (np.float16 if artifact.endswith("float16") else np.float32)
 
 
 def test_quantized_keep_is_refused_by_name(gemma3_dirs):
