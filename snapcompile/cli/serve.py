@@ -81,8 +81,9 @@ _SHARING_SAID = {"shared": "shared by every client that sends no cache_salt (loo
                    "a tokenizer worker included (400 beyond; a worker past it is killed and replaced).")
 @click.option("--tokenizer-workers", type=click.IntRange(min=1),
               default=config_default(ServerLimits, "tokenizer_workers"), show_default=True,
-              help="Worker processes rendering chat templates, and as many tokenizing plain prompts (~120 MB "
-                   "each; each bounded to 2 GiB beyond its tokenizer).")
+              help="Worker processes rendering chat templates, and as many tokenizing plain prompts (each holds "
+                   "its own tokenizer: ~120 MB for SmolLM2's, ~330 MB for Gemma 3's 262144 tokens; each bounded "
+                   "to 2 GiB beyond its tokenizer).")
 @click.option("--max-prompts-per-request", type=click.IntRange(min=1),
               default=config_default(ServerLimits, "max_prompts"), show_default=True,
               help="Prompts one /v1/completions request may carry (a list of prompts; 400 beyond). Each is "
