@@ -257,9 +257,9 @@ class LayerPrefill:
             yield count
 
     def _run_ring_layer(self, slot: int, layer: int, spans, first_position: int):
-        """A local layer's chunks (`_run_layer`'s, for a prompt prefilled whole): over the slot's window
-        ring, each chunk's K/V written into its positions' ring rows (layout.WindowRing). Yields each
-        chunk's token count once it ran."""
+        """A local layer's chunks (`_run_layer`'s): over the slot's window ring (a resumed prompt's loaded
+        into it first), each chunk's K/V written into its positions' ring rows (layout.WindowRing).
+        Yields each chunk's token count once it ran."""
         graph = self.layer_graphs[layer][self.max_context]        # every member reads the ring's rows
         keys, values = self.keys[layer][slot], self.values[layer][slot]           # [Hkv, Rw, D]
         graph.bind("past_key.0", keys[None])
