@@ -26,7 +26,7 @@ from snapcompile.graphs.select import SelectionWriter, plugin_select_graph
 from snapcompile.passes.attention_heads import attention_per_head
 from snapcompile.passes.cache_bias import add_cache_bias
 from snapcompile.passes.compress_decode import compress_decode
-from snapcompile.passes.kv_dtype import store_kv_in_float16
+from snapcompile.passes.kv_dtype import store_kv_as
 from snapcompile.passes.match import MatchFailure
 from snapcompile.passes.snapkv_prefill import add_window_queries
 
@@ -108,8 +108,9 @@ def store_kv(graphs: GraphSet, manifest: Manifest) -> GraphSet:
     check_kv_lowering(manifest.export, manifest.lowering)
     if manifest.export.kv_dtype == "float32":
         return graphs
-    static = {name: store_kv_in_float16(model, name) for name, model in graphs.static.items()}
-    ort = {name: store_kv_in_float16(model, f"ONNX Runtime's {name}") for name, model in graphs.ort.items()}
+    dtype = manifest.export.kv_dtype
+    static = {name: store_kv_as(model, name, dtype) for name, model in graphs.static.items()}
+    ort = {name: store_kv_as(model, f"ONNX Runtime's {name}", dtype) for name, model in graphs.ort.items()}
     return GraphSet(static, ort)
 
 

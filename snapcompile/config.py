@@ -3,6 +3,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+import numpy as np
+
+from snapcompile import kv_int8
 from snapcompile.errors import SnapcompileError
 
 POLICIES = ("dense", "streamingllm", "snapstream")
@@ -10,7 +13,7 @@ POOLINGS = ("max", "avg")
 SCOPES = ("head", "layer")
 WEIGHT_FORMATS = ("fp32", "fp16", "int8", "int4")   # stored weights: float32, float16, int8 / int4 blocks
 LOWERINGS = ("standard", "plugin")   # compressed attention in standard ONNX ops, or custom op nodes
-KV_DTYPES = ("float32", "float16")   # how the KV cache is stored (computed in float32 either way)
+KV_DTYPES = ("float32", "float16", "int8")   # how the KV cache is stored (computed in float32 either way)
 
 
 @dataclass(frozen=True)
@@ -23,7 +26,8 @@ class ExportConfig:
     block (int8 / int4). fp16 linear layers also multiply in float16; norms, attention and graph
     I/O are float32 in every format. kv_dtype: how the KV cache is stored (KV_DTYPES), in the slots
     and in a prompt's rows while it is prefilled; float16 rounds each key and value once, where it
-    is stored (passes/kv_dtype.py), and attention still computes in float32. slot_buckets: decode
+    is stored (passes/kv_dtype.py), int8 each head's row to 8 bits of its own scale (kv_int8.py), and
+    attention still computes in float32. slot_buckets: decode
     graphs for fewer active slots too (`decode_sizes`).
     """
 
@@ -57,10 +61,13 @@ class ExportConfig:
         if not isinstance(self.block_size, int) or self.block_size < 16 or self.block_size & (self.block_size - 1):
             raise SnapcompileError(f"--block-size must be a power of two >= 16, got {self.block_size}")
 
-    @property
-    def kv_itemsize(self) -> int:
-        """Bytes of one cached key or value element."""
-        return 2 if self.kv_dtype == "float16" else 4
+    def kv_row_width(self, head_dim: int) -> int:
+        """Elements of one head's stored key or value row: head_dim, and int8's scale (kv_int8.py)."""
+        return head_dim + (kv_int8.SCALE_BYTES if self.kv_dtype == "int8" else 0)
+
+    def kv_row_bytes(self, head_dim: int) -> int:
+        """Bytes of one head's stored key or value row."""
+        return self.kv_row_width(head_dim) * np.dtype(self.kv_dtype).itemsize
 
     @property
     def quantized(self) -> bool:
@@ -238,6 +245,9 @@ class PolicyConfig:
             raise SnapcompileError(
                 f"window {self.window} is longer than the tail graph's {export.tail} tokens: convert with "
                 f"--tail {self.window} or more (or --tail 0: no tail graph, no --session-keep quantized)")
+        if self.summaries and export.kv_dtype == "int8":
+            raise SnapcompileError("--summaries sum the dropped rows as numbers, which an int8 KV cache stores with "
+                                   "a scale a row (not built): use --kv-dtype float16 or float32")
 
     def to_dict(self) -> dict:
         """The fields (prompt_share resolved); the summary fields only where summaries are on, so

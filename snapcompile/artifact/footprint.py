@@ -114,7 +114,8 @@ def _work_space_bytes(manifest: Manifest) -> int:
     spec, export = manifest.spec, manifest.export
     rows = export.max_context + export.chunk
     if manifest.policy.compressed:      # a KV head at a time (passes/attention_heads.py): its key / value
-        slices = 2 * rows * spec.head_dim * (export.kv_itemsize + 4 * (export.kv_itemsize != 4))   # (+ cast)
+        decoded = 4 * spec.head_dim * (export.kv_dtype != "float32")          # the slice read back in float32
+        slices = 2 * rows * (export.kv_row_bytes(spec.head_dim) + decoded)
         head = slices + 4 * (2 * rows * spec.head_dim + 3 * spec.group_size * export.chunk * rows)  # joined
         return ARENA_GROWTH * head                                                 # rows, three scores
     joined = 2 * spec.num_kv_heads * rows * spec.head_dim

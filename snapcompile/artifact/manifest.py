@@ -85,7 +85,13 @@ class Manifest:
     @property
     def kv_bytes_per_token(self) -> int:
         """K and V bytes one token's rows take across all layers, in the artifact's kv_dtype."""
-        return self.spec.kv_bytes_per_token * self.export.kv_itemsize // 4
+        spec = self.spec
+        return 2 * spec.num_layers * spec.num_kv_heads * self.export.kv_row_bytes(spec.head_dim)
+
+    @property
+    def kv_row_width(self) -> int:
+        """Elements of one head's stored key or value row (head_dim, and int8's scale: kv_int8.py)."""
+        return self.export.kv_row_width(self.spec.head_dim)
 
     def kv_bytes_per_slot(self) -> int:
         return self._slot_bytes(self.rows_per_slot)

@@ -12,7 +12,15 @@ from snapcompile.bench.machine import cpu_description, describe_cpu
 from snapcompile.cli.options import FiniteRange, session_cache_option
 from snapcompile.errors import ParityError, SnapcompileError, check_text
 from snapcompile.runtime import BACKENDS, PROVIDERS
-from snapcompile.validate.tolerances import DEFAULT_TIE_GAP, DEFAULT_TOLERANCE, FP16_TIE_GAP, FP16_TOLERANCE
+from snapcompile.validate.tolerances import (
+    DEFAULT_TIE_GAP,
+    DEFAULT_TOLERANCE,
+    FP16_TIE_GAP,
+    FP16_TOLERANCE,
+    INT8_KV_MIN_AGREEMENT,
+    INT8_KV_TIE_GAP,
+    INT8_KV_TOLERANCE,
+)
 
 
 def _load_prompt_records(prompt: tuple[str, ...], prompts_file: Path | None, demo: bool) -> list:
@@ -304,12 +312,15 @@ def _format_summary(s: dict) -> str:
 @click.option("--raw", is_flag=True, help="Do not apply the chat template.")
 @click.option("--tolerance", default=None, type=FiniteRange(min=0),
               help=f"Fail when max |logit difference| exceeds this. [default: {DEFAULT_TOLERANCE:g}; "
-                   f"{FP16_TOLERANCE:g} for --weights fp16 artifacts, whose logits are float16]")
-@click.option("--min-agreement", default=1.0, show_default=True, type=FiniteRange(0, 1),
-              help="Fail when greedy-token agreement (0..1) is below this.")
+                   f"{FP16_TOLERANCE:g} for --weights fp16 artifacts, whose logits are float16, and --kv-dtype "
+                   f"float16; {INT8_KV_TOLERANCE:g} for --kv-dtype int8]")
+@click.option("--min-agreement", default=None, type=FiniteRange(0, 1),
+              help="Fail when greedy-token agreement (0..1) is below this. "
+                   f"[default: 1; {INT8_KV_MIN_AGREEMENT:g} for --kv-dtype int8]")
 @click.option("--tie-gap", default=None, type=FiniteRange(min=0),
               help="Selection differences whose score gap is below this are reported as near-ties, not failures. "
-                   f"[default: {DEFAULT_TIE_GAP:g}; {FP16_TIE_GAP:g} for --weights fp16]")
+                   f"[default: {DEFAULT_TIE_GAP:g}; {FP16_TIE_GAP:g} for --weights fp16 and --kv-dtype float16; "
+                   f"{INT8_KV_TIE_GAP:g} for --kv-dtype int8]")
 @click.option("--backend", type=click.Choice(BACKENDS), default="ort", show_default=True,
               help="ort: ONNX Runtime on an artifact folder; trt: TensorRT engines from `snapcompile build`.")
 @click.option("--matmul", type=click.Choice(("fp32", "int8")), default="fp32", show_default=True,
@@ -336,6 +347,7 @@ def validate(artifact, prompt, prompts_file, demo, steps, raw, tolerance, min_ag
     from snapcompile.artifact.manifest import read_manifest
     from snapcompile.prompts import encode
     from snapcompile.validate.parity import Validator, oracle_model, summarize
+    from snapcompile.validate.tolerances import min_agreement as min_agreement_for
     from snapcompile.validate.tolerances import tie_gap as tie_gap_for
     from snapcompile.validate.tolerances import tolerance as tolerance_for
     if not (prompt or prompts_file or demo):
@@ -344,6 +356,7 @@ def validate(artifact, prompt, prompts_file, demo, steps, raw, tolerance, min_ag
     manifest = read_manifest(artifact)
     tolerance = tolerance_for(manifest.export) if tolerance is None else tolerance
     tie_gap = tie_gap_for(manifest.export) if tie_gap is None else tie_gap
+    min_agreement = min_agreement_for(manifest.export) if min_agreement is None else min_agreement
     tokenizer = artifact_tokenizer(artifact, manifest)
     prompts = [encode(tokenizer, r.prompt, manifest.chat and not raw) for r in records]
     follow_ids = encode(tokenizer, check_text(follow_up, "--follow-up"), False) if turns > 1 else []

@@ -83,7 +83,7 @@ class SlotBackend:
         return [*self.decode_graphs.values(), *self.prefills.graphs()]
 
     def _kv(self, batch: int, rows: int):
-        return self.device.zeros((batch, self.manifest.spec.num_kv_heads, rows, self.manifest.spec.head_dim),
+        return self.device.zeros((batch, self.manifest.spec.num_kv_heads, rows, self.manifest.kv_row_width),
                                  self.manifest.export.kv_dtype)
 
     def _init_decode(self) -> None:

@@ -116,7 +116,7 @@ class LayerPrefill:
         self.last_hidden = zeros((1, s.hidden_size), "float32")
         self.logits = zeros((1, s.vocab_size), "float32")
         self.score_hidden = self.score_logits = None       # prefill_scores' buffers, made at the first scoring
-        self.prompt = PromptCache(self.device, 1, s.num_kv_heads, s.head_dim, self.max_context, m.export.kv_dtype)
+        self.prompt = PromptCache(self.device, 1, s.num_kv_heads, m.kv_row_width, self.max_context, m.export.kv_dtype)
         self.embed_graph.bind("input_ids", self.ids)
         self.embed_graph.bind("hidden", self.embedded, output=True)
         self.head_graph.bind("hidden", self.last_hidden)
@@ -132,7 +132,7 @@ class LayerPrefill:
 
     def _kv(self, rows: int):
         s = self.manifest.spec
-        return self.device.zeros((1, s.num_kv_heads, rows, s.head_dim), self.manifest.export.kv_dtype)
+        return self.device.zeros((1, s.num_kv_heads, rows, self.manifest.kv_row_width), self.manifest.export.kv_dtype)
 
     def _bind_layer_graph(self, g: LazyGraph, rows: int, local: bool) -> None:
         """A layer graph's buffers; a local layer's past rows are its slot's window ring, bound as a

@@ -56,7 +56,7 @@ class PrefillRunner:
         self._init_buffers()
 
     def _kv(self, batch: int, rows: int):
-        return self.device.zeros((batch, self.manifest.spec.num_kv_heads, rows, self.manifest.spec.head_dim),
+        return self.device.zeros((batch, self.manifest.spec.num_kv_heads, rows, self.manifest.kv_row_width),
                                  self.manifest.export.kv_dtype)
 
     def _init_buffers(self) -> None:
@@ -68,7 +68,7 @@ class PrefillRunner:
         self.p_new_v = [self._kv(1, self.chunk) for _ in self._layers]
         self.prompt: PromptCache | None = None
         if m.policy.compressed:    # the full prompt lives here until it is compressed into a slot
-            self.prompt = PromptCache(self.device, self.num_layers, m.spec.num_kv_heads, m.spec.head_dim,
+            self.prompt = PromptCache(self.device, self.num_layers, m.spec.num_kv_heads, m.kv_row_width,
                                       m.export.max_context, m.export.kv_dtype, skipped=self._local)
             self.scratch_k, self.scratch_v = self.prompt.view(m.export.max_context)
             for i in self._global:     # the full graph reads the prompt's rows laid out as max_context rows
@@ -117,7 +117,7 @@ class PrefillRunner:
         if not self.bucket_graphs:
             return
         spec = self.manifest.spec
-        views = self.prompt or PromptCache(self.device, self.num_layers, spec.num_kv_heads, spec.head_dim,
+        views = self.prompt or PromptCache(self.device, self.num_layers, spec.num_kv_heads, self.manifest.kv_row_width,
                                            max(self.bucket_graphs), self.manifest.export.kv_dtype, self._local)
         for rows, g in self.bucket_graphs.items():
             self.bucket_k[rows], self.bucket_v[rows] = views.view(rows)

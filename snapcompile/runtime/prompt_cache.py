@@ -12,29 +12,29 @@ from __future__ import annotations
 
 
 class PromptCache:
-    """Per layer one K and one V buffer of heads * max_rows * head_dim elements of `dtype` (the
-    artifact's kv_dtype).
+    """Per layer one K and one V buffer of heads * max_rows * width elements of `dtype` (the
+    artifact's kv_dtype; width: a stored row's elements, Manifest.kv_row_width).
 
     `keys` / `values` (lists, one [1, Hkv, rows, D] view per layer) are the current layout's views;
     the lists are updated in place by `lay_out`, so a caller may hold them. `live` is the number of
     leading rows holding data: `lay_out` keeps those, the rest of the buffer is undefined."""
 
-    def __init__(self, device, num_layers: int, heads: int, head_dim: int, max_rows: int, dtype: str,
+    def __init__(self, device, num_layers: int, heads: int, width: int, max_rows: int, dtype: str,
                  skipped=()):
         """skipped: layers that hold nothing here (a model's sliding-window layers, whose chunks go to
         their slot's window ring): None in every view."""
-        self.device, self.heads, self.head_dim, self.max_rows = device, heads, head_dim, max_rows
-        size = heads * max_rows * head_dim
+        self.device, self.heads, self.width, self.max_rows = device, heads, width, max_rows
+        size = heads * max_rows * width
         self._flat_k = [None if i in skipped else device.zeros((size,), dtype) for i in range(num_layers)]
         self._flat_v = [None if i in skipped else device.zeros((size,), dtype) for i in range(num_layers)]
-        self._moving = device.zeros((max_rows * head_dim,), dtype)   # one head's rows in transit
+        self._moving = device.zeros((max_rows * width,), dtype)   # one head's rows in transit
         self.rows, self.live = max_rows, 0
         self.keys, self.values = self.view(max_rows)
 
     def view(self, rows: int) -> tuple[list, list]:
         """Per layer K and V views [1, Hkv, rows, D] of the buffers (new lists; no data moves):
         what a graph over `rows` rows is bound to once."""
-        shape, size = (1, self.heads, rows, self.head_dim), self.heads * rows * self.head_dim
+        shape, size = (1, self.heads, rows, self.width), self.heads * rows * self.width
         return ([None if flat is None else flat[:size].reshape(shape) for flat in self._flat_k],
                 [None if flat is None else flat[:size].reshape(shape) for flat in self._flat_v])
 
@@ -44,8 +44,8 @@ class PromptCache:
             return
         if not self.live <= rows <= self.max_rows:
             raise ValueError(f"cannot lay {self.live} live rows out as {rows} rows (at most {self.max_rows})")
-        span = self.live * self.head_dim
-        old, new = self.rows * self.head_dim, rows * self.head_dim
+        span = self.live * self.width
+        old, new = self.rows * self.width, rows * self.width
         heads = range(self.heads - 1, 0, -1) if rows > self.rows else range(1, self.heads)   # never over a
         for flat in (f for f in (*self._flat_k, *self._flat_v) if f is not None):          # head not yet moved
             for h in heads:

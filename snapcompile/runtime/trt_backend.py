@@ -24,8 +24,13 @@ ENGINES = "engines.json"
 
 
 def check_trt_limits(manifest: Manifest) -> None:
-    """The standard lowering's selection uses TopK with k = prompt share P."""
+    """The standard lowering's selection uses TopK with k = prompt share P; an int8 cache's rows are
+    int8 tensors, which TensorRT takes only into DequantizeLinear."""
     from snapcompile.runtime.tensorrt_parser import TOPK_MAX, topk_fits
+    if manifest.export.kv_dtype == "int8":
+        raise SnapcompileError("--kv-dtype int8 is for ONNX Runtime: TensorRT takes int8 tensors only into "
+                               "DequantizeLinear, and the cache's per-row scales are not built as such; convert "
+                               "with --kv-dtype float16 for TensorRT")
     share = manifest.policy.resolved_prompt_share
     if "select" in manifest.graphs and manifest.lowering == "standard" and not topk_fits(share):
         raise SnapcompileError(

@@ -165,7 +165,7 @@ class FullKeeper(Keeper):
         rows = sum(min(prompt.prompt_len, ring.rows) if i in spec.local_layers else prompt.prompt_len
                    for i in range(spec.num_layers))
         entry_bytes = prompt.token_ids.nbytes + rows * spec.num_kv_heads * (
-            2 * spec.head_dim * self.manifest.export.kv_itemsize + 8)        # keys and values, int64 positions
+            2 * self.manifest.export.kv_row_bytes(spec.head_dim) + 8)        # keys and values, int64 positions
         oversized = self.max_bytes is not None and entry_bytes > self.max_bytes
         return _Oversized() if oversized else _FullReading(prompt, spec.local_layers)
 
@@ -261,6 +261,9 @@ def keeper_for(manifest, mode: str, max_bytes: int | None = None) -> Keeper:
     if mode == "quantized" and manifest.window_ring is not None:
         raise SnapcompileError("--session-keep quantized is not built for a model with sliding-window layers "
                                "(Gemma 3's local layers): use full or slot")
+    if mode == "quantized" and manifest.export.kv_dtype == "int8":
+        raise SnapcompileError("--session-keep quantized holds the slot's rows in 8 bits: an artifact with "
+                               "--kv-dtype int8 stores them so already; use slot or full")
     if mode == "quantized" and manifest.policy.summaries:
         raise SnapcompileError("--session-keep quantized keeps the dropped rows themselves: it does not go with "
                                "an artifact converted with --summaries (their rows take the same place)")
