@@ -2,7 +2,7 @@
 same arithmetic as ONNX nodes; the tests hold the two to the same bytes).
 
 One head's key or value row of D float32 elements is stored as D + SCALE_BYTES int8 values: D values
-q in [-127, 127], then the row's scale s as two bytes e and m, s = 2**e * (384 + m) / 256. With
+q in [-127, 127], then the row's scale s as two bytes e and m, s = 2**(e - 8) * (384 + m). With
 amax the row's largest |x|, e = floor(log2(amax / 127)) and m the smallest byte with s >= amax / 127,
 so s is amax / 127 to within 1/256 and x = q * s to within s / 2 (about amax / 254: each row keeps
 about 8 bits relative to its own largest element). A row of zeros stores zeros and reads back zeros.
@@ -15,7 +15,7 @@ import numpy as np
 
 SCALE_BYTES = 2          # e and m, after the D values
 LIMIT = 127.0            # |q| <= LIMIT
-MANTISSA_BIAS = 384.0    # s = 2**e * (MANTISSA_BIAS + m) / 256, m in [-128, 127]: (256..511) / 256
+MANTISSA_BIAS = 384.0    # s = 2**(e - 8) * (MANTISSA_BIAS + m), m in [-128, 127]: 2**e * (256..511) / 256
 TINY = 2.0 ** -100       # amax is at least this, so log2 is finite (a zero row: q = 0)
 
 
@@ -30,7 +30,8 @@ def row_scale(amax: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 
 def scale_of(e: np.ndarray, m: np.ndarray) -> np.ndarray:
-    return (np.exp2(e) * (MANTISSA_BIAS + m) / np.float32(256)).astype(np.float32)
+    """2**(e - 8) * (384 + m): exact in float32 (a power of two times a 9-bit integer)."""
+    return (np.exp2(e - 8) * (MANTISSA_BIAS + m)).astype(np.float32)
 
 
 def encode(rows: np.ndarray) -> np.ndarray:

@@ -29,6 +29,7 @@ def feeds_of(graph_path: Path, start: int) -> dict:
     import onnx
     model = onnx.load(str(graph_path), load_external_data=False)
     shapes = {i.name: [d.dim_value for d in i.type.tensor_type.shape.dim] for i in model.graph.input}
+    types = {i.name: i.type.tensor_type.elem_type for i in model.graph.input}
     logits, = [o for o in model.graph.output if o.name == "logits"]
     vocab = logits.type.tensor_type.shape.dim[-1].dim_value
     rng = np.random.default_rng(0)
@@ -41,8 +42,12 @@ def feeds_of(graph_path: Path, start: int) -> dict:
             feeds[name] = np.full(shape, start, np.int64)
         elif name == "chunk_len":
             feeds[name] = np.array([chunk], np.int64)
+        elif types[name] == onnx.TensorProto.INT8:       # an int8 cache's rows (snapcompile/kv_int8.py)
+            from snapcompile import kv_int8
+            feeds[name] = kv_int8.encode(rng.standard_normal([*shape[:-1], shape[-1] - kv_int8.SCALE_BYTES]) * 0.5)
         else:
-            feeds[name] = (rng.standard_normal(shape) * 0.5).astype(np.float32)
+            values = rng.standard_normal(shape) * 0.5
+            feeds[name] = values.astype(np.float16 if types[name] == onnx.TensorProto.FLOAT16 else np.float32)
     return feeds
 
 

@@ -231,6 +231,53 @@ def test_the_int8_pass_writes_kv_int8s_bytes_and_moves_stored_rows_untouched():
     assert np.array_equal(value, kv_int8.encode(wide[:, :, :3] * wide[:, :, 3:]))
 
 
+def test_attentions_two_products_read_int8_rows_without_a_decoded_copy():
+    """The decode graphs' pattern, keys through Transpose -> MatMul(q, K^T) and values through
+    MatMul(p, V): the products read the stored rows cast whole and the row scales multiply their
+    [.., G, rows] side; equal to the products of the decoded rows to float32 rounding."""
+    f32 = TensorProto.FLOAT
+    model = _graph([helper.make_node("Transpose", ["past_key.0"], ["kt"], perm=[0, 1, 3, 2]),
+                    helper.make_node("MatMul", ["q", "kt"], ["scores"]),
+                    helper.make_node("MatMul", ["p", "past_value.0"], ["out"])],
+                   [helper.make_tensor_value_info("past_key.0", f32, [2, 2, 5, 4]),
+                    helper.make_tensor_value_info("past_value.0", f32, [2, 2, 5, 4]),
+                    helper.make_tensor_value_info("q", f32, [2, 2, 3, 4]),
+                    helper.make_tensor_value_info("p", f32, [2, 2, 3, 5])],
+                   [helper.make_tensor_value_info("scores", f32, [2, 2, 3, 5]),
+                    helper.make_tensor_value_info("out", f32, [2, 2, 3, 4])])
+    stored = store_kv_as(model, "toy", "int8")
+    assert [n.op_type for n in stored.graph.node].count("Cast") == 4      # two caches, two scale pairs
+    rng = np.random.default_rng(4)
+    keys, values = (kv_int8.encode(rng.standard_normal((2, 2, 5, 4)).astype(np.float32) * 4) for _ in range(2))
+    q, p = rng.standard_normal((2, 2, 3, 4)).astype(np.float32), rng.random((2, 2, 3, 5)).astype(np.float32)
+    scores, out = ort.InferenceSession(stored.SerializeToString()).run(
+        ["scores", "out"], {"past_key.0": keys, "past_value.0": values, "q": q, "p": p})
+    np.testing.assert_allclose(scores, q @ kv_int8.decode(keys).transpose(0, 1, 3, 2), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(out, p @ kv_int8.decode(values), rtol=1e-5, atol=1e-5)
+
+
+def test_int8_decode_steps_read_through_the_folded_products_as_through_decoded_rows(int8_snap_dir, tiny_llama,
+                                                                                       tmp_path):
+    """The artifact's decode graphs (folded products) against the same artifact built with every
+    cache decoded whole: the same logits at each of 8 greedy steps past the budget, to float32
+    rounding; and near the float32 artifact's first step."""
+    from snapcompile.passes.kv_dtype import Int8Rows
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Int8Rows, "fold", lambda self, stored, readers, d: False)
+        decoded = build_artifact(tiny_llama, tmp_path / "decoded", INT8, TINY_SNAPSTREAM)
+    prompt, = random_prompts([300], seed=21)
+    backends = {"folded": OrtBackend(int8_snap_dir), "decoded": OrtBackend(decoded)}
+    results = {name: backend.prefill(1, prompt) for name, backend in backends.items()}
+    logits = {name: [] for name in backends}
+    token = int(results["decoded"].logits.argmax())
+    for generated in range(8):
+        for name, backend in backends.items():
+            logits[name].append(backend.decode({1: token}, {1: results[name].layout.step(generated)})[1].copy())
+        token = int(logits["decoded"][-1].argmax())
+    for ours, theirs in zip(logits["folded"], logits["decoded"]):
+        assert np.abs(ours - theirs).max() < 1e-4
+
+
 def test_an_input_whose_row_is_sliced_is_decoded_whole():
     """A Slice along the last axis would cut the row's scale off the stored row: the whole input is
     decoded first, and the slice reads the float32 values."""

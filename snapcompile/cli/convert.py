@@ -49,7 +49,9 @@ _export_options = option_group(
                  show_default=True,
                  help="How the KV cache is stored, in the slots and in a prompt's rows while it is prefilled: "
                       "float16 halves both (each key and value rounded once where it is stored; attention still "
-                      "computes in float32; docs/results/accuracy.md measures what it costs). Standard lowering only."),
+                      "computes in float32); int8 stores each head's row in 8 bits with its own scale, about a "
+                      "quarter (ONNX Runtime only; no --summaries). docs/results/accuracy.md measures what each "
+                      "costs. Standard lowering only."),
     click.option("-o", "--output", "output", required=True, type=click.Path(path_type=Path),
                  help="Artifact folder to write (atomically)."),
     click.option("--force", is_flag=True, help="Replace the output folder if it exists."),
