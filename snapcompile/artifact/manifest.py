@@ -29,10 +29,11 @@ FORMAT_VERSION = 9      # 2: every file's size and sha256 in the manifest; 3: ex
                         # 7: the layer-by-layer prefill's graphs, prefill_order;
                         # 8: every node's size known at load (per-head prefill attention by Gather);
                         # 9: prefill_scores (the head over a chunk of positions: a prompt's log probabilities)
-GRAPHS_REVISION = 12    # bumped whenever the artifacts change (2: prefill buckets, 3: select buckets, 4: checksums,
+GRAPHS_REVISION = 13    # bumped whenever the artifacts change (2: prefill buckets, 3: select buckets, 4: checksums,
                         # 5: opset 21, --weights, 6: deterministic node names, 7: decode slot buckets,
                         # 8: joined prefill attention, finer prefill buckets, 9: ONNX Runtime's graphs,
-                        # 10: the layer-by-layer prefill, 11: per-head attention by Gather, 12: prefill_scores)
+                        # 10: the layer-by-layer prefill, 11: per-head attention by Gather, 12: prefill_scores,
+                        # 13: the int8 cache's folded products, the float16 pass's names)
 METADATA_KEY = "snapcompile.config"
 
 
