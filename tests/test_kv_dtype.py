@@ -371,3 +371,27 @@ def test_what_an_int8_cache_cannot_serve_is_refused_by_name(int8_snap_dir, tiny_
     done = CliRunner().invoke(main, ["convert", "tiny-llama", "--kv-dtype", "int8", "--summaries", "4",
                                      "-o", str(tmp_path / "x")])
     assert done.exit_code != 0 and "an int8 KV cache stores with a scale a row" in done.output
+
+
+def test_a_gemma3_int8_artifact_keeps_its_window_rings_in_int8_rows(tmp_path):
+    """Sliding-window layers' rings hold int8 rows too: both prefill orders write the same bytes, and
+    8 decode steps past the budget and the rings' wrap stay close to the float32 artifact's."""
+    from snapcompile.models import load_model
+    loaded = load_model("tiny-gemma3")
+    policy = replace(TINY_SNAPSTREAM, window=8)
+    prompt, = random_prompts([300], seed=6)
+    runs = {}
+    for name, export in (("int8", INT8), ("full", TINY_EXPORT)):
+        folder = build_artifact(loaded, tmp_path / name, export, policy)
+        for order in ("layers", "chunks"):
+            backend = OrtBackend(folder, prefill_order=order)
+            runs[name, order] = backend, backend.prefill(1, prompt)
+    for (ka, va), (kb, vb) in zip(runs["int8", "layers"][0].slot_rows(1), runs["int8", "chunks"][0].slot_rows(1)):
+        assert ka.dtype == np.int8 and np.array_equal(ka, kb) and np.array_equal(va, vb)
+    (ours, ours_result), (theirs, theirs_result) = runs["int8", "layers"], runs["full", "layers"]
+    token = int(theirs_result.logits.argmax())
+    for generated in range(8):
+        mine = ours.decode({1: token}, {1: ours_result.layout.step(generated)})[1].copy()
+        reference = theirs.decode({1: token}, {1: theirs_result.layout.step(generated)})[1].copy()
+        assert np.abs(mine - reference).max() < 0.5
+        token = int(reference.argmax())
