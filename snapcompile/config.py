@@ -26,9 +26,9 @@ class ExportConfig:
     block (int8 / int4). fp16 linear layers also multiply in float16; norms, attention and graph
     I/O are float32 in every format. kv_dtype: how the KV cache is stored (KV_DTYPES), in the slots
     and in a prompt's rows while it is prefilled; float16 rounds each key and value once, where it
-    is stored (passes/kv_dtype.py), int8 each head's row to 8 bits of its own scale (kv_int8.py), and
-    attention still computes in float32. slot_buckets: decode
-    graphs for fewer active slots too (`decode_sizes`).
+    is stored (passes/kv_dtype.py), int8 each head's row to 8 bits of its own scale (kv_int8.py);
+    attention still computes in float32. slot_buckets: decode graphs for fewer active slots too
+    (`decode_sizes`).
     """
 
     slots: int = 4
