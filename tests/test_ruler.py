@@ -39,8 +39,9 @@ def test_cells_and_config_are_checked():
     assert units[:2] == [("fp32", "dense", 1024), ("fp32", "dense", 2048)] and len(units) == 8
     assert RulerConfig("m", lengths=(1024, 4096)).export("int4").max_context == 4096 + 64
     assert RulerConfig("m", kv_dtype="float16").export("fp32").kv_dtype == "float16"
+    assert RulerConfig("m", kv_dtype="int8").export("fp32").kv_dtype == "int8"
     with pytest.raises(SnapcompileError, match="--kv-dtype"):
-        RulerConfig("m", kv_dtype="int8")
+        RulerConfig("m", kv_dtype="int4")
 
 
 def _unit(cell, scores, predictions=None, weights="fp32", length=1024):
