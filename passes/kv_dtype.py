@@ -88,9 +88,11 @@ class Int8Rows(StoredForm):
         ratio = op("Div", needed, op("Pow", f32(2.0), e))
         e = op("Sub", op("Add", e, op("Cast", op("GreaterOrEqual", ratio, f32(2.0)), to=FLOAT)),
                op("Cast", op("Less", ratio, f32(1.0)), to=FLOAT))       # log's last bit, either way
-        m = op("Clip", op("Sub", op("Ceil", op("Mul", op("Div", needed, op("Pow", f32(2.0), e)), f32(256.0))),
-                          f32(kv_int8.MANTISSA_BIAS)), f32(-128.0), f32(127.0))
-        q = op("Div", wide, self._unsqueeze(self._scale(e, m)))
+        step = op("Pow", f32(2.0), op("Sub", e, f32(8.0)))                # 2**(e - 8): m's unit, once
+        m = op("Clip", op("Sub", op("Ceil", op("Div", needed, step)), f32(kv_int8.MANTISSA_BIAS)),
+               f32(-128.0), f32(127.0))
+        scale = op("Mul", step, op("Add", m, f32(kv_int8.MANTISSA_BIAS)))
+        q = op("Div", wide, self._unsqueeze(scale))
         q = op("Clip", op("Round", q), f32(-kv_int8.LIMIT), f32(kv_int8.LIMIT))
         self.edit.node("Cast", [op("Concat", q, self._unsqueeze(e), self._unsqueeze(m), axis=-1)], [stored],
                        to=onnx.TensorProto.INT8)

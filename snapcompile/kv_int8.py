@@ -25,7 +25,7 @@ def row_scale(amax: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     e = np.floor(np.log2(needed))
     ratio = needed / np.exp2(e)                        # in [1, 2) once e is corrected below
     e = e + (ratio >= 2) - (ratio < 1)                 # log2's last bit, either way
-    m = np.clip(np.ceil(needed / np.exp2(e) * 256) - MANTISSA_BIAS, -128, 127)
+    m = np.clip(np.ceil(needed / np.exp2(e - 8)) - MANTISSA_BIAS, -128, 127)
     return e, m, scale_of(e, m)
 
 

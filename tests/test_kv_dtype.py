@@ -97,18 +97,23 @@ def test_a_prompts_rows_are_the_float32_artifacts_rounded_once(half_snap_dir, ti
     later layers see rounded rows before them, so they are close; the logits close, the selection the
     same here."""
     prompt, = random_prompts([300], seed=16)
-    handed = {}
-    for name, folder in (("half", half_snap_dir), ("full", tiny_snap_dir)):
-        seen = handed[name] = []
-        result = drain(OrtBackend(folder).prefill_chunks(0, prompt, rows_to=lambda i, k, v, kept, seen=seen:
-                                                         seen.append((k.copy(), v.copy(), kept.copy()))))
-        handed[name].append(result.logits)
-    (k0, v0, kept0), (f0, g0, fkept0) = handed["half"][0], handed["full"][0]
+    (half, half_logits), (full, full_logits) = (_handed_rows(folder, prompt) for folder in (half_snap_dir,
+                                                                                           tiny_snap_dir))
+    (k0, v0, kept0), (f0, g0, fkept0) = half[0], full[0]
     assert k0.dtype == np.float16 and np.array_equal(k0, f0.astype(np.float16))
     assert np.array_equal(v0, g0.astype(np.float16)) and np.array_equal(kept0, fkept0)
-    for (k, v, _), (f, g, _) in zip(handed["half"][1:-1], handed["full"][1:-1]):
+    for (k, v, _), (f, g, _) in zip(half[1:], full[1:]):
         assert np.allclose(k, f, atol=2e-2, rtol=1e-2) and np.allclose(v, g, atol=2e-2, rtol=1e-2)
-    assert np.abs(handed["half"][-1] - handed["full"][-1]).max() < 0.05
+    assert np.abs(half_logits - full_logits).max() < 0.05
+
+
+def _handed_rows(folder, prompt: list[int], order: str | None = None) -> tuple[list, np.ndarray]:
+    """A prompt prefilled in slot 0: each layer's (keys, values, kept) as the runtime hands them to a
+    keeper, in layer order, and the logits."""
+    seen = []
+    result = drain(OrtBackend(folder, prefill_order=order).prefill_chunks(
+        0, prompt, rows_to=lambda i, k, v, kept: seen.append((k.copy(), v.copy(), kept.copy()))))
+    return seen, result.logits
 
 
 def _engine(folder, **kwargs) -> Engine:
@@ -317,21 +322,16 @@ def test_a_prompts_int8_rows_are_the_float32_artifacts_encoded_once(int8_snap_di
     each row's largest element (layer 0's attention read rounded rows), the same rows selected here,
     the logits close."""
     prompt, = random_prompts([300], seed=16)
-    handed = {}
-    for name, folder in (("int8", int8_snap_dir), ("full", tiny_snap_dir)):
-        seen = handed[name] = []
-        backend = OrtBackend(folder, prefill_order=order)
-        result = drain(backend.prefill_chunks(0, prompt, rows_to=lambda i, k, v, kept, seen=seen:
-                                              seen.append((k.copy(), v.copy(), kept.copy()))))
-        seen.append(result.logits)
-    (k0, v0, kept0), (f0, g0, fkept0) = handed["int8"][0], handed["full"][0]
+    (stored, stored_logits), (full, full_logits) = (_handed_rows(folder, prompt, order) for folder in
+                                                    (int8_snap_dir, tiny_snap_dir))
+    (k0, v0, kept0), (f0, g0, fkept0) = stored[0], full[0]
     assert np.array_equal(k0, kv_int8.encode(f0)) and np.array_equal(v0, kv_int8.encode(g0))
     assert np.array_equal(kept0, fkept0)
-    for (k, v, kept), (f, g, fkept) in zip(handed["int8"][1:-1], handed["full"][1:-1]):
+    for (k, v, kept), (f, g, fkept) in zip(stored[1:], full[1:]):
         for ours, theirs in ((kv_int8.decode(k), f), (kv_int8.decode(v), g)):    # (measured: 9% at layer 1)
             assert (np.abs(ours - theirs) <= 0.15 * np.abs(theirs).max(axis=-1, keepdims=True)).all()
         assert np.array_equal(kept, fkept)
-    assert np.abs(handed["int8"][-1] - handed["full"][-1]).max() < 0.25
+    assert np.abs(stored_logits - full_logits).max() < 0.25
 
 
 def test_the_two_prefill_orders_write_the_same_int8_slot(int8_snap_dir):
