@@ -7,15 +7,17 @@ holds (one layer's rows and the hidden states) and the pace.
 
 Prints one JSON line: the CPU and load, open_s, layer_s (each layer's seconds, the first with the
 prompt's embeddings, each to the next layer's first chunk), extrapolated_prefill_s (the median layer
-x layers; the head's one row is negligible), peak_rss_bytes of the process, and the memory figure
-(`inspect`'s memory_needed, by part, and their sum). The figure is the worst case of every slot
-full; one prompt touches one slot's rows.
+x layers; the head's one row is negligible; with --layers at the model's count, their sum is the
+whole prefill), peak_rss_bytes of the process, and the memory figure (`inspect`'s memory_needed, by
+part, and their sum). The figure is the worst case of every slot full; one prompt touches one slot's
+rows. Each layer's end is also written to stderr as it comes, so a run stopped early keeps its pace.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import statistics
+import sys
 import time
 
 
@@ -47,6 +49,7 @@ def main() -> None:
             pass
         if prefills.layers_done > len(ends):
             ends.append(time.perf_counter())
+            print(f"layer {len(ends)} done at {ends[-1] - began:.1f} s", file=sys.stderr, flush=True)
     chunks.close()
     layer_s = [b - a for a, b in zip([began, *ends[:-1]], ends)]
     needed, all_layers = memory_needed(backend.manifest), backend.manifest.spec.num_layers

@@ -158,6 +158,28 @@ def test_eval_turns_takes_dense_from_a_reference_run(tmp_path):
     assert_one_line_error(other, "ran other conversations (samples differ)")
 
 
+def test_eval_turns_on_an_int8_cache(tmp_path):
+    from tests.cli_helpers import assert_one_line_error
+    common = ["--lengths", 700, "--samples", 1, "--kinds", "dates", "--kv-dtype", "int8",
+              "--cache-dir", tmp_path / "cache"]
+    result = invoke("eval-turns", "tiny-llama", *common, "--modes", "reprefill,resume-full", "-o",
+                    tmp_path / "int8.json", "--json")
+    assert result.exit_code == 0, result.output
+    payload = json.loads((tmp_path / "int8.json").read_text())
+    assert payload["config"]["kv_dtype"] == "int8" and "int8 KV cache" in (tmp_path / "int8.md").read_text()
+    turns = {r["mode"]: r["turns"] for r in payload["records"]}
+    assert all(t["cached_tokens"] > 0 for t in turns["resume-full"][1:])
+    assert [t["text"] for t in turns["resume-full"]] == [t["text"] for t in turns["reprefill"]], \
+        "a full keep of int8 rows answers as prefilling each turn whole"
+    artifacts = [m.parent for m in (tmp_path / "cache").rglob("manifest.json")]
+    assert artifacts and all(json.loads((a / "manifest.json").read_text())["export"]["kv_dtype"] == "int8"
+                             for a in artifacts)
+    quantized = invoke("eval-turns", "tiny-llama", *common, "--modes", "resume-quantized", "-o", tmp_path / "q.json")
+    assert_one_line_error(quantized, "already holds them")
+    summaries = invoke("eval-turns", "tiny-llama", *common, "--summaries", 4, "-o", tmp_path / "s.json")
+    assert_one_line_error(summaries, "int8")
+
+
 def _exact_attention(query, keys, values, visible):
     from snapcompile.reference.oracle import _attend
     return _attend(query, keys[None], values[None], query.shape[-1] ** -0.5, visible)

@@ -14,7 +14,7 @@ from snapcompile.bench.turn_latency import MODES as BENCH_MODES
 from snapcompile.bench.turn_latency import TurnsBenchConfig
 from snapcompile.cli.options import config_default, csv_option, kernel_option, report_options
 from snapcompile.cli.reports import write_report
-from snapcompile.config import SCOPES, WEIGHT_FORMATS
+from snapcompile.config import KV_DTYPES, SCOPES, WEIGHT_FORMATS, ExportConfig
 from snapcompile.evaluation.conversation_eval import DEFAULT_MODES, MODES, TurnsConfig
 from snapcompile.evaluation.conversations import KINDS, PARTS
 
@@ -37,6 +37,9 @@ from snapcompile.evaluation.conversations import KINDS, PARTS
 @click.option("--policy", type=click.Choice(("snapstream", "streamingllm")), default="snapstream", show_default=True)
 @click.option("--weights", type=click.Choice(WEIGHT_FORMATS), default="fp32", show_default=True)
 @click.option("--chunk", default=config_default(TurnsConfig, "chunk"), show_default=True, type=click.IntRange(min=1))
+@click.option("--kv-dtype", type=click.Choice(KV_DTYPES), default=config_default(ExportConfig, "kv_dtype"),
+              show_default=True, help="The KV cache of every artifact, dense's too (convert --kv-dtype); a dense "
+                                      "run of another dtype can be the reference through --reference.")
 @click.option("--modes", default=",".join(DEFAULT_MODES), show_default=True, callback=csv_option(str),
               help=f"Which of {', '.join(MODES)} to run (dense: the reference).")
 @kernel_option()
@@ -53,8 +56,8 @@ from snapcompile.evaluation.conversations import KINDS, PARTS
                    "reference here (to measure a policy variant with --modes resume without rerunning dense).")
 @report_options("turns.json", "eval", "Results JSON; the Markdown table is written beside it. An interrupted run "
                 "of the same configuration resumes from OUTPUT.partial.jsonl.")
-def eval_turns(model_or_dir, lengths, samples, part, seed, kinds, ratio, policy, weights, chunk, modes, kernel, scope,
-               prompt_share, summaries, summary_segment, reference, cache_dir, output, as_json):
+def eval_turns(model_or_dir, lengths, samples, part, seed, kinds, ratio, policy, weights, chunk, kv_dtype, modes,
+               kernel, scope, prompt_share, summaries, summary_segment, reference, cache_dir, output, as_json):
     """Multi-turn accuracy on generated conversations, each turn reaching the cache several ways.
 
     A conversation is a document of facts (numbers, names, dates, door codes, or two memos) of
@@ -79,7 +82,7 @@ def eval_turns(model_or_dir, lengths, samples, part, seed, kinds, ratio, policy,
     output = check_output_file(output, force=True, read_folders=(Path(model_or_dir),))
     config = TurnsConfig(model_or_dir, tuple(lengths), samples, seed, part, tuple(kinds), ratio, policy, weights,
                          chunk, modes=tuple(modes), kernel=kernel, scope=scope, prompt_share=prompt_share,
-                         summaries=summaries, summary_segment=summary_segment)
+                         summaries=summaries, summary_segment=summary_segment, kv_dtype=kv_dtype)
     check_config(config)
     dense = reference_records(reference, config) if reference is not None and "dense" not in modes else []
     started = time.perf_counter()
@@ -115,8 +118,9 @@ def _markdown(rows: list[dict], later: list[dict], config: TurnsConfig) -> str:
     share = "B minus a ring of B/4" if config.prompt_share is None else str(config.prompt_share)
     summaries = (f", {config.summaries} summary rows of {config.summary_segment} positions"
                  if config.summaries else "")
+    cache = "" if config.kv_dtype == "float32" else f", {config.kv_dtype} KV cache"
     intro = (f"{config.policy} at B = final length // {config.ratio} (K = {config.kernel}, {config.scope} scope, "
-             f"P = {share}{summaries}), {config.weight_format} weights, {cases} conversations per mode of the "
+             f"P = {share}{summaries}), {config.weight_format} weights{cache}, {cases} conversations per mode of the "
              f"{config.part} part (seed {config.seed}; {', '.join(config.kinds)}).\n\n")
     return (intro + _later_table(later)
             + table("Accuracy per turn (answer found in the reply):", lambda r: fmt(r and r["accuracy"]))

@@ -111,10 +111,16 @@ class TurnsConfig:
     prompt_share: int | None = None   # P (None: B minus a ring of B/4, less the summaries)
     summaries: int = 0                # summary rows of the dropped rows (PolicyConfig.summaries)
     summary_segment: int = PolicyConfig.summary_segment
+    kv_dtype: str = ExportConfig.kv_dtype     # the KV cache of every artifact, dense's too (--kv-dtype)
 
     def policy_at(self, length: int) -> PolicyConfig:
         return policy_for(self.policy, self.budget(length), self.scope, self.kernel, self.prompt_share,
                           self.summaries, self.summary_segment)
+
+    def export(self) -> ExportConfig:
+        """Every artifact's shapes: one slot holding the longest final conversation."""
+        return ExportConfig(slots=1, max_context=self.final_length(max(self.lengths)) + 64, chunk=self.chunk,
+                            weight_format=self.weight_format, kv_dtype=self.kv_dtype)
 
     def final_length(self, length: int) -> int:
         """An upper bound on a conversation's tokens after its last turn."""
@@ -218,5 +224,9 @@ def check_config(config: TurnsConfig) -> None:
     unknown = set(config.modes) - set(MODES)
     if unknown or not config.modes:
         raise SnapcompileError(f"--modes must be among {', '.join(MODES)}, got {', '.join(config.modes) or 'none'}")
+    export = config.export()          # raises on what the export refuses
+    if config.kv_dtype == "int8" and "resume-quantized" in config.modes:
+        raise SnapcompileError("--modes resume-quantized keeps the slot's rows in 8 bits, as a --kv-dtype int8 "
+                               "cache already holds them: run it on another --kv-dtype")
     for length in config.lengths:
-        config.policy_at(length)          # raises on a policy the budget cannot hold
+        config.policy_at(length).check_against(export)   # a policy the budget or the cache cannot hold

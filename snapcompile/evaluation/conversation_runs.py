@@ -7,7 +7,6 @@ from pathlib import Path
 
 import numpy as np
 
-from snapcompile.config import ExportConfig
 from snapcompile.evaluation.config import TOP_LOGPROBS
 from snapcompile.evaluation.conversation_eval import (
     MODES,
@@ -26,11 +25,6 @@ from snapcompile.prompts import encode_text
 STORE_BYTES = 2**30        # the resume mode's session store (one conversation's entries at a time)
 
 
-def export_of(config: TurnsConfig) -> ExportConfig:
-    return ExportConfig(slots=1, max_context=config.final_length(max(config.lengths)) + 64, chunk=config.chunk,
-                        weight_format=config.weight_format)
-
-
 def run_turns(config: TurnsConfig, output: Path, cache_dir: Path, progress: Callable[[int], None] | None = None,
               log: Callable[[str], None] = print) -> list[dict]:
     """Every mode on every conversation not yet in the store; returns all records."""
@@ -39,12 +33,12 @@ def run_turns(config: TurnsConfig, output: Path, cache_dir: Path, progress: Call
     from snapcompile.compiler.cache import ArtifactCache
     store = TurnsStore(output, config)
     cache = ArtifactCache(config.source, cache_dir, log)
-    dense = cache.dense(export_of(config))
+    dense = cache.dense(config.export())
     manifest = read_manifest(dense)
     tokenizer, chat = artifact_tokenizer(dense, manifest), manifest.chat
     for length in config.lengths:
         cases = config.conversations(tokenizer, length, chat)
-        compressed = cache.get(export_of(config), config.policy_at(length))
+        compressed = cache.get(config.export(), config.policy_at(length))
         folders = {mode: dense if mode == "dense" else compressed for mode in MODES}
         for mode in config.modes:
             todo = [c for c in cases if f"{mode}/{c.key}" not in store.records]
