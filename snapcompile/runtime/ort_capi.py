@@ -179,6 +179,30 @@ class TensorValues:
             self.api.ReleaseMemoryInfo(self.memory)
 
 
+def release_freed_heap() -> None:
+    """Give the C heap's free pages back to the system (glibc's malloc_trim; nothing elsewhere).
+
+    A session pre-packs every weight it is given even when the container already holds that packed
+    form (the container knows a weight by its packed bytes), then frees its own copy. glibc serves
+    such buffers with mmap until the first one is freed and from the heap after (its mmap threshold
+    rises to the largest freed buffer), where a freed one stays in the process: each layer graph of
+    a layer-by-layer prefill, made after the whole-model graphs, left its layer's weights once more
+    in RSS (0.1 GiB a layer at the 8B shape, 3.3 GiB over its 32 layers; docs/results/memory.md)."""
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)
+
+
+def _glibc():
+    try:
+        libc = ctypes.CDLL(None)
+        libc.malloc_trim.argtypes, libc.malloc_trim.restype = [c_size_t], c_int
+        return libc
+    except (OSError, AttributeError):        # not glibc: musl, macOS
+        return None
+
+
+_LIBC = _glibc()
+
 class OrtEnvironment:
     """Sessions of one process that pre-pack each shared weight once (one PrepackedWeightsContainer),
     on the CPU execution provider, and run on one pool of `threads` threads (None: one a core)."""
@@ -237,6 +261,7 @@ class OrtEnvironment:
                              len(model_bytes), options, self.container, what=what)
         finally:
             api.ReleaseSessionOptions(options)
+        release_freed_heap()
         return BoundGraph(self, handle, what)
 
     def __del__(self):
