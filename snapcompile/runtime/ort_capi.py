@@ -187,7 +187,8 @@ def release_freed_heap() -> None:
     such buffers with mmap until the first one is freed and from the heap after (its mmap threshold
     rises to the largest freed buffer), where a freed one stays in the process: each layer graph of
     a layer-by-layer prefill, made after the whole-model graphs, left its layer's weights once more
-    in RSS (0.1 GiB a layer at the 8B shape, 3.3 GiB over its 32 layers; docs/results/memory.md)."""
+    in RSS (0.1 GiB a layer at the 8B shape, 3.2 GiB over its 32 layers; docs/results/performance.md,
+    "The 8B shape: one 32000-token prompt")."""
     if _LIBC is not None:
         _LIBC.malloc_trim(0)
 
@@ -202,6 +203,7 @@ def _glibc():
 
 
 _LIBC = _glibc()
+
 
 class OrtEnvironment:
     """Sessions of one process that pre-pack each shared weight once (one PrepackedWeightsContainer),
