@@ -175,7 +175,7 @@ def test_eval_turns_on_an_int8_cache(tmp_path):
     assert artifacts and all(json.loads((a / "manifest.json").read_text())["export"]["kv_dtype"] == "int8"
                              for a in artifacts)
     quantized = invoke("eval-turns", "tiny-llama", *common, "--modes", "resume-quantized", "-o", tmp_path / "q.json")
-    assert_one_line_error(quantized, "already holds them")
+    assert_one_line_error(quantized, "stores them so already")
     summaries = invoke("eval-turns", "tiny-llama", *common, "--summaries", 4, "-o", tmp_path / "s.json")
     assert_one_line_error(summaries, "int8")
 

@@ -32,6 +32,7 @@ from snapcompile.evaluation.config import policy_for
 from snapcompile.evaluation.conversations import KINDS, PARTS, Conversation, make_conversation, max_tokens
 from snapcompile.evaluation.partial_results import append_partial, partial_path, read_partial
 from snapcompile.prompts import encode, encode_text
+from snapcompile.sessions.keepers import check_keep_with_cache
 
 MODES = ("dense", "reprefill", "resume-full", "resume", "ring", "resume-quantized")
 DEFAULT_MODES = MODES[:5]
@@ -225,8 +226,7 @@ def check_config(config: TurnsConfig) -> None:
     if unknown or not config.modes:
         raise SnapcompileError(f"--modes must be among {', '.join(MODES)}, got {', '.join(config.modes) or 'none'}")
     export = config.export()          # raises on what the export refuses
-    if config.kv_dtype == "int8" and "resume-quantized" in config.modes:
-        raise SnapcompileError("--modes resume-quantized keeps the slot's rows in 8 bits, as a --kv-dtype int8 "
-                               "cache already holds them: run it on another --kv-dtype")
+    for mode in config.modes:
+        check_keep_with_cache(session_keep_of(mode), config.kv_dtype)
     for length in config.lengths:
         config.policy_at(length).check_against(export)   # a policy the budget or the cache cannot hold

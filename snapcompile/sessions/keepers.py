@@ -253,6 +253,13 @@ class _QuantizedReading(Reading):
         return None
 
 
+def check_keep_with_cache(mode: str, kv_dtype: str) -> None:
+    """Refuse a keep mode an artifact with KV cache `kv_dtype` cannot take (before it is converted too)."""
+    if mode == "quantized" and kv_dtype == "int8":
+        raise SnapcompileError("--session-keep quantized holds the slot's rows in 8 bits: an artifact with "
+                               "--kv-dtype int8 stores them so already; use slot or full")
+
+
 def keeper_for(manifest, mode: str, max_bytes: int | None = None) -> Keeper:
     """The keeper of `mode` (SESSION_KEEP) for an artifact (a dense one keeps its slot's rows), for a
     store of `max_bytes` (None: unbounded)."""
@@ -261,9 +268,7 @@ def keeper_for(manifest, mode: str, max_bytes: int | None = None) -> Keeper:
     if mode == "quantized" and manifest.window_ring is not None:
         raise SnapcompileError("--session-keep quantized is not built for a model with sliding-window layers "
                                "(Gemma 3's local layers): use full or slot")
-    if mode == "quantized" and manifest.export.kv_dtype == "int8":
-        raise SnapcompileError("--session-keep quantized holds the slot's rows in 8 bits: an artifact with "
-                               "--kv-dtype int8 stores them so already; use slot or full")
+    check_keep_with_cache(mode, manifest.export.kv_dtype)
     if mode == "quantized" and manifest.policy.summaries:
         raise SnapcompileError("--session-keep quantized keeps the dropped rows themselves: it does not go with "
                                "an artifact converted with --summaries (their rows take the same place)")
